@@ -1,0 +1,288 @@
+"""The catalog: a SQL index of the store (SQLite by default), rebuilt from the store on demand.
+
+Nothing here is the source of truth: a snapshot exists when its manifest is in the store. The
+catalog makes listing, lookup by step or prefix, and run history fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, delete, event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from ..errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
+from ..info import SnapshotInfo
+from ..manifest import Manifest, utc_now
+from .models import SCHEMA_VERSION, Base, Job, Meta, Project, Run, RunEvent, Snapshot
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _json_metrics(metrics: dict[str, Any]) -> str:
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return json.dumps({k: clean(v) for k, v in metrics.items()}, sort_keys=True)
+
+
+class Catalog:
+    """Projects, jobs, snapshots and runs, in a SQL database named by a SQLAlchemy URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            path = url.split("///", 1)[1] if "///" in url else ""
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            else:
+                kwargs = {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+        try:
+            self.engine: Engine = create_engine(url, **kwargs)
+        except Exception as e:
+            raise ConfigurationError(f"cannot open catalog {url!r}: {e}") from e
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        Base.metadata.create_all(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+        with self.session() as s:
+            row = s.get(Meta, "schema_version")
+            if row is None:
+                s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+            elif int(row.value) > SCHEMA_VERSION:
+                raise ConfigurationError(
+                    f"catalog {url} has schema {row.value}, newer than this ciuic understands "
+                    f"({SCHEMA_VERSION}); upgrade ciuic"
+                )
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._session.begin() as s:
+            yield s
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- projects and jobs -------------------------------------------------------------------
+
+    def _job_id(self, s: Session, project: str, job: str, create: bool = True) -> int | None:
+        p = s.scalar(select(Project).where(Project.name == project))
+        if p is None:
+            if not create:
+                return None
+            p = Project(name=project, created=utc_now())
+            s.add(p)
+            s.flush()
+        j = s.scalar(select(Job).where(Job.project_id == p.id, Job.name == job))
+        if j is None:
+            if not create:
+                return None
+            j = Job(project_id=p.id, name=job, created=utc_now())
+            s.add(j)
+            s.flush()
+        return j.id
+
+    def ensure_job(self, project: str, job: str) -> int:
+        with self.session() as s:
+            jid = self._job_id(s, project, job)
+            assert jid is not None
+            return jid
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job with its snapshot count, latest step and bytes."""
+        with self.session() as s:
+            rows = s.execute(
+                select(Project.name, Job.name, Job.id).join(Project, Job.project_id == Project.id)
+                .order_by(Project.name, Job.name)
+            ).all()
+            out = []
+            for project, job, jid in rows:
+                stats = s.execute(
+                    select(func.count(), func.max(Snapshot.step), func.sum(Snapshot.new_bytes))
+                    .where(Snapshot.job_id == jid, Snapshot.status == "committed")
+                ).one()
+                latest = s.scalar(
+                    select(Snapshot.created).where(Snapshot.job_id == jid)
+                    .order_by(Snapshot.created.desc()).limit(1)
+                )
+                out.append({"project": project, "job": job, "snapshots": stats[0],
+                            "max_step": stats[1], "new_bytes": stats[2] or 0, "latest": latest})
+            return out
+
+    def find_jobs(self, job: str) -> list[tuple[str, str]]:
+        """(project, job) pairs whose job is named ``job``."""
+        with self.session() as s:
+            rows = s.execute(
+                select(Project.name, Job.name).join(Project, Job.project_id == Project.id)
+                .where(Job.name == job)
+            ).all()
+            return [(p, j) for p, j in rows]
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def add_snapshot(self, m: Manifest, snapshot_id: str, status: str = "committed") -> None:
+        """Record a committed snapshot. Idempotent."""
+        with self.session() as s:
+            jid = self._job_id(s, m.project, m.job)
+            assert jid is not None
+            row = s.get(Snapshot, snapshot_id)
+            if row is None:
+                s.add(Snapshot(
+                    id=snapshot_id, job_id=jid, step=m.step, parent=m.parent, created=m.created,
+                    body=m.body, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
+                    tensors=m.tensors, world_size=m.world_size,
+                    metrics=_json_metrics(m.metrics), status=status,
+                ))
+            else:
+                row.status = status
+
+    def set_status(self, snapshot_id: str, status: str) -> None:
+        with self.session() as s:
+            row = s.get(Snapshot, snapshot_id)
+            if row is not None:
+                row.status = status
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        with self.session() as s:
+            s.execute(delete(Snapshot).where(Snapshot.id == snapshot_id))
+
+    def _info(self, row: Snapshot, project: str, job: str) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=row.id, project=project, job=job, step=row.step, parent=row.parent,
+            created=row.created, total_bytes=row.total_bytes, new_bytes=row.new_bytes,
+            tensors=row.tensors, world_size=row.world_size, body=row.body,
+            metrics=json.loads(row.metrics), status=row.status,
+        )
+
+    def _select(self) -> Any:
+        return (
+            select(Snapshot, Project.name, Job.name)
+            .join(Job, Snapshot.job_id == Job.id)
+            .join(Project, Job.project_id == Project.id)
+        )
+
+    def snapshots(self, project: str, job: str, *, status: str | None = "committed",
+                  newest_first: bool = False) -> list[SnapshotInfo]:
+        """A job's snapshots, in commit order (oldest first unless ``newest_first``)."""
+        q = self._select().where(Project.name == project, Job.name == job)
+        if status is not None:
+            q = q.where(Snapshot.status == status)
+        order = (Snapshot.created.desc(), Snapshot.step.desc()) if newest_first else (
+            Snapshot.created, Snapshot.step)
+        with self.session() as s:
+            return [self._info(r, p, j) for r, p, j in s.execute(q.order_by(*order)).all()]
+
+    def all_snapshot_ids(self) -> set[str]:
+        with self.session() as s:
+            return set(s.scalars(select(Snapshot.id)).all())
+
+    def latest(self, project: str, job: str) -> SnapshotInfo | None:
+        snaps = self.snapshots(project, job, newest_first=True)
+        return snaps[0] if snaps else None
+
+    def get(self, snapshot_id: str) -> SnapshotInfo:
+        with self.session() as s:
+            row = s.execute(self._select().where(Snapshot.id == snapshot_id)).first()
+            if row is None:
+                raise SnapshotNotFound(f"no snapshot with ID {snapshot_id}")
+            return self._info(*row)
+
+    def find_prefix(self, prefix: str) -> SnapshotInfo:
+        with self.session() as s:
+            rows = s.execute(
+                self._select().where(Snapshot.id.like(prefix + "%")).limit(5)
+            ).all()
+        if not rows:
+            raise SnapshotNotFound(
+                f"no snapshot ID starts with {prefix!r}; `ciuic log JOB` lists a job's snapshots"
+            )
+        if len(rows) > 1:
+            ids = ", ".join(r[0].id[:16] for r in rows)
+            raise AmbiguousReference(f"{prefix!r} matches several snapshots ({ids}...); "
+                                     "give more characters")
+        return self._info(*rows[0])
+
+    def by_step(self, project: str, job: str, step: int) -> SnapshotInfo:
+        q = self._select().where(Project.name == project, Job.name == job, Snapshot.step == step)
+        with self.session() as s:
+            rows = s.execute(q.order_by(Snapshot.created.desc())).all()
+        if not rows:
+            steps = [i.step for i in self.snapshots(project, job)]
+            near = ", ".join(str(x) for x in sorted(steps)[-10:]) or "none"
+            raise SnapshotNotFound(
+                f"job {project}/{job} has no snapshot at step {step} (latest steps: {near})"
+            )
+        return self._info(*rows[0])
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def start_run(self, project: str, job: str, run_id: str) -> Run | None:
+        """Record a new run of the job; return the previous run (how it ended) if any."""
+        now = utc_now()
+        with self.session() as s:
+            jid = self._job_id(s, project, job)
+            prev = s.scalar(select(Run).where(Run.job_id == jid)
+                            .order_by(Run.started.desc()).limit(1))
+            s.add(Run(id=run_id, job_id=jid, started=now, host=socket.gethostname(),
+                      pid=os.getpid(), last_step=None, last_seen=now))
+            s.add(RunEvent(run_id=run_id, job_id=jid, at=now, kind="start", step=None,
+                           detail=f"pid {os.getpid()}"))
+            if prev is not None:
+                s.expunge(prev)
+            return prev
+
+    def heartbeat(self, run_id: str, step: int) -> None:
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is not None:
+                run.last_step = step
+                run.last_seen = utc_now()
+
+    def end_run(self, run_id: str, kind: str, step: int | None = None) -> None:
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is None or run.ended is not None:
+                return
+            run.ended = utc_now()
+            run.end_kind = kind
+            if step is not None:
+                run.last_step = step
+            s.add(RunEvent(run_id=run_id, job_id=run.job_id, at=run.ended, kind="end",
+                           step=run.last_step, detail=kind))
+
+    def event(self, run_id: str, project: str, job: str, kind: str, step: int | None = None,
+              detail: str = "") -> None:
+        with self.session() as s:
+            jid = self._job_id(s, project, job)
+            assert jid is not None
+            s.add(RunEvent(run_id=run_id, job_id=jid, at=utc_now(), kind=kind, step=step,
+                           detail=detail))
+
+    def events(self, project: str, job: str, limit: int = 100) -> list[dict[str, Any]]:
+        with self.session() as s:
+            jid = self._job_id(s, project, job, create=False)
+            if jid is None:
+                return []
+            rows = s.scalars(select(RunEvent).where(RunEvent.job_id == jid)
+                             .order_by(RunEvent.id.desc()).limit(limit)).all()
+            return [{"run": r.run_id, "at": r.at, "kind": r.kind, "step": r.step,
+                     "detail": r.detail} for r in rows]
+
+
+__all__ = ["Catalog"]

@@ -1,0 +1,79 @@
+"""SQLAlchemy models of the catalog: an index of the store (which stays the truth)."""
+
+from __future__ import annotations
+
+from sqlalchemy import ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    __tablename__ = "ciuic_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Project(Base):
+    __tablename__ = "projects"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created: Mapped[str] = mapped_column(String(32))
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("project_id", "name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id"))
+    name: Mapped[str] = mapped_column(String(128))
+    created: Mapped[str] = mapped_column(String(32))
+
+
+class Snapshot(Base):
+    __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_job_step", "job_id", "step"),
+                      Index("ix_snapshots_job_created", "job_id", "created"))
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    parent: Mapped[str] = mapped_column(String(64))
+    created: Mapped[str] = mapped_column(String(32))
+    body: Mapped[str] = mapped_column(String(64))
+    total_bytes: Mapped[int] = mapped_column(Integer)
+    new_bytes: Mapped[int] = mapped_column(Integer)
+    tensors: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[str] = mapped_column(Text)  # JSON (not hashed: floats allowed here)
+    status: Mapped[str] = mapped_column(String(16))  # committed | pruned
+
+
+class Run(Base):
+    """One process's run of a job: how it ended tells the next run what happened."""
+
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    started: Mapped[str] = mapped_column(String(32))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_seen: Mapped[str] = mapped_column(String(32))
+    ended: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # clean | exit | exception:<Type> | signal:<NAME> ; NULL while running (or after a kill)
+    end_kind: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class RunEvent(Base):
+    __tablename__ = "run_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32), index=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    at: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    detail: Mapped[str] = mapped_column(Text, default="")

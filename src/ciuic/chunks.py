@@ -1,0 +1,83 @@
+"""Chunk objects: how tensor bytes are cut, named and framed (docs/format.md, "Chunks").
+
+A tensor's bytes are cut into pieces of ``knobs.chunk_bytes`` (the last one shorter). Each piece is
+stored once, under ``chunks/<d[:2]>/<d>`` where ``d`` is the BLAKE3-256 digest of the plaintext
+piece. The object is a 16-byte frame header followed by the payload::
+
+    offset  size  field
+    0       4     magic b"CIUK"
+    4       1     frame version (1)
+    5       1     codec  (0 = raw; others reserved for compression)
+    6       1     cipher (0 = none; others reserved for encryption)
+    7       1     reserved, 0
+    8       8     plaintext length, unsigned little-endian
+    16      ...   payload
+
+A reader checks the header, decodes the payload and re-hashes the plaintext: a chunk whose bytes
+do not hash to its name is damaged, and is never loaded.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .digest import Buffer, digest, is_digest
+from .errors import CorruptObject, InvalidKey
+
+MAGIC = b"CIUK"
+FRAME_VERSION = 1
+CODEC_RAW = 0
+CIPHER_NONE = 0
+_HEADER = struct.Struct("<4sBBBBQ")
+HEADER_BYTES = _HEADER.size  # 16
+
+
+def chunk_key(d: str) -> str:
+    """The store key of the chunk whose digest is ``d``."""
+    if not is_digest(d):
+        raise InvalidKey(f"invalid chunk digest {d!r}: expected 64 lowercase hex characters")
+    return f"chunks/{d[:2]}/{d}"
+
+
+def digest_of_key(key: str) -> str:
+    """The digest a chunk key names (inverse of :func:`chunk_key`)."""
+    d = key.rsplit("/", 1)[-1]
+    if not key.startswith("chunks/") or not is_digest(d):
+        raise InvalidKey(f"{key!r} is not a chunk key")
+    return d
+
+
+def split(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of each piece of a ``nbytes`` buffer; one empty piece for 0 bytes."""
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
+
+
+def frame(plain: Buffer) -> list[Buffer]:
+    """The stored form of a plaintext piece, as buffers to write back to back (no copy)."""
+    header = _HEADER.pack(MAGIC, FRAME_VERSION, CODEC_RAW, CIPHER_NONE, 0, len(plain))
+    return [header, plain]
+
+
+def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
+    """Check and decode a stored chunk; returns the plaintext. Raises :class:`CorruptObject`."""
+    if len(blob) < HEADER_BYTES:
+        raise CorruptObject(key, f"truncated: {len(blob)} bytes, shorter than the header")
+    magic, version, codec, cipher, _, length = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise CorruptObject(key, "not a ciuic chunk (bad magic)")
+    if version != FRAME_VERSION:
+        raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
+    if codec != CODEC_RAW or cipher != CIPHER_NONE:
+        raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
+    payload = memoryview(blob)[HEADER_BYTES:]
+    if length != expected_len or len(payload) != length:
+        raise CorruptObject(
+            key, f"length mismatch: header says {length}, payload has {len(payload)}, "
+            f"manifest expects {expected_len} (truncated?)"
+        )
+    actual = digest(payload)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    return payload

@@ -1,0 +1,202 @@
+"""Garbage collection of unreferenced chunks and bodies, safe against concurrent saves.
+
+Protocol (docs/format.md, "Garbage collection"):
+
+* a save first creates ``inflight/<token>.json``, then checks for ``locks/gc.json``; if the lock
+  exists it deletes its marker, waits for the lock to go, and starts again;
+* ``gc`` creates ``locks/gc.json`` (create-if-absent), then waits until no live in-flight marker
+  remains, bumps ``locks/gc-epoch.json``, computes what every manifest and body still references,
+  deletes the rest, and removes its lock.
+
+Either the save's marker exists before the lock (gc waits for the save), or the save sees the
+lock (and waits for gc): a save never references a chunk that gc is deleting. A writer that
+caches "chunks the store has" drops its cache when the epoch changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import knobs
+from . import manifest as mf
+from .chunks import digest_of_key
+from .errors import CiuicError, CorruptObject, ObjectNotFound, StoreError
+from .repo import _MANIFEST, Repository
+from .store import LocalStore, Store
+from .tree import walk_leaves
+
+LOCK_KEY = "locks/gc.json"
+EPOCH_KEY = "locks/gc-epoch.json"
+INFLIGHT = "inflight/"
+
+
+def _marker() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                       "time": time.time()}).encode()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_live(store: Store, key: str, stale_s: float) -> bool:
+    try:
+        info = json.loads(store.get(key))
+    except (ObjectNotFound, ValueError):
+        return False
+    if info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1))):
+        return False
+    return bool(time.time() - float(info.get("time", 0)) < stale_s)
+
+
+def read_epoch(store: Store) -> int:
+    try:
+        return int(json.loads(store.get(EPOCH_KEY))["epoch"])
+    except ObjectNotFound:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+class InflightSave:
+    """Marks a save in progress so that ``gc`` never deletes what it may reference."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.key = f"{INFLIGHT}{secrets.token_hex(12)}.json"
+        self.epoch = 0
+
+    def __enter__(self) -> InflightSave:
+        deadline = time.monotonic() + knobs.get().gc_wait_s
+        while True:
+            # marker first, then look for the lock (see the module docstring for why)
+            self.store.put(self.key, _marker())
+            if not self.store.has(LOCK_KEY) or not _is_live(
+                self.store, LOCK_KEY, knobs.get().inflight_stale_s
+            ):
+                self.epoch = read_epoch(self.store)
+                return self
+            self.store.delete(self.key)
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    "a `ciuic gc` has held the store's lock for too long; the snapshot was "
+                    f"skipped. If no gc is running, delete {self.store.location(LOCK_KEY)}"
+                )
+            time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(CiuicError, OSError):
+            self.store.delete(self.key)
+
+
+@dataclass
+class GcResult:
+    deleted_chunks: int = 0
+    deleted_bodies: int = 0
+    deleted_markers: int = 0
+    deleted_temporaries: int = 0
+    kept_chunks: int = 0
+    skipped: str = ""
+    damaged: list[str] = field(default_factory=list)
+
+
+def referenced(repo: Repository, progress: Callable[[str], None] | None = None
+               ) -> tuple[set[str], set[str], list[str]]:
+    """(chunk keys, body keys) referenced by every snapshot in the store, and damaged keys."""
+    chunks: set[str] = set()
+    bodies: set[str] = set()
+    damaged: list[str] = []
+    store = repo.store
+    for key in store.list("jobs/"):
+        found = _MANIFEST.match(key)
+        if not found:
+            continue
+        project, job, sid = found.groups()
+        if progress:
+            progress(key)
+        try:
+            m = repo.read_manifest(project, job, sid)
+        except (CorruptObject, ObjectNotFound):
+            damaged.append(key)
+            continue
+        bkey = mf.body_key(project, job, m.body)
+        bodies.add(bkey)
+        try:
+            states = mf.decode_body(store.get(bkey), bkey, m.body)
+        except ObjectNotFound:
+            continue  # pruned
+        except CorruptObject:
+            damaged.append(bkey)
+            continue
+        for _, _, desc in walk_leaves(states):
+            for d, _n in desc.get("chunks", []):
+                chunks.add(f"chunks/{d[:2]}/{d}")
+    return chunks, bodies, damaged
+
+
+def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
+            progress: Callable[[str], None] | None = None) -> GcResult:
+    """Delete chunks and bodies that no manifest references. See the module docstring."""
+    store = repo.store
+    result = GcResult()
+    if not store.create(LOCK_KEY, _marker()):
+        if _is_live(store, LOCK_KEY, knobs.get().inflight_stale_s):
+            result.skipped = "another gc is running"
+            return result
+        store.put(LOCK_KEY, _marker())  # the previous gc died; take its lock over
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            live = []
+            for key in list(store.list(INFLIGHT)):
+                if _is_live(store, key, knobs.get().inflight_stale_s):
+                    live.append(key)
+                elif not dry_run:
+                    store.delete(key)
+                    result.deleted_markers += 1
+            if not live:
+                break
+            if time.monotonic() >= deadline:
+                result.skipped = f"{len(live)} save(s) in progress; run gc again later"
+                return result
+            time.sleep(0.1)
+        if not dry_run:
+            store.put(EPOCH_KEY, json.dumps({"epoch": read_epoch(store) + 1}).encode())
+        keep_chunks, keep_bodies, result.damaged = referenced(repo, progress)
+        for key in list(store.list("chunks/")):
+            if key in keep_chunks:
+                result.kept_chunks += 1
+                continue
+            digest_of_key(key)  # only ever delete well-formed chunk keys
+            if not dry_run:
+                store.delete(key)
+            result.deleted_chunks += 1
+        for key in list(store.list("jobs/")):
+            if "/bodies/" in key and key not in keep_bodies:
+                if not dry_run:
+                    store.delete(key)
+                result.deleted_bodies += 1
+        if isinstance(store, LocalStore) and not dry_run:
+            result.deleted_temporaries = store.remove_temporaries()
+        return result
+    finally:
+        store.delete(LOCK_KEY)
+
+
+def gc_status(store: Store) -> dict[str, Any]:
+    return {"locked": store.has(LOCK_KEY), "inflight": len(list(store.list(INFLIGHT))),
+            "epoch": read_epoch(store)}

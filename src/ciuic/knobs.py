@@ -1,0 +1,48 @@
+"""Tunables, in one place. Tests override them with :func:`override`.
+
+Units are in the names. Change defaults only with a measurement that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Knobs:
+    #: Tensors are cut into chunks of this many bytes (the last chunk of a tensor is shorter).
+    chunk_bytes: int = 4 * 1024 * 1024
+    #: Tensors of at most this many bytes are stored inline in the snapshot body.
+    inline_max_bytes: int = 256
+    #: How often step() records the run's progress (for interruption detection).
+    heartbeat_interval_s: float = 2.0
+    #: An in-flight save marker older than this is considered abandoned by `gc`.
+    inflight_stale_s: float = 6 * 3600.0
+    #: How long a save waits for a running `gc` to finish before giving up.
+    gc_wait_s: float = 60.0
+
+
+_current = Knobs()
+
+
+def get() -> Knobs:
+    """The knobs in force."""
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Knobs]:
+    """Temporarily change knobs: ``with knobs.override(chunk_bytes=1024): ...``."""
+    global _current
+    names = {f.name for f in fields(Knobs)}
+    unknown = set(changes) - names
+    if unknown:
+        raise TypeError(f"unknown knobs: {sorted(unknown)}; known: {sorted(names)}")
+    saved = _current
+    _current = replace(_current, **changes)  # type: ignore[arg-type]
+    try:
+        yield _current
+    finally:
+        _current = saved

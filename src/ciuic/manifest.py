@@ -1,0 +1,180 @@
+"""Snapshot manifests and bodies (docs/format.md, "Manifest" and "Body").
+
+A snapshot is two JSON objects in canonical form:
+
+* the **body** (``jobs/<project>/<job>/bodies/<digest>.json``) holds the state trees with every
+  tensor's descriptor (dtype, shape, chunk digests); it is named by its own digest;
+* the **manifest** (``jobs/<project>/<job>/manifests/<id>.json``) is small: project, job, step,
+  parent ID, time, sizes, metrics and the body's digest. The snapshot ID is the BLAKE3-256
+  digest of the manifest's canonical bytes. Creating the manifest is the commit.
+
+Pruning deletes a body but keeps its manifest, so the chain of IDs stays verifiable end to end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import canonical, tree
+from .digest import digest, is_digest
+from .errors import ConfigurationError, CorruptObject
+
+FORMAT_VERSION = 1
+MANIFEST_KIND = "ciuic.snapshot"
+BODY_KIND = "ciuic.body"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(what: str, name: str) -> str:
+    """Validate a project or job name (it becomes part of store keys)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigurationError(
+            f"invalid {what} name {name!r}: use 1-128 characters from letters, digits, "
+            "'.', '_' and '-', starting with a letter or digit"
+        )
+    return name
+
+
+def job_prefix(project: str, job: str) -> str:
+    return f"jobs/{check_name('project', project)}/{check_name('job', job)}/"
+
+
+def manifest_key(project: str, job: str, snapshot_id: str) -> str:
+    return f"{job_prefix(project, job)}manifests/{snapshot_id}.json"
+
+
+def body_key(project: str, job: str, body_digest: str) -> str:
+    return f"{job_prefix(project, job)}bodies/{body_digest}.json"
+
+
+def utc_now() -> str:
+    """The current time as the format writes it: ``2026-11-30T01:33:08.123456Z``."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The committed description of one snapshot; its digest is the snapshot ID."""
+
+    project: str
+    job: str
+    step: int
+    parent: str  # "" for the first snapshot of a lineage
+    created: str
+    body: str
+    body_bytes: int
+    total_bytes: int
+    new_bytes: int
+    tensors: int
+    world_size: int = 1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "body": self.body,
+            "body_bytes": self.body_bytes,
+            "created": self.created,
+            "format": self.format,
+            "job": self.job,
+            "kind": MANIFEST_KIND,
+            "metrics": tree.encode(self.metrics, "metrics", []),
+            "new_bytes": self.new_bytes,
+            "parent": self.parent,
+            "project": self.project,
+            "step": self.step,
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "world_size": self.world_size,
+        }
+
+    def encode(self) -> bytes:
+        return canonical.dumps(self.to_json())
+
+    @property
+    def id(self) -> str:
+        return digest(self.encode())
+
+    @property
+    def created_at(self) -> dt.datetime:
+        return parse_time(self.created)
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "manifest") -> Manifest:
+        """Parse and validate manifest bytes. Raises :class:`CorruptObject` on any defect."""
+        try:
+            obj = canonical.loads(data)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptObject(key, f"not canonical JSON: {e}") from e
+        if not isinstance(obj, dict) or obj.get("kind") != MANIFEST_KIND:
+            raise CorruptObject(key, "not a ciuic snapshot manifest")
+        if obj.get("format") != FORMAT_VERSION:
+            raise CorruptObject(
+                key, f"format {obj.get('format')!r} is not supported by this version of ciuic "
+                f"(it reads format {FORMAT_VERSION}); upgrade ciuic"
+            )
+        try:
+            m = cls(
+                project=_typed(obj, "project", str),
+                job=_typed(obj, "job", str),
+                step=_typed(obj, "step", int),
+                parent=_typed(obj, "parent", str),
+                created=_typed(obj, "created", str),
+                body=_typed(obj, "body", str),
+                body_bytes=_typed(obj, "body_bytes", int),
+                total_bytes=_typed(obj, "total_bytes", int),
+                new_bytes=_typed(obj, "new_bytes", int),
+                tensors=_typed(obj, "tensors", int),
+                world_size=_typed(obj, "world_size", int),
+                metrics=tree.decode(obj.get("metrics", {}), "metrics", _no_leaf),
+            )
+            parse_time(m.created)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptObject(key, f"malformed manifest: {e}") from e
+        if not is_digest(m.body) or (m.parent and not is_digest(m.parent)):
+            raise CorruptObject(key, "malformed manifest: bad body or parent digest")
+        if m.encode() != data:
+            raise CorruptObject(key, "manifest bytes are not in canonical form")
+        return m
+
+
+def _typed(obj: dict[str, Any], name: str, kind: type) -> Any:
+    value = obj[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"field {name!r} should be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
+    raise TypeError(f"{path}: tensors are not allowed in metrics")
+
+
+def encode_body(states: dict[str, Any]) -> bytes:
+    """Canonical bytes of a body holding ``states`` (already-encoded trees)."""
+    return canonical.dumps({"format": FORMAT_VERSION, "kind": BODY_KIND, "states": states})
+
+
+def decode_body(data: bytes, key: str, expected_digest: str) -> dict[str, Any]:
+    """Check a body against its digest and return its ``states`` trees."""
+    actual = digest(data)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    try:
+        obj = canonical.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptObject(key, f"not canonical JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("kind") != BODY_KIND:
+        raise CorruptObject(key, "not a ciuic snapshot body")
+    if obj.get("format") != FORMAT_VERSION:
+        raise CorruptObject(key, f"unsupported body format {obj.get('format')!r}; upgrade ciuic")
+    states = obj.get("states")
+    if not isinstance(states, dict):
+        raise CorruptObject(key, "body has no states")
+    return states

@@ -1,0 +1,186 @@
+"""A repository: one object store plus the catalog that indexes it.
+
+The embedded default is a directory (``$CIUIC_HOME``, else ``./.ciuic``) holding ``objects/``
+(a :class:`~ciuic.store.LocalStore`) and ``catalog.db`` (SQLite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+from . import manifest as mf
+from .catalog import Catalog
+from .digest import digest, is_digest
+from .errors import ConfigurationError, CorruptObject, ObjectNotFound, SnapshotNotFound
+from .info import SnapshotInfo
+from .store import LocalStore, MemoryStore, Store, open_store
+
+DEFAULT_HOME = ".ciuic"
+_MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
+
+
+def default_location() -> str:
+    """Where the embedded store lives: ``$CIUIC_HOME``, else ``./.ciuic``."""
+    return os.environ.get("CIUIC_HOME") or DEFAULT_HOME
+
+
+class Repository:
+    def __init__(self, store: Store, catalog: Catalog) -> None:
+        self.store = store
+        self.catalog = catalog
+
+    @classmethod
+    def open(cls, location: str | os.PathLike[str] | None = None,
+             catalog_url: str | None = None) -> Repository:
+        """Open (creating if needed) the repository at ``location``: a directory or a URL."""
+        text = os.fspath(location) if location is not None else default_location()
+        catalog_url = catalog_url or os.environ.get("CIUIC_CATALOG")
+        scheme = urlparse(text).scheme.lower()
+        if scheme in ("", "file"):
+            root = Path(urlparse(text).path if scheme == "file" else text).expanduser()
+            if root.exists() and not root.is_dir():
+                raise ConfigurationError(f"store location {root} exists and is not a directory")
+            store: Store = LocalStore(root / "objects")
+            url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
+        elif scheme == "memory":
+            store = open_store(text)
+            assert isinstance(store, MemoryStore)
+            url = catalog_url or "sqlite://"
+            cached = _MEMORY_CATALOGS.get(store.url)
+            if cached is None and catalog_url is None:
+                cached = _MEMORY_CATALOGS[store.url] = Catalog(url)
+            if cached is not None:
+                return cls(store, cached)
+        else:
+            store = open_store(text)
+            tag = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+            cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
+            url = catalog_url or f"sqlite:///{cache / (tag + '.db')}"
+        return cls(store, Catalog(url))
+
+    def close(self) -> None:
+        self.store.close()
+        if self.catalog not in _MEMORY_CATALOGS.values():
+            self.catalog.close()
+
+    def location(self, key: str = "") -> str:
+        return self.store.location(key)
+
+    # -- manifests ---------------------------------------------------------------------------
+
+    def read_manifest(self, project: str, job: str, snapshot_id: str) -> mf.Manifest:
+        """Read a manifest and check that its bytes hash to its ID."""
+        key = mf.manifest_key(project, job, snapshot_id)
+        data = self.store.get(key)
+        actual = digest(data)
+        if actual != snapshot_id:
+            raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
+        m = mf.Manifest.decode(data, key)
+        if (m.project, m.job) != (project, job):
+            raise CorruptObject(key, f"manifest belongs to {m.project}/{m.job}, not {project}/{job}")
+        return m
+
+    def manifest_ids(self, project: str, job: str) -> list[str]:
+        ids = []
+        for key in self.store.list(mf.job_prefix(project, job) + "manifests/"):
+            found = _MANIFEST.match(key)
+            if found:
+                ids.append(found.group(3))
+        return ids
+
+    def sync_job(self, project: str, job: str) -> int:
+        """Add catalog rows for manifests in the store that the catalog lacks. Returns how many.
+
+        A crash between the commit (manifest) and the catalog insert leaves exactly this gap;
+        the store is the truth, so the next run heals it here.
+        """
+        known = {i.id for i in self.catalog.snapshots(project, job, status=None)}
+        added = 0
+        for sid in self.manifest_ids(project, job):
+            if sid in known:
+                continue
+            try:
+                m = self.read_manifest(project, job, sid)
+            except (CorruptObject, ObjectNotFound):
+                continue  # damaged manifests are reported by `ciuic verify`
+            status = "committed" if self.store.has(mf.body_key(project, job, m.body)) else "pruned"
+            self.catalog.add_snapshot(m, sid, status)
+            added += 1
+        return added
+
+    def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
+        """Rebuild the catalog's snapshot rows from the store alone."""
+        counts = {"snapshots": 0, "pruned": 0, "damaged": 0, "removed": 0}
+        seen: set[str] = set()
+        for key in self.store.list("jobs/"):
+            found = _MANIFEST.match(key)
+            if not found:
+                continue
+            project, job, sid = found.groups()
+            if progress:
+                progress(key)
+            try:
+                m = self.read_manifest(project, job, sid)
+            except (CorruptObject, ObjectNotFound):
+                counts["damaged"] += 1
+                continue
+            status = "committed" if self.store.has(mf.body_key(project, job, m.body)) else "pruned"
+            self.catalog.add_snapshot(m, sid, status)
+            seen.add(sid)
+            counts["pruned" if status == "pruned" else "snapshots"] += 1
+        for stale in self.catalog.all_snapshot_ids() - seen:
+            self.catalog.remove_snapshot(stale)
+            counts["removed"] += 1
+        return counts
+
+    # -- references --------------------------------------------------------------------------
+
+    def split_job(self, text: str) -> tuple[str, str]:
+        """``project/job`` -> (project, job); a bare ``job`` must be unique across projects."""
+        if "/" in text:
+            project, job = text.split("/", 1)
+            return mf.check_name("project", project), mf.check_name("job", job)
+        matches = self.catalog.find_jobs(text)
+        if not matches:
+            raise SnapshotNotFound(f"no job named {text!r}; `ciuic ls` lists the jobs")
+        if len(matches) > 1:
+            names = ", ".join(f"{p}/{j}" for p, j in matches)
+            raise SnapshotNotFound(f"job name {text!r} is in several projects ({names}); "
+                                   "write PROJECT/JOB")
+        return matches[0]
+
+    def resolve(self, ref: str) -> SnapshotInfo:
+        """Resolve a full ID, a unique ID prefix, ``JOB@STEP`` or ``JOB@latest``."""
+        ref = ref.strip()
+        if "@" in ref:
+            job_text, _, at = ref.rpartition("@")
+            project, job = self.split_job(job_text)
+            self.sync_job(project, job)
+            if at == "latest":
+                info = self.catalog.latest(project, job)
+                if info is None:
+                    raise SnapshotNotFound(f"job {project}/{job} has no snapshot")
+                return info
+            try:
+                step = int(at)
+            except ValueError:
+                raise SnapshotNotFound(
+                    f"bad reference {ref!r}: after '@' put a step number or 'latest'"
+                ) from None
+            return self.catalog.by_step(project, job, step)
+        if is_digest(ref):
+            return self.catalog.get(ref)
+        if re.fullmatch(r"[0-9a-f]{4,63}", ref):
+            return self.catalog.find_prefix(ref)
+        raise SnapshotNotFound(
+            f"cannot understand snapshot reference {ref!r}: use a snapshot ID, a unique ID "
+            "prefix (4+ hex characters), JOB@STEP or JOB@latest"
+        )
+
+
+_MEMORY_CATALOGS: dict[str, Catalog] = {}

@@ -1,0 +1,419 @@
+"""``SnapshotManager``: the one object a training loop talks to.
+
+    from ciuic.snapshot import SnapshotManager
+    manager = SnapshotManager(project_id="deepseek_v2", save_interval=1000)
+    start = (manager.restore(model, optimizer) or -1) + 1
+    for step in range(start, total_steps):
+        ...  # forward, backward, optimizer.step()
+        manager.step(step, model, optimizer)
+
+A step number is the step whose optimizer update has just been applied; a snapshot taken at step
+N holds the state after N's update, and a resumed run continues at N + 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from . import knobs, runs
+from . import manifest as mf
+from .capture import (
+    capture,
+    check_optimizer_state,
+    load_object,
+    match_model_state,
+    set_rng_state,
+)
+from .errors import (
+    CiuicError,
+    ConfigurationError,
+    IntegrityError,
+    RestoreError,
+    StateMismatch,
+)
+from .gc import collect
+from .info import SnapshotInfo
+from .reader import load_states
+from .repo import Repository
+from .retention import prune
+from .writer import ChunkCache, write_snapshot
+
+log = logging.getLogger("ciuic")
+
+
+def _ensure_log_handler() -> None:
+    """Show ciuic's INFO lines (the recovery log) when the application configured no logging."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+@dataclass
+class ManagerStats:
+    snapshots: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    bytes_total: int = 0
+    bytes_new: int = 0
+    last_save_s: float = 0.0
+    last_error: str = ""
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigurationError(f"{name} must be a positive number or None, got {value!r}")
+
+
+class SnapshotManager:
+    """Snapshots a training job as it runs and restores it after an interruption.
+
+    Args:
+        project_id: the project (a name: letters, digits, ``.``, ``_``, ``-``).
+        api_key: the key for a ciuic server; unused with the embedded store.
+        save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
+        encryption: seal snapshots with AES-256-GCM on the client (needs a key).
+        job: the job within the project (default ``"default"``). The same project and job
+            restarted means the same chain.
+        store: a directory or URL; default ``$CIUIC_HOME``, else ``./.ciuic``.
+        time_interval_s: also snapshot when this many seconds passed since the last one.
+        keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
+        keep_every: also keep every snapshot whose step is a multiple of K.
+        handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
+    """
+
+    def __init__(self, project_id: str, api_key: str | None = None, save_interval: int | None = 1000,
+                 encryption: bool = False, *, job: str | None = None,
+                 store: str | os.PathLike[str] | None = None, time_interval_s: float | None = None,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 handle_signals: bool = True) -> None:
+        self.project = mf.check_name("project", project_id)
+        self.job = mf.check_name("job", job or "default")
+        _positive("time_interval_s", time_interval_s)
+        if save_interval is not None and (not isinstance(save_interval, int) or save_interval < 0):
+            raise ConfigurationError(f"save_interval must be a step count >= 0 or None, "
+                                     f"got {save_interval!r}")
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if os.environ.get("CIUIC_ENDPOINT"):
+            raise ConfigurationError(
+                "CIUIC_ENDPOINT is set, but this version of ciuic has no server client yet; "
+                "unset CIUIC_ENDPOINT to use the embedded store (a local directory)"
+            )
+        if encryption:
+            _check_encryption()
+        self.api_key = api_key
+        self.save_interval = save_interval or None
+        self.time_interval_s = time_interval_s
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        _ensure_log_handler()
+
+        self.repo = Repository.open(store)
+        self.repo.sync_job(self.project, self.job)
+        self.run_id = secrets.token_hex(8)
+        self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
+        self.interrupted = runs.was_interrupted(self.previous_run)
+        self.stats = ManagerStats()
+        self.restored: SnapshotInfo | None = None
+        self.restored_values: dict[str, Any] = {}
+        self._parent = ""
+        self._restore_called = False
+        self._first_step_checked = False
+        self._last_save_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._last_heartbeat = 0.0
+        self._cache = ChunkCache()
+        self._signal: int | None = None
+        self._prev_handlers: dict[int, Any] = {}
+        self._closed = False
+        runs.track(self)
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._prev_handlers[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._on_signal)
+
+    # -- the training loop's calls -----------------------------------------------------------
+
+    def step(self, step: int, model: Any = None, optimizer: Any = None, **extras: Any) -> bool:
+        """Call after the optimizer update of ``step``; snapshots when due. Returns whether it did.
+
+        A failure to snapshot never stops training: it is logged, counted in ``stats``, and the
+        previous snapshot stays the latest.
+        """
+        self._check_open()
+        if not self._first_step_checked:
+            self._first_step_checked = True
+            self._warn_if_not_resuming(step)
+        if self._signal is not None:
+            self._emergency(step, model, optimizer, extras)
+        now = time.monotonic()
+        if now - self._last_heartbeat >= knobs.get().heartbeat_interval_s:
+            self._last_heartbeat = now
+            self.repo.catalog.heartbeat(self.run_id, step)
+        if not self._due(step, now):
+            return False
+        if model is None and optimizer is None and not extras:
+            log.warning("step(%d): a snapshot is due but step() was given no state to save "
+                        "(pass the model and optimizer)", step)
+            return False
+        try:
+            self.save(step, model, optimizer, **extras)
+            return True
+        except (CiuicError, OSError) as e:
+            self.stats.failures += 1
+            self.stats.consecutive_failures += 1
+            self.stats.last_error = str(e)
+            level = logging.CRITICAL if self.stats.consecutive_failures >= 3 else logging.ERROR
+            log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
+                    "snapshot is still %s (%d failure(s) in a row)", step, e,
+                    f"step {self._last_save_step}" if self._last_save_step is not None
+                    else "none", self.stats.consecutive_failures)
+            return False
+
+    def _due(self, step: int, now: float) -> bool:
+        if step == self._last_save_step:
+            return False
+        if self.save_interval and step % self.save_interval == 0:
+            return True
+        return bool(self.time_interval_s and now - self._last_save_time >= self.time_interval_s)
+
+    def save(self, step: int, model: Any = None, optimizer: Any = None,
+             **extras: Any) -> SnapshotInfo:
+        """Snapshot now and return its info. Raises on failure (unlike :meth:`step`)."""
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
+        t0 = time.perf_counter()
+        captured = capture(model, optimizer, extras)
+        m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent, captured,
+                                self._cache)
+        self._parent = sid
+        self._last_save_step = step
+        self._last_save_time = time.monotonic()
+        self.stats.snapshots += 1
+        self.stats.consecutive_failures = 0
+        self.stats.bytes_total += m.total_bytes
+        self.stats.bytes_new += m.new_bytes
+        self.stats.last_save_s = time.perf_counter() - t0
+        self.repo.catalog.heartbeat(self.run_id, step)
+        self.repo.catalog.event(self.run_id, self.project, self.job, "snapshot", step, sid)
+        if self.keep_last is not None or self.keep_every is not None:
+            self._apply_retention(sid)
+        return SnapshotInfo.from_manifest(m, sid)
+
+    def _apply_retention(self, current: str) -> None:
+        pruned = prune(self.repo, self.project, self.job, self.keep_last, self.keep_every,
+                       protect=[current])
+        if pruned:
+            result = collect(self.repo)  # skips quietly when another save is in flight
+            log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
+                      result.deleted_chunks, result.skipped)
+
+    def wait(self) -> None:
+        """Block until every started snapshot is durable and committed.
+
+        Snapshots are written synchronously in this version, so every snapshot that ``step()``
+        or ``save()`` started is already committed when they return.
+        """
+        self._check_open()
+
+    def latest(self) -> SnapshotInfo | None:
+        """The newest committed snapshot of this job, or None."""
+        self.repo.sync_job(self.project, self.job)
+        return self.repo.catalog.latest(self.project, self.job)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore(self, model: Any = None, optimizer: Any = None, *, snapshot: str | None = None,
+                **extras: Any) -> int | None:
+        """Load the latest complete snapshot (or ``snapshot``) into the given objects.
+
+        Returns the step it recorded (training continues at that step + 1), or None when the job
+        has no snapshot. A damaged latest snapshot is skipped for the previous one, with a
+        warning; if snapshots exist but none loads, raises :class:`RestoreError`.
+        """
+        self._check_open()
+        self._restore_called = True
+        if self.interrupted and self.previous_run is not None:
+            step = self.previous_run.last_step
+            log.info("Detected training interruption at step %s (%s)",
+                     step if step is not None else "unknown", runs.describe_end(self.previous_run))
+        log.info("Searching for latest snapshot...")
+        if snapshot is not None:
+            candidates = [self.repo.resolve(snapshot)]
+        else:
+            self.repo.sync_job(self.project, self.job)
+            candidates = self.repo.catalog.snapshots(self.project, self.job, newest_first=True)
+        if not candidates:
+            log.info("No snapshot of %s/%s in %s: starting from scratch", self.project, self.job,
+                     self.repo.location())
+            return None
+        skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
+        problems: list[str] = []
+        for info in candidates:
+            log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
+            log.info("Downloading snapshot from %s",
+                     self.repo.location(mf.manifest_key(info.project, info.job, info.id)))
+            try:
+                _, states = load_states(self.repo, info, skip)
+            except IntegrityError as e:
+                problems.append(f"step {info.step} ({info.short_id}): {e}")
+                if snapshot is not None:
+                    raise RestoreError(f"snapshot {info.short_id} cannot be restored: {e}") from e
+                log.warning("Snapshot at step %d (%s) is damaged: %s; falling back to the "
+                            "previous snapshot", info.step, info.short_id, e)
+                continue
+            self._apply(info, states, model, optimizer, extras)
+            return info.step
+        raise RestoreError(
+            f"job {self.project}/{self.job} has {len(candidates)} snapshot(s) but none could be "
+            "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
+            f"{self.project}/{self.job}` for details; refusing to start from scratch."
+        )
+
+    def _apply(self, info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
+               extras: dict[str, Any]) -> None:
+        # validate everything before touching any live object
+        model_state = None
+        if model is not None:
+            if "model" not in states:
+                raise StateMismatch(f"snapshot {info.short_id} holds no model state")
+            target = model.state_dict()
+            model_state = match_model_state(states["model"], target)
+        if optimizer is not None:
+            if "optimizer" not in states:
+                raise StateMismatch(f"snapshot {info.short_id} holds no optimizer state")
+            check_optimizer_state(states["optimizer"], optimizer)
+        missing = [n for n in extras if n not in states]
+        if missing:
+            have = ", ".join(sorted(states)) or "nothing"
+            raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
+                                f"(it has: {have}); pass only objects that were saved")
+        if model is not None:
+            log.info("Loading model state...")
+            model.load_state_dict(model_state)
+        if optimizer is not None:
+            log.info("Loading optimizer state...")
+            optimizer.load_state_dict(states["optimizer"])
+        for name, obj in extras.items():
+            load_object(name, obj, states[name])
+        if "rng" in states:
+            set_rng_state(states["rng"])
+        self.restored_values = {k: v for k, v in states.items()
+                                if k not in ("model", "optimizer", "rng") and k not in extras}
+        self.restored = info
+        same_job = (info.project, info.job) == (self.project, self.job)
+        self._parent = info.id if same_job else ""
+        self._last_save_step = info.step
+        self._last_save_time = time.monotonic()
+        self.repo.catalog.event(self.run_id, self.project, self.job, "restore", info.step, info.id)
+        log.info("Resuming training at step %d", info.step + 1)
+
+    # -- start-up checks, signals, lifecycle -------------------------------------------------
+
+    def _warn_if_not_resuming(self, step: int) -> None:
+        if self._restore_called:
+            return
+        latest = self.repo.catalog.latest(self.project, self.job)
+        if latest is None:
+            return
+        how = ("the previous run was interrupted: " + runs.describe_end(self.previous_run)
+               if self.interrupted and self.previous_run is not None else "")
+        log.warning(
+            "!!! job %s/%s already has snapshots (latest at step %d, %s) but this run did not "
+            "call restore(): it is NOT resuming. It trains from step %d and its snapshots start "
+            "a new lineage; the old ones are kept. %s To resume, call "
+            "manager.restore(model, optimizer) before the loop.",
+            self.project, self.job, latest.step, latest.created[:19] + "Z", step,
+            (how + ".") if how else "",
+        )
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._signal is not None:  # a second signal: stop now
+            self._record_end(f"signal:{name}")
+            self._restore_handlers()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self._signal = signum
+        log.warning("%s received: taking an emergency snapshot at the next step() and exiting "
+                    "(send %s again to exit at once)", name, name)
+
+    def _emergency(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
+        assert self._signal is not None
+        name = signal.Signals(self._signal).name
+        if step != self._last_save_step and (model is not None or optimizer is not None):
+            try:
+                info = self.save(step, model, optimizer, **extras)
+                log.warning("Emergency snapshot at step %d saved (%s); exiting", step,
+                            info.short_id)
+            except (CiuicError, OSError) as e:
+                log.error("Emergency snapshot at step %d failed: %s", step, e)
+        self._record_end(f"signal:{name}", step)
+        code = 128 + self._signal
+        self.close()
+        raise SystemExit(code)
+
+    def _restore_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, handler)
+        self._prev_handlers.clear()
+
+    def _record_end(self, kind: str, step: int | None = None) -> None:
+        try:
+            self.repo.catalog.end_run(self.run_id, kind, step)
+        except Exception as e:  # the catalog may be gone at interpreter exit
+            log.debug("could not record the end of run %s: %s", self.run_id, e)
+        runs.untrack(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("this SnapshotManager is closed; create a new one")
+
+    def close(self) -> None:
+        """Finish: record a clean end of the run and release resources. Idempotent."""
+        if self._closed:
+            return
+        self._record_end("clean")
+        self._restore_handlers()
+        self._closed = True
+        self.repo.close()
+
+    def __enter__(self) -> SnapshotManager:
+        return self
+
+    def __exit__(self, tp: type[BaseException] | None, value: BaseException | None,
+                 tb: Any) -> None:
+        if tp is not None and not issubclass(tp, SystemExit):
+            self._record_end(f"exception:{tp.__name__}")
+        self.close()
+
+
+def _check_encryption() -> None:
+    if not (os.environ.get("CIUIC_ENCRYPTION_KEY") or os.environ.get("CIUIC_ENCRYPTION_KEY_FILE")):
+        raise ConfigurationError(
+            "encryption=True needs a key, and none is configured. Create one with "
+            "`ciuic keygen > ~/.ciuic-key && chmod 600 ~/.ciuic-key`, then set "
+            "CIUIC_ENCRYPTION_KEY_FILE=~/.ciuic-key (or CIUIC_ENCRYPTION_KEY to the key itself)."
+        )
+    raise ConfigurationError(
+        "encryption=True: client-side AES-256-GCM encryption is not available in this version "
+        "of ciuic yet; pass encryption=False (the default) for now"
+    )

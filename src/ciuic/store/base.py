@@ -1,0 +1,96 @@
+"""The object store interface every backend implements.
+
+A store is a flat namespace of keys ("chunks/ab/ab12...", "jobs/p/j/manifests/<id>.json") mapped
+to immutable byte strings. Keys are "/"-separated; each component matches ``[A-Za-z0-9._-]+`` and
+is neither "." nor "..". Backends never interpret keys beyond that.
+
+Who calls what, and when (docs/format.md, "Write order"):
+the writer ``put``s chunks and the body, then ``create``s the manifest (the commit point); readers
+``get``; ``gc`` and retention ``delete`` in the reverse order.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator
+
+from ..errors import InvalidKey
+
+_COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+Data = bytes | bytearray | memoryview
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is well formed, else raise :class:`InvalidKey`."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKey(f"invalid store key {key!r}: must be a non-empty string")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not _COMPONENT.match(part):
+            raise InvalidKey(
+                f"invalid store key {key!r}: each '/'-separated part must match "
+                "[A-Za-z0-9._-]+ and must not be '.' or '..'"
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a listing prefix: "" or a key-like string that may end with "/"."""
+    if prefix:
+        check_key(prefix.rstrip("/"))
+    return prefix
+
+
+class Store(abc.ABC):
+    """A durable, flat key -> bytes namespace. Implementations must be thread-safe."""
+
+    #: A URL that reopens this store (``open_store(store.url)``).
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Data) -> None:
+        """Write ``data`` under ``key``, atomically and durably.
+
+        Idempotent: writing the same bytes twice is harmless; an existing object is replaced
+        (callers only ever re-put identical content for content-addressed keys). When this
+        returns the object survives a crash; a crash during the call leaves either the old
+        object, the new one, or nothing, never a partial object.
+        """
+
+    @abc.abstractmethod
+    def create(self, key: str, data: Data) -> bool:
+        """Atomically create ``key`` only if it does not exist (the commit primitive).
+
+        Returns True if this call created it, False if it already existed (nothing is
+        changed then). Durable on return, like :meth:`put`.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The bytes stored under ``key``. Raises :class:`~ciuic.errors.ObjectNotFound`."""
+
+    @abc.abstractmethod
+    def has(self, key: str) -> bool:
+        """Whether ``key`` exists. Never raises for a missing key."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Every key that starts with ``prefix``, in sorted order. Empty if none."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``. Idempotent: a missing key is not an error."""
+
+    def location(self, key: str = "") -> str:
+        """A human-readable location of ``key`` (for logs), e.g. a path or URL."""
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. The default does nothing."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

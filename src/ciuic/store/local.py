@@ -1,0 +1,155 @@
+"""A store in a local directory: one file per object.
+
+Durability: each object is written to a temporary file in its final directory, fsync'ed, then
+renamed into place (``put``) or hard-linked into place (``create``, which fails if the name
+exists: an atomic create-if-absent), and the directory is fsync'ed. Temporary files start with
+``.tmp-`` and are never listed; a crash can leave them behind and ``gc`` removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ObjectNotFound, StoreError
+from .base import Data, Store, check_key, check_prefix
+
+_TMP = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """Objects as files under ``root``; keys map to relative paths."""
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.fsync = fsync
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory {self.root}: {e}") from e
+        self.url = f"file://{self.root}"
+        self._known_dirs: set[Path] = set()
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    def _write_tmp(self, path: Path, data: Data) -> Path:
+        parent = path.parent
+        if parent not in self._known_dirs:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._known_dirs.add(parent)
+        tmp = parent / f"{_TMP}{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+        return tmp
+
+    def put(self, key: str, data: Data) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+            os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(path.parent)
+        except OSError as e:
+            raise StoreError(f"cannot write {self.location(key)}: {e}") from e
+
+    def create(self, key: str, data: Data) -> bool:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            if self.fsync:
+                _fsync_dir(path.parent)
+            return True
+        except OSError as e:
+            raise StoreError(f"cannot create {self.location(key)}: {e}") from e
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.location(key)} does not exist") from None
+        except IsADirectoryError:
+            raise ObjectNotFound(f"{self.location(key)} is not an object") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.location(key)}: {e}") from e
+
+    def has(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        check_prefix(prefix)
+        # Walk only the directory the prefix names, then filter by the full prefix.
+        head, _, _ = prefix.rpartition("/")
+        start = self.root.joinpath(*head.split("/")) if head else self.root
+        if not start.is_dir():
+            return iter(())
+        found: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            base = "" if rel == "." else rel + "/"
+            for name in filenames:
+                if name.startswith(_TMP):
+                    continue
+                key = base + name
+                if key.startswith(prefix):
+                    found.append(key)
+        return iter(sorted(found))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno == errno.EISDIR:
+                return
+            raise StoreError(f"cannot delete {self.location(key)}: {e}") from e
+
+    def location(self, key: str = "") -> str:
+        return str(self.root / key) if key else str(self.root)
+
+    def remove_temporaries(self) -> int:
+        """Delete temporary files left by crashed writers. Returns how many."""
+        n = 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if name.startswith(_TMP):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(dirpath, name))
+                        n += 1
+        return n

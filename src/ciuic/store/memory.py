@@ -1,0 +1,76 @@
+"""An in-memory store: fast, for tests and for throw-away runs. Not durable.
+
+``memory://NAME`` URLs name a process-wide store, so reopening the URL in the same process sees
+the same objects.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from ..errors import ObjectNotFound
+from .base import Data, Store, check_key, check_prefix
+
+_NAMED: dict[str, MemoryStore] = {}
+_NAMED_LOCK = threading.Lock()
+
+
+class MemoryStore(Store):
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.url = f"memory://{name}"
+        self._objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def named(cls, name: str) -> MemoryStore:
+        """The process-wide store called ``name`` (created on first use)."""
+        with _NAMED_LOCK:
+            if name not in _NAMED:
+                _NAMED[name] = cls(name)
+            return _NAMED[name]
+
+    def put(self, key: str, data: Data) -> None:
+        check_key(key)
+        blob = bytes(data)
+        with self._lock:
+            self._objects[key] = blob
+
+    def create(self, key: str, data: Data) -> bool:
+        check_key(key)
+        blob = bytes(data)
+        with self._lock:
+            if key in self._objects:
+                return False
+            self._objects[key] = blob
+            return True
+
+    def get(self, key: str) -> bytes:
+        check_key(key)
+        with self._lock:
+            try:
+                return self._objects[key]
+            except KeyError:
+                raise ObjectNotFound(f"{self.location(key)} does not exist") from None
+
+    def has(self, key: str) -> bool:
+        check_key(key)
+        with self._lock:
+            return key in self._objects
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        check_prefix(prefix)
+        with self._lock:
+            keys = sorted(k for k in self._objects if k.startswith(prefix))
+        return iter(keys)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            self._objects.pop(key, None)
+
+    def corrupt(self, key: str, data: bytes) -> None:
+        """Replace an object's bytes behind the writer's back (for fault tests)."""
+        with self._lock:
+            self._objects[key] = data

@@ -1,0 +1,137 @@
+"""Writing one snapshot: leaves -> chunks -> body -> manifest (commit) -> catalog row.
+
+The write order is the format's core invariant (docs/format.md, "Write order"):
+
+1. every chunk the store lacks, each durable before the next step;
+2. the body (content-addressed);
+3. the manifest, with an atomic create-if-absent: **the commit point**;
+4. the catalog row (an index; a crash before it is healed by ``Repository.sync_job``).
+
+A crash anywhere before 3 leaves the previous snapshot the latest and this one invisible.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import chunks as ck
+from . import knobs
+from . import manifest as mf
+from .digest import digest
+from .errors import StoreError
+from .faults import failpoint
+from .gc import InflightSave
+from .repo import Repository
+from .tree import Leaf, dtype_name
+
+
+@dataclass
+class Captured:
+    """A state captured for one snapshot: encoded trees plus the tensors they reference."""
+
+    states: dict[str, Any]
+    leaves: list[Leaf]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChunkCache:
+    """Chunk digests known to be in the store, valid for one gc epoch."""
+
+    epoch: int = -2
+    digests: set[str] = field(default_factory=set)
+
+    def sync(self, epoch: int) -> None:
+        if epoch != self.epoch or epoch < 0:
+            self.digests.clear()
+            self.epoch = epoch
+
+
+def leaf_bytes(leaf: Leaf) -> memoryview:
+    """The raw little-endian bytes of a leaf, without copying when already contiguous on CPU."""
+    v = leaf.value
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous().reshape(-1)
+        if t.numel() == 0:
+            return memoryview(b"")
+        return memoryview(t.view(torch.uint8).numpy())
+    a = np.ascontiguousarray(v)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _describe(leaf: Leaf) -> dict[str, Any]:
+    v = leaf.value
+    if isinstance(v, torch.Tensor):
+        return {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+    return {"dtype": v.dtype.newbyteorder("<").str if v.dtype.byteorder == ">" else v.dtype.str,
+            "shape": list(v.shape)}
+
+
+def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tuple[int, int]:
+    """Store every leaf's chunks the store lacks; fill descriptors. Returns (total, new) bytes."""
+    store = repo.store
+    k = knobs.get()
+    total = new = 0
+    for leaf in leaves:
+        data = leaf_bytes(leaf)
+        desc = _describe(leaf)
+        desc["nbytes"] = len(data)
+        total += len(data)
+        if len(data) <= k.inline_max_bytes:
+            desc["inline"] = base64.b64encode(data).decode("ascii")
+        else:
+            refs = []
+            for off, n in ck.split(len(data), k.chunk_bytes):
+                piece = data[off:off + n]
+                d = digest(piece)
+                refs.append([d, n])
+                if d in cache.digests:
+                    continue
+                key = ck.chunk_key(d)
+                if not store.has(key):
+                    failpoint("chunk.put")
+                    store.put(key, b"".join(ck.frame(piece)))
+                    new += n
+                cache.digests.add(d)
+            desc["chunks"] = refs
+        leaf.descriptor.clear()
+        leaf.descriptor.update(desc)
+    return total, new
+
+
+def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
+                   captured: Captured, cache: ChunkCache, world_size: int = 1
+                   ) -> tuple[mf.Manifest, str]:
+    """Persist ``captured`` as a snapshot of ``project/job`` and commit it. Returns (manifest, ID)."""
+    store = repo.store
+    with InflightSave(store) as inflight:
+        cache.sync(inflight.epoch)
+        total, new = write_leaves(repo, captured.leaves, cache)
+        body = mf.encode_body(captured.states)
+        body_digest = digest(body)
+        failpoint("body.put")
+        store.put(mf.body_key(project, job, body_digest), body)
+        m = mf.Manifest(
+            project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
+            body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
+            tensors=len(captured.leaves), world_size=world_size, metrics=captured.metrics,
+        )
+        data = m.encode()
+        sid = digest(data)
+        # commit only after every chunk and the body are durable
+        failpoint("manifest.create")
+        if not store.create(mf.manifest_key(project, job, sid), data):
+            raise StoreError(f"snapshot {sid[:12]} already exists (identical manifest)")
+        failpoint("catalog.insert")
+    repo.catalog.add_snapshot(m, sid)
+    return m, sid
