@@ -109,14 +109,18 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
     return m, {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
 
 
-def verify_chunks(repo: Repository, states: dict[str, Any], deep: bool,
-                  pool: ThreadPoolExecutor) -> list[tuple[str, str]]:
-    """Problems (key, reason) with the chunks a body references: existence, or full re-hash."""
-    problems: list[tuple[str, str]] = []
+def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
+    """digest -> plaintext length of every chunk a body's states reference."""
     refs: dict[str, int] = {}
     for _path, _kind, desc in walk_leaves(states):
         for d, n in desc.get("chunks", []):
             refs[str(d)] = int(n)
+    return refs
+
+
+def verify_chunks(repo: Repository, refs: dict[str, int], deep: bool,
+                  pool: ThreadPoolExecutor) -> list[tuple[str, str]]:
+    """Problems (key, reason) with chunks: existence, or (``deep``) a full re-read and re-hash."""
 
     def check(d: str, n: int) -> tuple[str, str] | None:
         key = ck.chunk_key(d)
@@ -129,7 +133,4 @@ def verify_chunks(repo: Repository, states: dict[str, Any], deep: bool,
             return e.key, e.reason
         return None
 
-    for res in pool.map(lambda item: check(*item), refs.items()):
-        if res is not None:
-            problems.append(res)
-    return problems
+    return [r for r in pool.map(lambda item: check(*item), refs.items()) if r is not None]

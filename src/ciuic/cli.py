@@ -1,0 +1,280 @@
+"""The ``ciuic`` command line (Typer + Rich)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .chain import verify_job
+from .errors import CiuicError
+from .gc import collect
+from .reader import read_body
+from .repo import Repository, default_location
+from .retention import prune as prune_job
+from .tree import walk_leaves
+
+app = typer.Typer(
+    name="ciuic", no_args_is_help=True, add_completion=False,
+    help="ciuic: the snapshot chain for PyTorch training.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+console = Console()
+err = Console(stderr=True)
+_state: dict[str, Any] = {}
+
+StoreOpt = Annotated[str | None, typer.Option(
+    "--store", "-s", help="Store directory or URL (default: $CIUIC_HOME, else ./.ciuic).")]
+
+
+@app.callback()
+def _main(store: StoreOpt = None) -> None:
+    _state["store"] = store
+
+
+def _repo() -> Repository:
+    location = _state.get("store") or default_location()
+    if "://" not in str(location) and not Path(location).exists():
+        raise CiuicError(f"no ciuic store at {Path(location).resolve()}: run a training job or "
+                         "`ciuic demo` first, or point --store / CIUIC_HOME at an existing one")
+    return Repository.open(location)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _time(created: str | None) -> str:
+    return created[:19].replace("T", " ") if created else "-"
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, transient=True)
+
+
+@app.command("ls")
+def ls() -> None:
+    """List projects and jobs with their snapshot counts."""
+    repo = _repo()
+    for project, job in {tuple(k.split("/")[1:3]) for k in repo.store.list("jobs/")}:
+        repo.sync_job(project, job)
+    rows = repo.catalog.jobs()
+    if not rows:
+        console.print("No jobs yet.")
+        return
+    t = Table("job", "snapshots", "latest step", "latest", "stored")
+    for r in rows:
+        t.add_row(f"{r['project']}/{r['job']}", str(r["snapshots"]), str(r["max_step"] or "-"),
+                  _time(r["latest"]), _size(r["new_bytes"]))
+    console.print(t)
+
+
+@app.command("log")
+def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
+            all_: Annotated[bool, typer.Option("--all", help="Include pruned snapshots")] = False
+            ) -> None:
+    """Show a job's chain, newest first: step, time, size, new bytes."""
+    repo = _repo()
+    project, name = repo.split_job(job)
+    repo.sync_job(project, name)
+    snaps = repo.catalog.snapshots(project, name, status=None if all_ else "committed",
+                                   newest_first=True)
+    if not snaps:
+        console.print(f"Job {project}/{name} has no snapshots.")
+        return
+    t = Table(title=f"{project}/{name}", title_justify="left")
+    t.add_column("id", no_wrap=True, min_width=12)
+    t.add_column("step", justify="right")
+    t.add_column("time (UTC)", no_wrap=True)
+    for col in ("size", "new"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("parent", no_wrap=True, min_width=12)
+    t.add_column("status")
+    t.add_column("metrics")
+    for s in snaps:
+        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in s.metrics.items())
+        t.add_row(s.short_id, str(s.step), _time(s.created), _size(s.total_bytes),
+                  _size(s.new_bytes), s.parent[:12] or "(root)", s.status, metrics)
+    console.print(t)
+
+
+@app.command("show")
+def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+         as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False
+         ) -> None:
+    """Show one snapshot: its manifest and its tensors."""
+    repo = _repo()
+    info = repo.resolve(snap)
+    m = repo.read_manifest(info.project, info.job, info.id)
+    if as_json:
+        console.print_json(json.dumps({"id": info.id, **m.to_json()}))
+        return
+    console.print(f"[bold]snapshot[/bold] {info.id}")
+    for label, value in (("job", f"{m.project}/{m.job}"), ("step", m.step),
+                         ("created", m.created), ("parent", m.parent or "(root)"),
+                         ("size", f"{_size(m.total_bytes)} ({_size(m.new_bytes)} new)"),
+                         ("tensors", m.tensors), ("status", info.status),
+                         ("metrics", m.metrics or "-")):
+        console.print(f"  {label:8} {value}")
+    if info.status != "committed":
+        return
+    _, states = read_body(repo, info)
+    t = Table("tensor", "dtype", "shape", "bytes", "chunks")
+    for path, _kind, desc in walk_leaves(states):
+        t.add_row(path, str(desc["dtype"]), str(tuple(desc["shape"])), _size(int(desc["nbytes"])),
+                  "inline" if "inline" in desc else str(len(desc["chunks"])))
+    console.print(t)
+
+
+@app.command("verify")
+def verify(target: Annotated[str | None, typer.Argument(
+               help="A snapshot (ID, prefix, JOB@STEP) or a job (PROJECT/JOB); default: all")
+           ] = None,
+           deep: Annotated[bool, typer.Option(help="Re-read and re-hash every chunk")] = False
+           ) -> None:
+    """Check the chain: manifests, parent links, bodies and chunks."""
+    repo = _repo()
+    jobs: list[tuple[str, str, str | None]] = []
+    if target is None:
+        jobs = [(p, j, None) for p, j in
+                sorted({tuple(k.split("/")[1:3]) for k in repo.store.list("jobs/")})]
+    elif "@" in target or not _looks_like_job(repo, target):
+        info = repo.resolve(target)
+        jobs = [(info.project, info.job, info.id)]
+    else:
+        project, job = repo.split_job(target)
+        jobs = [(project, job, None)]
+    cache: dict[str, tuple[str, str] | None] = {}
+    bad = 0
+    with _progress() as bar:
+        for project, job, only in jobs:
+            task = bar.add_task(f"verify {project}/{job}", total=None)
+            report = verify_job(repo, project, job, deep=deep, only=only, _chunk_cache=cache,
+                                progress=lambda n, total, task=task: bar.update(
+                                    task, completed=n, total=total))
+            problems = report.problems or []
+            bad += len(problems)
+            status = "[green]ok[/green]" if not problems else f"[red]{len(problems)} problem(s)"
+            console.print(f"{project}/{job}: {report.snapshots} snapshot(s), {report.pruned} "
+                          f"pruned, {report.chunks_checked} chunk(s) "
+                          f"{'re-hashed' if deep else 'present'}: {status}")
+            for p in problems:
+                console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
+                              highlight=False)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _looks_like_job(repo: Repository, text: str) -> bool:
+    if "/" in text:
+        return True
+    return bool(repo.catalog.find_jobs(text))
+
+
+@app.command("restore")
+def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+            to: Annotated[Path, typer.Option("--to", help="Output file (.safetensors or .pt)")],
+            fmt: Annotated[str | None, typer.Option("--format",
+                                                    help="safetensors or torch")] = None,
+            state: Annotated[list[str] | None, typer.Option(
+                "--state", help="State(s) to export (default: model)")] = None) -> None:
+    """Export a snapshot's tensors as plain safetensors or torch file."""
+    from .export import export
+
+    repo = _repo()
+    info = repo.resolve(snap)
+    tensors = export(repo, info, to, fmt, state)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    console.print(f"Wrote {len(tensors)} tensors ({_size(total)}) of {info.ref} "
+                  f"({info.short_id}) to {to}")
+
+
+@app.command("prune")
+def prune(job: Annotated[str, typer.Argument(help="PROJECT/JOB")],
+          keep_last: Annotated[int | None, typer.Option(help="Keep the N highest steps")] = None,
+          keep_every: Annotated[int | None, typer.Option(
+              help="Keep steps that are multiples of K")] = None,
+          dry_run: Annotated[bool, typer.Option(help="Only show what would go")] = False) -> None:
+    """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
+    if keep_last is None and keep_every is None:
+        raise CiuicError("say what to keep: --keep-last N and/or --keep-every K")
+    repo = _repo()
+    project, name = repo.split_job(job)
+    repo.sync_job(project, name)
+    doomed = prune_job(repo, project, name, keep_last, keep_every, dry_run=dry_run)
+    verb = "would prune" if dry_run else "pruned"
+    console.print(f"{verb} {len(doomed)} snapshot(s)"
+                  + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""))
+
+
+@app.command("gc")
+def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be deleted")] = False,
+       wait: Annotated[float, typer.Option(help="Seconds to wait for saves in progress")] = 30.0
+       ) -> None:
+    """Delete chunks and bodies no snapshot references."""
+    repo = _repo()
+    result = collect(repo, dry_run=dry_run, wait_s=wait)
+    if result.skipped:
+        err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
+        raise typer.Exit(2)
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {result.deleted_chunks} chunk(s) and {result.deleted_bodies} "
+                  f"body(ies); kept {result.kept_chunks} chunk(s)")
+    for key in result.damaged:
+        err.print(f"[red]damaged, skipped: {key}[/red]")
+
+
+@app.command("reindex")
+def reindex() -> None:
+    """Rebuild the catalog from the store alone (the store is the truth)."""
+    repo = _repo()
+    with _progress() as bar:
+        task = bar.add_task("reindex", total=None)
+        counts = repo.reindex(progress=lambda key: bar.advance(task))
+    console.print(f"indexed {counts['snapshots']} snapshot(s) and {counts['pruned']} pruned; "
+                  f"{counts['removed']} stale row(s) removed; {counts['damaged']} damaged "
+                  "manifest(s) skipped")
+
+
+@app.command("demo")
+def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
+         save_every: Annotated[int, typer.Option(help="Snapshot every N steps")] = 20,
+         kill_at: Annotated[int | None, typer.Option(help="Kill after this step "
+                                                     "(default: random)")] = None,
+         seed: Annotated[int | None, typer.Option(help="Seed for the random kill step")] = None
+         ) -> None:
+    """Train a small char-level GPT, SIGKILL it, resume, and check the weights bit for bit."""
+    from .demo import run_demo
+
+    if steps < save_every + 25:
+        raise CiuicError(f"--steps must be at least --save-every + 25 ({save_every + 25})")
+    result = run_demo(_state.get("store"), steps=steps, save_every=save_every, kill_at=kill_at,
+                      seed=seed, console=console)
+    if not result.identical:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    try:
+        app()
+    except CiuicError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        sys.exit(2)
+
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""``ciuic demo``: train, crash hard, resume, and prove the result is bit-identical.
+
+Three processes run the same char-level GPT training (:mod:`ciuic.demo.train`):
+
+1. the reference, never interrupted and never snapshotted (in parallel with 2);
+2. the same run with snapshots, which SIGKILLs itself at a random step;
+3. a restart of 2, which finds the latest snapshot, resumes and finishes.
+
+The final weights of 1 and 3 must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..repo import Repository, default_location
+
+
+@dataclass
+class DemoResult:
+    identical: bool
+    kill_at: int
+    resumed_from: int | None
+    reference: dict[str, Any]
+    resumed: dict[str, Any]
+    interrupted_rc: int
+    job: str
+    seconds: float
+
+
+def _cmd(store: str, job: str, steps: int, save_every: int, result: Path,
+         extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "ciuic.demo.train", "--store", store, "--job", job,
+            "--steps", str(steps), "--save-every", str(save_every), "--result", str(result),
+            *extra]
+
+
+def _stream(proc: subprocess.Popen[str], console: Console, prefix: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        console.print(f"[dim]{prefix}[/dim] {line.rstrip()}", highlight=False)
+    proc.wait()
+
+
+def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
+             kill_at: int | None = None, seed: int | None = None,
+             console: Console | None = None) -> DemoResult:
+    console = console or Console()
+    store = store or default_location()
+    rng = random.Random(seed)
+    kill_at = kill_at if kill_at is not None else rng.randrange(save_every + 1, steps - 20)
+    job = "chargpt-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    console.rule("[bold]ciuic demo: train, crash, resume, compare")
+    console.print(f"Store: [cyan]{Path(store).resolve() if '://' not in store else store}[/cyan]"
+                  f"   job: [cyan]demo/{job}[/cyan]   {steps} steps, a snapshot every "
+                  f"{save_every} steps, SIGKILL after step [bold red]{kill_at}[/bold red]")
+    with tempfile.TemporaryDirectory(prefix="ciuic-demo-") as tmp:
+        ref_out, a_out, b_out = (Path(tmp) / n for n in ("ref.json", "a.json", "b.json"))
+        console.print("\n[bold]1.[/bold] Uninterrupted reference run (no snapshots), in the "
+                      "background")
+        ref = subprocess.Popen(_cmd(store, job + "-ref", steps, save_every, ref_out,
+                                    ["--no-snapshots"]),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=env)
+        console.print("[bold]2.[/bold] Training with snapshots; it will be killed hard")
+        a = subprocess.Popen(_cmd(store, job, steps, save_every, a_out,
+                                  ["--kill-at", str(kill_at)]),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        _stream(a, console, "  run 1 |")
+        console.print(f"  [red]process ended with {_describe_rc(a.returncode)}[/red]")
+        console.print("\n[bold]3.[/bold] Restarting the same command: ciuic resumes it")
+        b = subprocess.Popen(_cmd(store, job, steps, save_every, b_out, []),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        _stream(b, console, "  run 2 |")
+        _, ref_err = ref.communicate()
+        if ref.returncode != 0 or b.returncode != 0:
+            raise RuntimeError(f"demo training failed (reference rc={ref.returncode}, resumed "
+                               f"rc={b.returncode}): {ref_err[-2000:]}")
+        reference = json.loads(ref_out.read_text())
+        resumed = json.loads(b_out.read_text())
+    repo = Repository.open(store)
+    try:
+        snaps = repo.catalog.snapshots("demo", job)
+    finally:
+        repo.close()
+    resumed["job_snapshots"] = len(snaps)
+    resumed["job_total_bytes"] = sum(s.total_bytes for s in snaps)
+    resumed["job_new_bytes"] = sum(s.new_bytes for s in snaps)
+    result = DemoResult(
+        identical=reference["digest"] == resumed["digest"], kill_at=kill_at,
+        resumed_from=resumed["restored_step"], reference=reference, resumed=resumed,
+        interrupted_rc=a.returncode, job=job, seconds=time.perf_counter() - t0,
+    )
+    _summary(console, result)
+    return result
+
+
+def _describe_rc(rc: int) -> str:
+    return f"signal {-rc} (SIGKILL)" if rc == -9 else f"exit code {rc}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _summary(console: Console, r: DemoResult) -> None:
+    ref, res = r.reference, r.resumed
+    table = Table(title="Summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    lost = r.kill_at - r.resumed_from if r.resumed_from is not None else r.kill_at + 1
+    table.add_row("killed after step", str(r.kill_at))
+    table.add_row("resumed from snapshot at step", str(r.resumed_from))
+    table.add_row("steps lost (recomputed)", str(lost))
+    table.add_row("time to resume (find, verify, load)", f"{res['restore_s'] * 1000:.0f} ms")
+    table.add_row("snapshots in the job's chain", str(res["job_snapshots"]))
+    table.add_row("bytes stored (all snapshots)", _mb(res["job_new_bytes"]))
+    saved = res["job_total_bytes"] - res["job_new_bytes"]
+    table.add_row("bytes saved by dedup", f"{_mb(saved)} of {_mb(res['job_total_bytes'])}")
+    table.add_row("final loss (reference / resumed)", f"{ref['loss']:.6f} / {res['loss']:.6f}")
+    table.add_row("final weights BLAKE3 (reference)", ref["digest"][:32])
+    table.add_row("final weights BLAKE3 (resumed)", res["digest"][:32])
+    table.add_row("wall time", f"{r.seconds:.1f} s")
+    console.print()
+    console.print(table)
+    if r.identical:
+        console.print("[bold green]Bit-identical:[/bold green] the resumed run ended with exactly "
+                      "the weights of the run that was never interrupted.")
+    else:
+        console.print("[bold red]MISMATCH:[/bold red] the resumed run's weights differ from the "
+                      "reference run's.")
+    console.print(f"Sample from the model: [italic]{res['sample']!r}[/italic]")
+    console.print(f"Explore: [cyan]ciuic log demo/{r.job}[/cyan], [cyan]ciuic verify --deep "
+                  f"demo/{r.job}[/cyan]")

@@ -1,0 +1,64 @@
+"""Exporting a snapshot's tensors to a plain file (``ciuic restore SNAP --to FILE``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigurationError, SnapshotNotFound
+from .info import SnapshotInfo
+from .reader import load_states
+from .repo import Repository
+from .tree import join
+
+
+def _flatten(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out[path] = value
+    elif isinstance(value, np.ndarray):
+        out[path] = torch.from_numpy(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, join(path, k) if path else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _flatten(v, join(path, i), out)
+
+
+def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = None,
+           states: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Write the tensors of ``states`` (default: the model's) to ``dest``.
+
+    ``fmt`` is "safetensors" or "torch" (default: from the suffix; ``.safetensors`` or
+    ``.pt``/``.pth``). The model's keys are kept as they are; other states' tensors are named
+    ``STATE/PATH``. Returns the exported tensors.
+    """
+    fmt = fmt or ("safetensors" if dest.suffix == ".safetensors" else
+                  "torch" if dest.suffix in (".pt", ".pth", ".bin") else None)
+    if fmt not in ("safetensors", "torch"):
+        raise ConfigurationError(f"cannot tell the format of {dest}: use a .safetensors or .pt "
+                                 "file name, or --format safetensors|torch")
+    _, loaded = load_states(repo, info)
+    names = states or ["model"]
+    missing = [n for n in names if n not in loaded]
+    if missing:
+        raise SnapshotNotFound(f"snapshot {info.short_id} has no state {missing}; it has: "
+                               f"{', '.join(sorted(loaded))}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in names:
+        _flatten(loaded[name], "" if names == ["model"] else name, tensors)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as e:
+            raise ConfigurationError("writing .safetensors needs the safetensors package: "
+                                     "pip install 'ciuic[safetensors]'") from e
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest),
+                  metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
+    else:
+        torch.save(tensors, dest)
+    return tensors
