@@ -1,0 +1,18 @@
+# The two set-up commands (README): `make demo` and `make test`. Both create .venv as needed.
+.PHONY: demo test test-slow lint venv
+
+venv:
+	@scripts/bootstrap.sh
+
+demo: venv
+	.venv/bin/ciuic demo
+
+lint: venv
+	.venv/bin/ruff check src tests
+	.venv/bin/mypy
+
+test: lint
+	.venv/bin/python -m pytest -q
+
+test-slow: venv
+	.venv/bin/python -m pytest -q -m slow
