@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,9 +157,15 @@ def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
     raise TypeError(f"{path}: tensors are not allowed in metrics")
 
 
-def encode_body(states: dict[str, Any]) -> bytes:
-    """Canonical bytes of a body holding ``states`` (already-encoded trees)."""
-    return canonical.dumps({"format": FORMAT_VERSION, "kind": BODY_KIND, "states": states})
+def encode_body(states: dict[str, Any], salt: str | None = None) -> bytes:
+    """Canonical bytes of a body holding ``states`` (already-encoded trees).
+
+    The random ``salt`` makes every snapshot's body a distinct object, so pruning one snapshot
+    never deletes a body another snapshot with bit-identical state still uses.
+    """
+    salt = secrets.token_hex(8) if salt is None else salt
+    return canonical.dumps({"format": FORMAT_VERSION, "kind": BODY_KIND, "salt": salt,
+                            "states": states})
 
 
 def decode_body(data: bytes, key: str, expected_digest: str) -> dict[str, Any]:

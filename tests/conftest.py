@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ciuic import faults
+from ciuic.repo import Repository
+
+HELPERS = Path(__file__).parent / "helpers"
+TRAIN = HELPERS / "train_mlp.py"
+
+
+@pytest.fixture(autouse=True)
+def _isolate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Never touch the working directory's ./.ciuic; no failpoints unless a test sets them."""
+    monkeypatch.setenv("CIUIC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CIUIC_ENDPOINT", raising=False)
+    monkeypatch.delenv("CIUIC_FAILPOINTS", raising=False)
+    faults.reload("")
+    yield
+    faults.reload("")
+    logging.getLogger("ciuic").handlers.clear()
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def repo(store_dir: Path) -> Iterator[Repository]:
+    r = Repository.open(store_dir)
+    yield r
+    r.close()
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def digest(self) -> str | None:
+        for line in self.out.splitlines():
+            if line.startswith("DIGEST "):
+                return line.split()[1]
+        return None
+
+    @property
+    def start(self) -> int | None:
+        for line in self.out.splitlines():
+            if line.startswith("START "):
+                return int(line.split()[1])
+        return None
+
+
+def run_train(store: Path, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 120) -> Run:
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("CIUIC_HOME", None)
+    proc = subprocess.run([sys.executable, str(TRAIN), "--store", str(store), *args],
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Final state digest of the uninterrupted 40-step test job."""
+    r = run_train(tmp_path_factory.mktemp("ref"), "--no-snapshots")
+    assert r.rc == 0, r.err
+    assert r.digest
+    return r.digest
