@@ -1,0 +1,115 @@
+"""End to end: kill a training subprocess anywhere, resume, and get bit-identical weights."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ciuic.repo import Repository
+
+from .conftest import TRAIN, run_train
+
+
+def finish(store: Path, *args: str) -> tuple[str | None, int | None]:
+    r = run_train(store, *args)
+    assert r.rc == 0, r.err
+    return r.digest, r.start
+
+
+@pytest.mark.parametrize("failpoint, resume_at", [
+    ("chunk.put=kill@1", 0),         # first chunk of the first save: nothing committed
+    ("chunk.put=kill@12", 1),        # in the middle of the second save (step 5)
+    ("body.put=kill@2", 1),          # all chunks of the second save written, no body
+    ("manifest.create=kill@3", 6),   # third save's data written, not committed
+    ("catalog.insert=kill@2", 6),    # committed, catalog row missing: healed, resumes at 5
+])
+def test_kill_at_every_failpoint_resumes_bit_exact(tmp_path: Path, reference_digest: str,
+                                                   failpoint: str, resume_at: int) -> None:
+    store = tmp_path / "store"
+    crashed = run_train(store, env={"CIUIC_FAILPOINTS": failpoint})
+    assert crashed.rc == -signal.SIGKILL, crashed.err
+    digest, start = finish(store)
+    assert start == resume_at
+    assert digest == reference_digest
+
+
+def test_resume_twice_in_a_row(tmp_path: Path, reference_digest: str) -> None:
+    store = tmp_path / "store"
+    assert run_train(store, "--kill-at", "13").rc == -signal.SIGKILL
+    r = run_train(store, "--kill-at", "27")
+    assert r.rc == -signal.SIGKILL and r.start == 11
+    assert "Detected training interruption" in r.err
+    digest, start = finish(store)
+    assert start == 26
+    assert digest == reference_digest
+
+
+def _random_kill_loop(store: Path, rounds: int, seed: int) -> dict[str, int]:
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(rounds):
+        proc = subprocess.Popen(
+            [sys.executable, str(TRAIN), "--store", str(store), "--steps", "60",
+             "--sleep-in-step", "0.01"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={k: v for k, v in os.environ.items() if k != "CIUIC_HOME"})
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "START n": torch imported, state restored
+        assert line.startswith("START"), line
+        time.sleep(rng.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            kills += 1
+    return {"rounds": rounds, "kills": kills}
+
+
+def test_random_sigkills_from_outside(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ref = run_train(tmp_path / "ref", "--steps", "60", "--no-snapshots")
+    stats = _random_kill_loop(store, rounds=4, seed=1)
+    assert stats["kills"] >= 1
+    r = run_train(store, "--steps", "60")
+    assert r.rc == 0, r.err
+    assert r.digest == ref.digest
+
+
+@pytest.mark.slow
+def test_random_sigkills_long(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ref = run_train(tmp_path / "ref", "--steps", "60", "--no-snapshots")
+    stats = _random_kill_loop(store, rounds=25, seed=2)
+    r = run_train(store, "--steps", "60")
+    print(f"random kill loop: {stats}")
+    assert r.rc == 0 and r.digest == ref.digest
+
+
+def test_sigterm_takes_an_emergency_snapshot_and_exits(tmp_path: Path,
+                                                       reference_digest: str) -> None:
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), "--store", str(store), "--sleep-in-step", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "CIUIC_HOME"})
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == "STEP 12":
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM received" in err
+    assert "Emergency snapshot at step 13" in err  # the step after which the signal was seen
+    repo = Repository.open(store)
+    assert repo.catalog.latest("tests", "mlp").step == 13  # type: ignore[union-attr]
+    r = run_train(store)
+    assert r.rc == 0 and r.start == 14
+    assert "stopped by SIGTERM" in r.err
+    assert r.digest == reference_digest
