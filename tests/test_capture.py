@@ -165,5 +165,5 @@ def test_optimizer_mismatch_is_explained(tmp_path: Path) -> None:
         model2, _, _, _ = make()
         opt2 = torch.optim.AdamW([{"params": list(model2.parameters())[:2]},
                                   {"params": list(model2.parameters())[2:]}])
-        with pytest.raises(StateMismatch, match="2 parameter groups|1 parameter groups"):
+        with pytest.raises(StateMismatch, match=r"2 parameter groups|1 parameter groups"):
             m.restore(model2, opt2)

@@ -100,5 +100,5 @@ def test_chunk_frame_layout_and_check() -> None:
     with pytest.raises(CorruptObject, match="does not match its name") as e:
         unframe(chunk_key(d), bytes(flipped), d, len(plain))
     assert e.value.key == chunk_key(d)
-    with pytest.raises(CorruptObject, match="truncated|length"):
+    with pytest.raises(CorruptObject, match=r"truncated|length"):
         unframe(chunk_key(d), blob[:-5], d, len(plain))

@@ -103,7 +103,7 @@ def test_sigterm_takes_an_emergency_snapshot_and_exits(tmp_path: Path,
         if line.strip() == "STEP 12":
             proc.send_signal(signal.SIGTERM)
             break
-    out, err = proc.communicate(timeout=60)
+    _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM received" in err
     assert "Emergency snapshot at step 13" in err  # the step after which the signal was seen

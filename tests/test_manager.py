@@ -195,7 +195,7 @@ def test_no_loadable_snapshot_refuses_to_start_from_scratch(store_dir: Path) -> 
         info = m.save(1, model, opt)
     (store_dir / "objects" / mf.body_key("p", "x", info.body)).write_bytes(b"{}")
     with SnapshotManager("p", job="x", store=store_dir) as m2, pytest.raises(
-            RestoreError, match="none could be\\s+restored") as e:
+            RestoreError, match=r"none could be\s+restored") as e:
         m2.restore(model, opt)
     assert "refusing to start from scratch" in str(e.value)
 
@@ -264,7 +264,7 @@ def test_references_resolve_and_bad_ones_explain(store_dir: Path) -> None:
     assert repo.resolve(a.id[:10]).id == a.id
     assert repo.resolve("proj/ref@9900").id == a.id
     assert repo.resolve("ref@latest").id == b.id
-    with pytest.raises(SnapshotNotFound, match="no snapshot at step 5 .*9900, 10000"):
+    with pytest.raises(SnapshotNotFound, match=r"no snapshot at step 5 .*9900, 10000"):
         repo.resolve("proj/ref@5")
     with pytest.raises(SnapshotNotFound, match="no job named 'nojob'"):
         repo.resolve("nojob@latest")

@@ -57,7 +57,7 @@ def rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(legacy=True),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -126,8 +126,8 @@ def _mismatch_message(what: str, missing: list[str], unexpected: list[str],
                      f"{show(unexpected)}")
     if changed:
         parts.append(f"  different shape or dtype ({len(changed)}): {show(changed)}")
-    parts.append(f"Restore into the same architecture the snapshot was taken from, or pick "
-                 f"another snapshot (`ciuic show SNAP` lists its tensors).")
+    parts.append("Restore into the same architecture the snapshot was taken from, or pick "
+                 "another snapshot (`ciuic show SNAP` lists its tensors).")
     return "\n".join(parts)
 
 

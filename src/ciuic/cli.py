@@ -9,7 +9,14 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from .chain import verify_job
@@ -161,9 +168,12 @@ def verify(target: Annotated[str | None, typer.Argument(
     with _progress() as bar:
         for project, job, only in jobs:
             task = bar.add_task(f"verify {project}/{job}", total=None)
+
+            def tick(n: int, total: int, task: TaskID = task) -> None:
+                bar.update(task, completed=n, total=total)
+
             report = verify_job(repo, project, job, deep=deep, only=only, _chunk_cache=cache,
-                                progress=lambda n, total, task=task: bar.update(
-                                    task, completed=n, total=total))
+                                progress=tick)
             problems = report.problems or []
             bad += len(problems)
             status = "[green]ok[/green]" if not problems else f"[red]{len(problems)} problem(s)"

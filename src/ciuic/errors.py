@@ -12,7 +12,7 @@ Hierarchy::
     │   └── CorruptObject (IntegrityError)            one object is damaged; names it
     ├── SnapshotNotFound (CiuicError, LookupError)    a snapshot reference that resolves to nothing
     │   └── AmbiguousReference (SnapshotNotFound)     a prefix that matches several snapshots
-    ├── StateMismatch (CiuicError, ValueError)        a snapshot does not fit the objects it is loaded into
+    ├── StateMismatch (CiuicError, ValueError)        a snapshot does not fit the live objects
     └── RestoreError (CiuicError, RuntimeError)       snapshots exist but none could be restored
 
 Messages say what is wrong and what to do next.

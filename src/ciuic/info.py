@@ -38,7 +38,8 @@ class SnapshotInfo:
         return f"{self.project}/{self.job}@{self.step}"
 
     @classmethod
-    def from_manifest(cls, m: Manifest, snapshot_id: str, status: str = "committed") -> SnapshotInfo:
+    def from_manifest(cls, m: Manifest, snapshot_id: str,
+                      status: str = "committed") -> SnapshotInfo:
         return cls(
             id=snapshot_id, project=m.project, job=m.job, step=m.step, parent=m.parent,
             created=m.created, total_bytes=m.total_bytes, new_bytes=m.new_bytes,

@@ -82,7 +82,8 @@ class Repository:
             raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
         m = mf.Manifest.decode(data, key)
         if (m.project, m.job) != (project, job):
-            raise CorruptObject(key, f"manifest belongs to {m.project}/{m.job}, not {project}/{job}")
+            raise CorruptObject(
+                key, f"manifest belongs to {m.project}/{m.job}, not {project}/{job}")
         return m
 
     def manifest_ids(self, project: str, job: str) -> list[str]:

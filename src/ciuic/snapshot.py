@@ -93,8 +93,9 @@ class SnapshotManager:
         handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
     """
 
-    def __init__(self, project_id: str, api_key: str | None = None, save_interval: int | None = 1000,
-                 encryption: bool = False, *, job: str | None = None,
+    def __init__(self, project_id: str, api_key: str | None = None,
+                 save_interval: int | None = 1000, encryption: bool = False, *,
+                 job: str | None = None,
                  store: str | os.PathLike[str] | None = None, time_interval_s: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  handle_signals: bool = True) -> None:

@@ -62,11 +62,11 @@ def leaf_bytes(leaf: Leaf) -> memoryview:
         t = t.contiguous().reshape(-1)
         if t.numel() == 0:
             return memoryview(b"")
-        return memoryview(t.view(torch.uint8).numpy())
+        return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
     a = np.ascontiguousarray(v)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _describe(leaf: Leaf) -> dict[str, Any]:
@@ -112,7 +112,10 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
 def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
                    captured: Captured, cache: ChunkCache, world_size: int = 1
                    ) -> tuple[mf.Manifest, str]:
-    """Persist ``captured`` as a snapshot of ``project/job`` and commit it. Returns (manifest, ID)."""
+    """Persist ``captured`` as a snapshot of ``project/job`` and commit it.
+
+    Returns (manifest, snapshot ID).
+    """
     store = repo.store
     with InflightSave(store) as inflight:
         cache.sync(inflight.epoch)

@@ -42,7 +42,8 @@ class Block(nn.Module):
         att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
         y = (att @ v).transpose(1, 2).reshape(b, t, c)
         x = x + self.drop(self.proj(y))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
+        return out
 
 
 class CharGPT(nn.Module):

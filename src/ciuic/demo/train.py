@@ -53,7 +53,8 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ciuic.demo.train", description=__doc__)
-    p.add_argument("--store", default=None, help="store location (default: $CIUIC_HOME or ./.ciuic)")
+    p.add_argument("--store", default=None,
+                   help="store location (default: $CIUIC_HOME or ./.ciuic)")
     p.add_argument("--project", default="demo")
     p.add_argument("--job", default="chargpt")
     p.add_argument("--steps", type=int, default=300)
