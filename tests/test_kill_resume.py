@@ -91,8 +91,9 @@ def test_random_sigkills_long(tmp_path: Path) -> None:
     assert r.rc == 0 and r.digest == ref.digest
 
 
-def test_sigterm_takes_an_emergency_snapshot_and_exits(tmp_path: Path,
-                                                       reference_digest: str) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_takes_an_emergency_snapshot_and_exits(tmp_path: Path, reference_digest: str,
+                                                      sig: signal.Signals) -> None:
     store = tmp_path / "store"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), "--store", str(store), "--sleep-in-step", "0.05"],
@@ -101,15 +102,15 @@ def test_sigterm_takes_an_emergency_snapshot_and_exits(tmp_path: Path,
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.strip() == "STEP 12":
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM received" in err
+    assert proc.returncode == 128 + sig, err
+    assert f"{sig.name} received" in err
     assert "Emergency snapshot at step 13" in err  # the step after which the signal was seen
     repo = Repository.open(store)
     assert repo.catalog.latest("tests", "mlp").step == 13  # type: ignore[union-attr]
     r = run_train(store)
     assert r.rc == 0 and r.start == 14
-    assert "stopped by SIGTERM" in r.err
+    assert f"stopped by {sig.name}" in r.err
     assert r.digest == reference_digest
