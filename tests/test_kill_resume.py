@@ -51,44 +51,61 @@ def test_resume_twice_in_a_row(tmp_path: Path, reference_digest: str) -> None:
     assert digest == reference_digest
 
 
-def _random_kill_loop(store: Path, rounds: int, seed: int) -> dict[str, int]:
+def random_kill_loop(tmp_path: Path, rounds: int, seed: int, steps: int = 60) -> dict[str, int]:
+    """SIGKILL the job from outside at random moments, ``rounds`` times, then let it finish.
+
+    Chunk writes are slowed down (a ``sleep`` failpoint) so that about half of the run is spent
+    inside saves; a kill that leaves an in-flight marker behind hit a save. Every restart must
+    resume from a complete snapshot and the final state must equal the uninterrupted run's.
+    """
+    store = tmp_path / "store"
+    ref = run_train(tmp_path / "ref", "--steps", str(steps), "--no-snapshots")
     rng = random.Random(seed)
-    kills = 0
+    stats = {"rounds": rounds, "kills": 0, "kills_in_save": 0, "resumes": 0, "mismatches": 0}
+    env = {k: v for k, v in os.environ.items() if k != "CIUIC_HOME"}
+    env["CIUIC_FAILPOINTS"] = "chunk.put=sleep:0.02"
+    last_start = -1
+    markers: set[Path] = set()
     for _ in range(rounds):
         proc = subprocess.Popen(
-            [sys.executable, str(TRAIN), "--store", str(store), "--steps", "60",
-             "--sleep-in-step", "0.01"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={k: v for k, v in os.environ.items() if k != "CIUIC_HOME"})
+            [sys.executable, str(TRAIN), "--store", str(store), "--steps", str(steps),
+             "--save-every", "3", "--sleep-in-step", "0.01"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "START n": torch imported, state restored
         assert line.startswith("START"), line
-        time.sleep(rng.uniform(0.0, 0.6))
+        start = int(line.split()[1])
+        if start > 0:
+            stats["resumes"] += 1
+        assert start >= last_start, "resumed from an older snapshot than the previous round"
+        last_start = start
+        time.sleep(rng.uniform(0.0, 0.8))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.returncode == -signal.SIGKILL:
-            kills += 1
-    return {"rounds": rounds, "kills": kills}
+            stats["kills"] += 1
+            now = set((store / "objects" / "inflight").glob("*.json"))
+            stats["kills_in_save"] += bool(now - markers)  # a marker this round left behind
+            markers = now
+    r = run_train(store, "--steps", str(steps))
+    assert r.rc == 0, r.err
+    stats["mismatches"] = int(r.digest != ref.digest)
+    print(f"\nrandom kill loop: {stats}")
+    return stats
 
 
 def test_random_sigkills_from_outside(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    ref = run_train(tmp_path / "ref", "--steps", "60", "--no-snapshots")
-    stats = _random_kill_loop(store, rounds=4, seed=1)
-    assert stats["kills"] >= 1
-    r = run_train(store, "--steps", "60")
-    assert r.rc == 0, r.err
-    assert r.digest == ref.digest
+    stats = random_kill_loop(tmp_path, rounds=10, seed=1)
+    assert stats["kills"] >= 8
+    assert stats["kills_in_save"] >= 1
+    assert stats["mismatches"] == 0
 
 
 @pytest.mark.slow
 def test_random_sigkills_long(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    ref = run_train(tmp_path / "ref", "--steps", "60", "--no-snapshots")
-    stats = _random_kill_loop(store, rounds=25, seed=2)
-    r = run_train(store, "--steps", "60")
-    print(f"random kill loop: {stats}")
-    assert r.rc == 0 and r.digest == ref.digest
+    stats = random_kill_loop(tmp_path, rounds=50, seed=2, steps=200)
+    assert stats["kills_in_save"] >= 5
+    assert stats["mismatches"] == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

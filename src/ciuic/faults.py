@@ -2,14 +2,16 @@
 
 Off and free in normal runs. Enabled through ``CIUIC_FAILPOINTS`` (read at import and by
 :func:`reload`), a comma-separated list of ``NAME=ACTION`` where ACTION is ``kill`` (SIGKILL
-the process), ``raise`` (an I/O error) or ``kill@N`` / ``raise@N`` (only on the N-th hit,
-counting from 1). Names: ``chunk.put``, ``body.put``, ``manifest.create``, ``catalog.insert``.
+the process), ``raise`` (an I/O error), ``kill@N`` / ``raise@N`` (only on the N-th hit,
+counting from 1), or ``sleep:SECONDS`` (slow the step down, so that kills from outside land
+inside saves). Names: ``chunk.put``, ``body.put``, ``manifest.create``, ``catalog.insert``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .errors import StoreError
 
@@ -24,6 +26,9 @@ def reload(spec: str | None = None) -> None:
     text = os.environ.get("CIUIC_FAILPOINTS", "") if spec is None else spec
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, action = item.partition("=")
+        if action.startswith("sleep:"):
+            _rules[name] = (action, 0)
+            continue
         what, _, nth = action.partition("@")
         if what not in ("kill", "raise"):
             raise ValueError(f"CIUIC_FAILPOINTS: unknown action {action!r} for {name!r}")
@@ -38,6 +43,9 @@ def failpoint(name: str) -> None:
         return
     _hits[name] = _hits.get(name, 0) + 1
     what, nth = rule
+    if what.startswith("sleep:"):
+        time.sleep(float(what.split(":", 1)[1]))
+        return
     if nth and _hits[name] != nth:
         return
     if what == "kill":
