@@ -7,6 +7,7 @@ Restore validates everything against the live objects before it changes any of t
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from .errors import ConfigurationError, StateMismatch
 from .tree import Leaf, encode
 from .writer import Captured
 
+log = logging.getLogger("ciuic")
 RESERVED = ("rng",)
 _PREFIXES = ("_orig_mod.", "module.")
 
@@ -42,8 +44,8 @@ def capture(model: Any = None, optimizer: Any = None, extras: Mapping[str, Any] 
     for name, obj in (extras or {}).items():
         if name in ("model", "optimizer", *RESERVED):
             raise ConfigurationError(f"extra state name {name!r} is reserved; choose another")
-        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
-            metrics[name] = obj
+        if isinstance(obj, (int, float, np.integer, np.floating)) and not isinstance(obj, bool):
+            metrics[name] = float(obj) if isinstance(obj, (float, np.floating)) else int(obj)
         states[name] = encode(_state_of(name, obj), name, leaves)
     if rng:
         states["rng"] = encode(rng_state(), "rng", leaves)
@@ -74,6 +76,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         cuda = list(state["cuda"])
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("the snapshot holds CUDA RNG states for %d device(s) but %d are visible: "
+                        "CUDA RNG states were not restored, so random draws on the GPU will "
+                        "differ from the original run", len(cuda), torch.cuda.device_count())
 
 
 def _normalize(key: str) -> str:
@@ -167,12 +173,19 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
                             + "; ".join(problems[:20]))
 
 
-def load_object(name: str, obj: Any, value: Any) -> None:
-    """Load ``value`` into an extra state object through its ``load_state_dict``."""
-    fn = getattr(obj, "load_state_dict", None)
-    if not callable(fn):
+def check_loadable(name: str, obj: Any) -> None:
+    """Raise unless ``obj`` can take a state through ``load_state_dict``."""
+    if not callable(getattr(obj, "load_state_dict", None)):
         raise ConfigurationError(
             f"cannot restore {name!r}: a {type(obj).__name__} has no load_state_dict(); plain "
             "values come back in manager.restored_values"
         )
-    fn(value)
+
+
+def load_object(name: str, obj: Any, value: Any) -> None:
+    """Load ``value`` into an extra state object through its ``load_state_dict``."""
+    check_loadable(name, obj)
+    try:
+        obj.load_state_dict(value)
+    except Exception as e:
+        raise StateMismatch(f"{name}.load_state_dict() rejected the snapshot's state: {e}") from e

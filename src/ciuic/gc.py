@@ -23,24 +23,39 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import knobs
 from . import manifest as mf
-from .chunks import digest_of_key
-from .errors import CiuicError, CorruptObject, ObjectNotFound, StoreError
+from .chunks import chunk_key, digest_of_key
+from .errors import CiuicError, CorruptObject, IntegrityError, ObjectNotFound, StoreError
+from .reader import chunk_refs
 from .repo import _MANIFEST, Repository
 from .store import LocalStore, Store
-from .tree import walk_leaves
 
 LOCK_KEY = "locks/gc.json"
 EPOCH_KEY = "locks/gc-epoch.json"
 INFLIGHT = "inflight/"
 
 
+def _identity() -> dict[str, str]:
+    """Who we are, precisely enough to tell that a pid on "this machine" is ours to check:
+    hostname, boot ID and PID namespace (containers may share a hostname, not the latter)."""
+    ident = {"host": socket.gethostname(), "boot": "", "pidns": ""}
+    try:
+        ident["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ident["pidns"] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return ident
+
+
+_IDENTITY = _identity()
+
+
 def _marker() -> bytes:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                       "time": time.time()}).encode()
+    return json.dumps({**_IDENTITY, "pid": os.getpid(), "time": time.time()}).encode()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -54,11 +69,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_live(store: Store, key: str, stale_s: float) -> bool:
+    """Whether a marker or lock still belongs to a running process.
+
+    On the same machine (same host, boot and PID namespace) the pid decides; elsewhere the
+    marker's age does (its owner refreshes it while it works).
+    """
     try:
         info = json.loads(store.get(key))
     except (ObjectNotFound, ValueError):
         return False
-    if info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1))):
+    same_machine = all(info.get(k) == v for k, v in _IDENTITY.items()) and _IDENTITY["pidns"]
+    if same_machine and not _pid_alive(int(info.get("pid", -1))):
         return False
     return bool(time.time() - float(info.get("time", 0)) < stale_s)
 
@@ -86,7 +107,7 @@ class InflightSave:
             # marker first, then look for the lock (see the module docstring for why)
             self.store.put(self.key, _marker())
             if not self.store.has(LOCK_KEY) or not _is_live(
-                self.store, LOCK_KEY, knobs.get().inflight_stale_s
+                self.store, LOCK_KEY, knobs.get().gc_lock_stale_s
             ):
                 self.epoch = read_epoch(self.store)
                 return self
@@ -137,15 +158,27 @@ def referenced(repo: Repository, progress: Callable[[str], None] | None = None
         bodies.add(bkey)
         try:
             states = mf.decode_body(store.get(bkey), bkey, m.body)
+            refs = chunk_refs(states)
         except ObjectNotFound:
             continue  # pruned
-        except CorruptObject:
+        except IntegrityError:
             damaged.append(bkey)
             continue
-        for _, _, desc in walk_leaves(states):
-            for d, _n in desc.get("chunks", []):
-                chunks.add(f"chunks/{d[:2]}/{d}")
+        chunks.update(chunk_key(d) for d in refs)
     return chunks, bodies, damaged
+
+
+class _LockRefresher:
+    """Re-writes the gc lock every ``gc_lock_refresh_s`` so that writers see it as live."""
+
+    def __init__(self, store: Store, dry_run: bool) -> None:
+        self.store, self.dry_run = store, dry_run
+        self.last = time.monotonic()
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last >= knobs.get().gc_lock_refresh_s:
+            self.store.put(LOCK_KEY, _marker())
+            self.last = time.monotonic()
 
 
 def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
@@ -154,7 +187,7 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
     store = repo.store
     result = GcResult()
     if not store.create(LOCK_KEY, _marker()):
-        if _is_live(store, LOCK_KEY, knobs.get().inflight_stale_s):
+        if _is_live(store, LOCK_KEY, knobs.get().gc_lock_stale_s):
             result.skipped = "another gc is running"
             return result
         store.put(LOCK_KEY, _marker())  # the previous gc died; take its lock over
@@ -177,7 +210,15 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
         if not dry_run:
             store.put(EPOCH_KEY, json.dumps({"epoch": read_epoch(store) + 1}).encode())
         keep_chunks, keep_bodies, result.damaged = referenced(repo, progress)
+        if result.damaged:
+            # A manifest or body we cannot read may reference anything: delete nothing.
+            result.skipped = (f"{len(result.damaged)} damaged or unreadable manifest(s)/body(ies) "
+                              "(a newer format, or corruption): gc deletes nothing until "
+                              "`ciuic verify` is clean")
+            return result
+        refresh = _LockRefresher(store, dry_run)
         for key in list(store.list("chunks/")):
+            refresh()
             if key in keep_chunks:
                 result.kept_chunks += 1
                 continue
@@ -191,7 +232,7 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
                     store.delete(key)
                 result.deleted_bodies += 1
         if isinstance(store, LocalStore) and not dry_run:
-            result.deleted_temporaries = store.remove_temporaries()
+            result.deleted_temporaries = store.remove_temporaries(knobs.get().temp_stale_s)
         return result
     finally:
         store.delete(LOCK_KEY)

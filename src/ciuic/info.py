@@ -24,6 +24,7 @@ class SnapshotInfo:
     body: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     status: str = "committed"  # committed | pruned (body deleted, manifest kept)
+    seq: int = 0  # commit order in the catalog (0 when not from the catalog)
 
     @property
     def short_id(self) -> str:

@@ -22,6 +22,12 @@ class Knobs:
     inflight_stale_s: float = 6 * 3600.0
     #: How long a save waits for a running `gc` to finish before giving up.
     gc_wait_s: float = 60.0
+    #: A gc lock not refreshed for this long belongs to a dead gc (it refreshes every
+    #: ``gc_lock_refresh_s`` while it works).
+    gc_lock_stale_s: float = 600.0
+    gc_lock_refresh_s: float = 30.0
+    #: Temporary files of the local store older than this are removed by `gc`.
+    temp_stale_s: float = 3600.0
 
 
 _current = Knobs()

@@ -8,6 +8,7 @@ naming the object; a missing object raises it too (as "missing").
 from __future__ import annotations
 
 import base64
+import math
 import os
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -48,15 +49,19 @@ def _get_chunk(repo: Repository, d: str, n: int) -> memoryview:
     return ck.unframe(key, blob, d, n)
 
 
-def _leaf_buffer(repo: Repository, path: str, desc: dict[str, Any],
+def _leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
                  pool: ThreadPoolExecutor) -> bytearray:
+    _leaf_layout(path, kind, desc)
     nbytes = int(desc["nbytes"])
     if "inline" in desc:
         raw = base64.b64decode(desc["inline"])
         if len(raw) != nbytes:
             raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
         return bytearray(raw)
-    refs = [(str(d), int(n)) for d, n in desc["chunks"]]
+    try:
+        refs = [(str(d), int(n)) for d, n in desc["chunks"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
     if sum(n for _, n in refs) != nbytes:
         raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
     out = bytearray(nbytes)
@@ -72,21 +77,36 @@ def _leaf_buffer(repo: Repository, path: str, desc: dict[str, Any],
     return out
 
 
+def _leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[int]]:
+    """(dtype, shape) of a leaf, checked against its byte count before anything is read."""
+    try:
+        shape = [int(x) for x in desc["shape"]]
+        nbytes = int(desc["nbytes"])
+        if kind == "tensor":
+            dtype: Any = torch_dtype(str(desc["dtype"]))
+            itemsize = torch.empty((), dtype=dtype).element_size()
+        else:
+            dtype = np.dtype(str(desc["dtype"]))
+            if dtype.hasobject or dtype.names is not None:
+                raise IntegrityError(f"{path}: object or structured arrays are never loaded")
+            itemsize = dtype.itemsize
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed tensor descriptor: {e}") from e
+    if any(d < 0 for d in shape) or math.prod(shape) * itemsize != nbytes:
+        raise IntegrityError(f"{path}: shape {shape} of {desc['dtype']} does not hold "
+                             f"{nbytes} bytes")
+    return dtype, shape
+
+
 def _materialize(path: str, kind: str, desc: dict[str, Any], buf: bytearray) -> Any:
-    shape = [int(x) for x in desc["shape"]]
+    dtype, shape = _leaf_layout(path, kind, desc)
     if kind == "tensor":
-        dtype = torch_dtype(str(desc["dtype"]))
         flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(
             0, dtype=torch.uint8)
         return flat.view(dtype).reshape(shape)
-    try:
-        dt = np.dtype(str(desc["dtype"]))
-    except TypeError as e:
-        raise IntegrityError(f"{path}: bad NumPy dtype {desc['dtype']!r}") from e
-    if dt.hasobject:
-        raise IntegrityError(f"{path}: object arrays are never loaded")
-    return np.frombuffer(buf, dtype=dt).reshape(shape).copy() if len(buf) else np.empty(
-        shape, dtype=dt)
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape).copy() if len(buf) else np.zeros(
+        shape, dtype=dtype)
+    return arr[()] if kind == "npscalar" else arr
 
 
 def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
@@ -100,8 +120,8 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
     wanted = {k: v for k, v in states.items() if k not in skip}
     buffers: dict[str, bytearray] = {}
     with ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ciuic-read") as pool:
-        for path, _kind, desc in walk_leaves(wanted):
-            buffers[path] = _leaf_buffer(repo, path, desc, pool)
+        for path, kind, desc in walk_leaves(wanted):
+            buffers[path] = _leaf_buffer(repo, path, kind, desc, pool)
 
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
         return _materialize(path, kind, desc, buffers[path])

@@ -101,36 +101,40 @@ class Repository:
         the store is the truth, so the next run heals it here.
         """
         known = {i.id for i in self.catalog.snapshots(project, job, status=None)}
-        added = 0
+        found: dict[str, mf.Manifest] = {}
         for sid in self.manifest_ids(project, job):
             if sid in known:
                 continue
             try:
-                m = self.read_manifest(project, job, sid)
+                found[sid] = self.read_manifest(project, job, sid)
             except (CorruptObject, ObjectNotFound):
                 continue  # damaged manifests are reported by `ciuic verify`
+        for sid in commit_order(found):
+            m = found[sid]
             status = "committed" if self.store.has(mf.body_key(project, job, m.body)) else "pruned"
             self.catalog.add_snapshot(m, sid, status)
-            added += 1
-        return added
+        return len(found)
 
     def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
         """Rebuild the catalog's snapshot rows from the store alone."""
         counts = {"snapshots": 0, "pruned": 0, "damaged": 0, "removed": 0}
         seen: set[str] = set()
+        found: dict[str, mf.Manifest] = {}
         for key in self.store.list("jobs/"):
-            found = _MANIFEST.match(key)
-            if not found:
+            match = _MANIFEST.match(key)
+            if not match:
                 continue
-            project, job, sid = found.groups()
+            project, job, sid = match.groups()
             if progress:
                 progress(key)
             try:
-                m = self.read_manifest(project, job, sid)
+                found[sid] = self.read_manifest(project, job, sid)
             except (CorruptObject, ObjectNotFound):
                 counts["damaged"] += 1
-                continue
-            status = "committed" if self.store.has(mf.body_key(project, job, m.body)) else "pruned"
+        for sid in commit_order(found):
+            m = found[sid]
+            status = ("committed" if self.store.has(mf.body_key(m.project, m.job, m.body))
+                      else "pruned")
             self.catalog.add_snapshot(m, sid, status)
             seen.add(sid)
             counts["pruned" if status == "pruned" else "snapshots"] += 1
@@ -185,3 +189,22 @@ class Repository:
 
 
 _MEMORY_CATALOGS: dict[str, Catalog] = {}
+
+
+def commit_order(manifests: dict[str, mf.Manifest]) -> list[str]:
+    """IDs ordered as they were most plausibly committed: by time, but parents always first."""
+    ordered: list[str] = []
+    done: set[str] = set()
+
+    def visit(sid: str) -> None:
+        if sid in done:
+            return
+        done.add(sid)
+        parent = manifests[sid].parent
+        if parent in manifests:
+            visit(parent)
+        ordered.append(sid)
+
+    for sid in sorted(manifests, key=lambda i: (manifests[i].created, manifests[i].step)):
+        visit(sid)
+    return ordered

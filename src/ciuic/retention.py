@@ -2,9 +2,10 @@
 
 Rules (by step number, compared as integers: 9900 < 10000):
 
-* ``keep_last=N`` keeps the N snapshots with the highest steps;
+* ``keep_last=N`` keeps the N snapshots with the highest steps of each lineage (snapshots that
+  share a root: a restart without ``restore()`` starts a new lineage);
 * ``keep_every=K`` keeps every snapshot whose step is a multiple of K;
-* the newest committed snapshot (by commit time) and any ``protect``ed ID are always kept.
+* the newest committed snapshot (by commit order) and any ``protect``ed ID are always kept.
 
 Pruning deletes in reverse write order: the catalog row is marked "pruned", then the body is
 deleted. The manifest stays (a few hundred bytes), so the chain of IDs remains verifiable; the
@@ -21,9 +22,27 @@ from .info import SnapshotInfo
 from .repo import Repository
 
 
+def lineages(snapshots: list[SnapshotInfo], parents: dict[str, str]
+             ) -> dict[str, list[SnapshotInfo]]:
+    """Group snapshots by the root of their chain (``parents``: every known ID -> parent ID)."""
+    groups: dict[str, list[SnapshotInfo]] = {}
+    for s in snapshots:
+        root, seen = s.id, set()
+        while parents.get(root) and parents[root] in parents and root not in seen:
+            seen.add(root)
+            root = parents[root]
+        groups.setdefault(root, []).append(s)
+    return groups
+
+
 def plan(snapshots: list[SnapshotInfo], keep_last: int | None, keep_every: int | None,
-         protect: Iterable[str] = ()) -> tuple[list[SnapshotInfo], list[SnapshotInfo]]:
-    """(keep, prune) for a job's committed snapshots."""
+         protect: Iterable[str] = (), parents: dict[str, str] | None = None
+         ) -> tuple[list[SnapshotInfo], list[SnapshotInfo]]:
+    """(keep, prune) for a job's committed snapshots.
+
+    The rules apply to each lineage (snapshots sharing a root) separately, so a run that started
+    a new lineage is not pruned away by an older lineage's higher steps.
+    """
     if keep_last is not None and keep_last < 1:
         raise ConfigurationError(f"keep_last must be at least 1, got {keep_last}")
     if keep_every is not None and keep_every < 1:
@@ -31,13 +50,16 @@ def plan(snapshots: list[SnapshotInfo], keep_last: int | None, keep_every: int |
     if not snapshots or (keep_last is None and keep_every is None):
         return list(snapshots), []
     keep_ids = set(protect)
-    newest = max(snapshots, key=lambda s: (s.created, s.step))
+    newest = max(snapshots, key=lambda s: (s.seq, s.created, s.step))
     keep_ids.add(newest.id)
-    by_step = sorted(snapshots, key=lambda s: (s.step, s.created), reverse=True)
-    if keep_last is not None:
-        keep_ids.update(s.id for s in by_step[:keep_last])
-    if keep_every is not None:
-        keep_ids.update(s.id for s in snapshots if s.step % keep_every == 0)
+    groups = lineages(snapshots, parents if parents is not None else
+                      {s.id: s.parent for s in snapshots})
+    for group in groups.values():
+        by_step = sorted(group, key=lambda s: (s.step, s.seq), reverse=True)
+        if keep_last is not None:
+            keep_ids.update(s.id for s in by_step[:keep_last])
+        if keep_every is not None:
+            keep_ids.update(s.id for s in group if s.step % keep_every == 0)
     keep = [s for s in snapshots if s.id in keep_ids]
     prune = [s for s in snapshots if s.id not in keep_ids]
     return keep, prune
@@ -47,7 +69,10 @@ def prune(repo: Repository, project: str, job: str, keep_last: int | None,
           keep_every: int | None, protect: Iterable[str] = (), dry_run: bool = False
           ) -> list[SnapshotInfo]:
     """Apply the rules to a job; returns the snapshots pruned (or that would be)."""
-    _, doomed = plan(repo.catalog.snapshots(project, job), keep_last, keep_every, protect)
+    every = repo.catalog.snapshots(project, job, status=None)
+    parents = {s.id: s.parent for s in every}
+    committed = [s for s in every if s.status == "committed"]
+    _, doomed = plan(committed, keep_last, keep_every, protect, parents)
     if dry_run:
         return doomed
     for s in doomed:

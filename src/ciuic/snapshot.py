@@ -27,6 +27,7 @@ from . import knobs, runs
 from . import manifest as mf
 from .capture import (
     capture,
+    check_loadable,
     check_optimizer_state,
     load_object,
     match_model_state,
@@ -36,6 +37,7 @@ from .errors import (
     CiuicError,
     ConfigurationError,
     IntegrityError,
+    ObjectNotFound,
     RestoreError,
     StateMismatch,
 )
@@ -163,7 +165,7 @@ class SnapshotManager:
         now = time.monotonic()
         if now - self._last_heartbeat >= knobs.get().heartbeat_interval_s:
             self._last_heartbeat = now
-            self.repo.catalog.heartbeat(self.run_id, step)
+            self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
         if not self._due(step, now):
             return False
         if model is None and optimizer is None and not extras:
@@ -173,7 +175,7 @@ class SnapshotManager:
         try:
             self.save(step, model, optimizer, **extras)
             return True
-        except (CiuicError, OSError) as e:
+        except Exception as e:  # never let a snapshot failure stop training
             self.stats.failures += 1
             self.stats.consecutive_failures += 1
             self.stats.last_error = str(e)
@@ -209,17 +211,25 @@ class SnapshotManager:
         self.stats.bytes_total += m.total_bytes
         self.stats.bytes_new += m.new_bytes
         self.stats.last_save_s = time.perf_counter() - t0
-        self.repo.catalog.heartbeat(self.run_id, step)
-        self.repo.catalog.event(self.run_id, self.project, self.job, "snapshot", step, sid)
+        # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
+        self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
+        self._quietly("record the snapshot event", self.repo.catalog.event, self.run_id,
+                      self.project, self.job, "snapshot", step, sid)
         if self.keep_last is not None or self.keep_every is not None:
-            self._apply_retention(sid)
+            self._quietly("apply retention", self._apply_retention, sid)
         return SnapshotInfo.from_manifest(m, sid)
+
+    def _quietly(self, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            log.warning("could not %s (training and snapshots go on): %s", what, e)
 
     def _apply_retention(self, current: str) -> None:
         pruned = prune(self.repo, self.project, self.job, self.keep_last, self.keep_every,
                        protect=[current])
         if pruned:
-            result = collect(self.repo)  # skips quietly when another save is in flight
+            result = collect(self.repo)  # skips when a save is in flight or data is damaged
             log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
                       result.deleted_chunks, result.skipped)
 
@@ -270,7 +280,7 @@ class SnapshotManager:
                      self.repo.location(mf.manifest_key(info.project, info.job, info.id)))
             try:
                 _, states = load_states(self.repo, info, skip)
-            except IntegrityError as e:
+            except (IntegrityError, ObjectNotFound) as e:
                 problems.append(f"step {info.step} ({info.short_id}): {e}")
                 if snapshot is not None:
                     raise RestoreError(f"snapshot {info.short_id} cannot be restored: {e}") from e
@@ -303,14 +313,18 @@ class SnapshotManager:
             have = ", ".join(sorted(states)) or "nothing"
             raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
                                 f"(it has: {have}); pass only objects that were saved")
+        for name, obj in extras.items():
+            check_loadable(name, obj)
+        # extras first: their load_state_dict may still reject the state (a sampler over a
+        # dataset of another length), and then the model and optimizer are untouched
+        for name, obj in extras.items():
+            load_object(name, obj, states[name])
         if model is not None:
             log.info("Loading model state...")
             model.load_state_dict(model_state)
         if optimizer is not None:
             log.info("Loading optimizer state...")
             optimizer.load_state_dict(states["optimizer"])
-        for name, obj in extras.items():
-            load_object(name, obj, states[name])
         if "rng" in states:
             set_rng_state(states["rng"])
         self.restored_values = {k: v for k, v in states.items()

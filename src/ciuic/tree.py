@@ -15,6 +15,7 @@ Tagged forms (an object with exactly one key that starts with ``$``)::
     {"$dtype": "float32"}         torch.dtype
     {"$tensor": {descriptor}}     torch.Tensor, bytes in chunks or inline
     {"$ndarray": {descriptor}}    numpy.ndarray
+    {"$npscalar": {descriptor}}   NumPy scalar (np.float32(0.1) comes back as np.float32)
 """
 
 from __future__ import annotations
@@ -101,25 +102,30 @@ def _plain_keys(d: dict[Any, Any]) -> bool:
 
 def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     """Encode ``value`` found at ``path``; tensors are appended to ``leaves``."""
+    if isinstance(value, np.generic):  # before float/int: np.float64 subclasses float
+        if value.dtype.hasobject or value.dtype.kind in "SUV":
+            return encode(value.item(), path, leaves)
+        desc: dict[str, Json] = {}
+        leaves.append(Leaf(path, np.asarray(value), desc))
+        return {"$npscalar": desc}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
-        return {"$float": repr(value)}
+        return {"$float": float.__repr__(value)}
     if isinstance(value, torch.Tensor):
         _check_tensor(value, path)
-        desc: dict[str, Json] = {}
+        desc = {}
         leaves.append(Leaf(path, value, desc))
         return {"$tensor": desc}
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise CaptureError(f"{path}: NumPy arrays of Python objects cannot be stored")
+        if value.dtype.hasobject or value.dtype.names is not None:
+            raise CaptureError(f"{path}: NumPy arrays of Python objects or structured dtypes "
+                               "cannot be stored; store plain numeric arrays")
         desc = {}
         leaves.append(Leaf(path, value, desc))
         return {"$ndarray": desc}
-    if isinstance(value, np.generic):
-        return encode(value.item(), path, leaves)
     if isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value)}
     if isinstance(value, (bytes, bytearray)):
@@ -170,7 +176,12 @@ def decode(tree: Json, path: str, load_leaf: LoadLeaf) -> Any:
     if len(tree) == 1:
         (tag, inner), = tree.items()
         if tag.startswith("$"):
-            return _decode_tagged(tag, inner, path, load_leaf)
+            try:
+                return _decode_tagged(tag, inner, path, load_leaf)
+            except IntegrityError:
+                raise
+            except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+                raise IntegrityError(f"{path}: malformed {tag} value in snapshot body: {e}") from e
     return {k: decode(v, join(path, k), load_leaf) for k, v in tree.items()}
 
 
@@ -189,7 +200,9 @@ def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf) -> Any
         return base64.b64decode(inner)
     if tag == "$dtype":
         return torch_dtype(inner)
-    if tag in ("$tensor", "$ndarray"):
+    if tag in ("$tensor", "$ndarray", "$npscalar"):
+        if not isinstance(inner, dict):
+            raise IntegrityError(f"{path}: malformed {tag} descriptor")
         return load_leaf(path, tag[1:], inner)
     raise IntegrityError(f"{path}: unknown tag {tag!r} in snapshot body (written by a newer "
                          "ciuic? upgrade to read it)")

@@ -56,7 +56,7 @@ def leaf_bytes(leaf: Leaf) -> memoryview:
     """The raw little-endian bytes of a leaf, without copying when already contiguous on CPU."""
     v = leaf.value
     if isinstance(v, torch.Tensor):
-        t = v.detach()
+        t = v.detach().resolve_conj().resolve_neg()
         if t.device.type != "cpu":
             t = t.to("cpu")
         t = t.contiguous().reshape(-1)
@@ -73,8 +73,8 @@ def _describe(leaf: Leaf) -> dict[str, Any]:
     v = leaf.value
     if isinstance(v, torch.Tensor):
         return {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
-    return {"dtype": v.dtype.newbyteorder("<").str if v.dtype.byteorder == ">" else v.dtype.str,
-            "shape": list(v.shape)}
+    dt = v.dtype.newbyteorder("<") if v.dtype.byteorder == ">" else v.dtype
+    return {"dtype": dt.str, "shape": list(v.shape)}
 
 
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tuple[int, int]:
@@ -136,5 +136,5 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
         if not store.create(mf.manifest_key(project, job, sid), data):
             raise StoreError(f"snapshot {sid[:12]} already exists (identical manifest)")
         failpoint("catalog.insert")
-    repo.catalog.add_snapshot(m, sid)
+        repo.catalog.add_snapshot(m, sid)
     return m, sid

@@ -119,7 +119,7 @@ class Catalog:
                 ).one()
                 latest = s.scalar(
                     select(Snapshot.created).where(Snapshot.job_id == jid)
-                    .order_by(Snapshot.created.desc()).limit(1)
+                    .order_by(Snapshot.seq.desc()).limit(1)
                 )
                 out.append({"project": project, "job": job, "snapshots": stats[0],
                             "max_step": stats[1], "new_bytes": stats[2] or 0, "latest": latest})
@@ -143,7 +143,9 @@ class Catalog:
             assert jid is not None
             row = s.get(Snapshot, snapshot_id)
             if row is None:
-                s.add(Snapshot(
+                seq = (s.scalar(select(func.max(Snapshot.seq)).where(Snapshot.job_id == jid))
+                       or 0) + 1
+                s.add(Snapshot(seq=seq,
                     id=snapshot_id, job_id=jid, step=m.step, parent=m.parent, created=m.created,
                     body=m.body, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
                     tensors=m.tensors, world_size=m.world_size,
@@ -167,7 +169,7 @@ class Catalog:
             id=row.id, project=project, job=job, step=row.step, parent=row.parent,
             created=row.created, total_bytes=row.total_bytes, new_bytes=row.new_bytes,
             tensors=row.tensors, world_size=row.world_size, body=row.body,
-            metrics=json.loads(row.metrics), status=row.status,
+            metrics=json.loads(row.metrics), status=row.status, seq=row.seq,
         )
 
     def _select(self) -> Any:
@@ -179,12 +181,15 @@ class Catalog:
 
     def snapshots(self, project: str, job: str, *, status: str | None = "committed",
                   newest_first: bool = False) -> list[SnapshotInfo]:
-        """A job's snapshots, in commit order (oldest first unless ``newest_first``)."""
+        """A job's snapshots in commit order (oldest first unless ``newest_first``).
+
+        Commit order is the catalog's insertion sequence, not wall-clock time, so a clock that
+        steps back cannot make an older snapshot "latest".
+        """
         q = self._select().where(Project.name == project, Job.name == job)
         if status is not None:
             q = q.where(Snapshot.status == status)
-        order = (Snapshot.created.desc(), Snapshot.step.desc()) if newest_first else (
-            Snapshot.created, Snapshot.step)
+        order = (Snapshot.seq.desc(),) if newest_first else (Snapshot.seq,)
         with self.session() as s:
             return [self._info(r, p, j) for r, p, j in s.execute(q.order_by(*order)).all()]
 
@@ -221,7 +226,12 @@ class Catalog:
     def by_step(self, project: str, job: str, step: int) -> SnapshotInfo:
         q = self._select().where(Project.name == project, Job.name == job, Snapshot.step == step)
         with self.session() as s:
-            rows = s.execute(q.order_by(Snapshot.created.desc())).all()
+            rows = s.execute(q.order_by(Snapshot.seq.desc())).all()
+        committed = [r for r in rows if r[0].status == "committed"]
+        if rows and not committed:
+            raise SnapshotNotFound(f"the snapshot of {project}/{job} at step {step} was pruned "
+                                   "(its manifest is kept, its data is gone)")
+        rows = committed
         if not rows:
             steps = [i.step for i in self.snapshots(project, job)]
             near = ", ".join(str(x) for x in sorted(steps)[-10:]) or "none"

@@ -50,6 +50,8 @@ class Snapshot(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[str] = mapped_column(Text)  # JSON (not hashed: floats allowed here)
     status: Mapped[str] = mapped_column(String(16))  # committed | pruned
+    #: commit order as this catalog saw it (immune to clock steps); "latest" is the highest
+    seq: Mapped[int] = mapped_column(Integer, index=True)
 
 
 class Run(Base):

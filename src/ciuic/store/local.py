@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,11 +46,26 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
+    def _ensure_dir(self, directory: Path) -> None:
+        """Create ``directory`` (and missing parents), fsync'ing each new entry's parent, so a
+        durable object's directory entry cannot vanish in a power loss."""
+        if directory in self._known_dirs:
+            return
+        missing = []
+        d = directory
+        while not d.is_dir():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir()
+            if self.fsync:
+                _fsync_dir(d.parent)
+        self._known_dirs.add(directory)
+
     def _write_tmp(self, path: Path, data: Data) -> Path:
         parent = path.parent
-        if parent not in self._known_dirs:
-            parent.mkdir(parents=True, exist_ok=True)
-            self._known_dirs.add(parent)
+        self._ensure_dir(parent)
         tmp = parent / f"{_TMP}{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -143,13 +159,17 @@ class LocalStore(Store):
     def location(self, key: str = "") -> str:
         return str(self.root / key) if key else str(self.root)
 
-    def remove_temporaries(self) -> int:
-        """Delete temporary files left by crashed writers. Returns how many."""
+    def remove_temporaries(self, older_than_s: float = 0.0) -> int:
+        """Delete temporary files left by crashed writers (only those older than
+        ``older_than_s``, so a concurrent writer's file is never pulled away). Returns how many."""
         n = 0
+        cutoff = time.time() - older_than_s
         for dirpath, _, filenames in os.walk(self.root):
             for name in filenames:
                 if name.startswith(_TMP):
+                    path = os.path.join(dirpath, name)
                     with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(dirpath, name))
-                        n += 1
+                        if os.stat(path).st_mtime <= cutoff:
+                            os.unlink(path)
+                            n += 1
         return n

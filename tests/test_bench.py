@@ -1,0 +1,26 @@
+"""A smoke run of the benchmark (the full run is on demand: `python bench/run.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).parent.parent / "bench" / "run.py"
+
+
+def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out: dict[str, Any] = bench.main(["--quick", "--dir", str(tmp_path / "b")])
+    text = capsys.readouterr().out
+    size = out["state_bytes"]
+    assert set(out["results"]) == {"torch.save", "safetensors", "dcp.save", "ciuic"}
+    for name, res in out["results"].items():
+        assert res["save"][0] > 0 and res["load"][0] > 0, name
+        assert res["bytes"][0] >= 0.99 * size, f"{name} wrote less than the state"
+        assert name in text
