@@ -117,3 +117,26 @@ def test_open_store_by_url(tmp_path: Path) -> None:
     assert m is open_store("memory://shared-test")
     with pytest.raises(ValueError, match="unknown store URL scheme 'gopher'"):
         open_store("gopher://x")
+
+
+def test_get_into_reads_back_to_back_and_reports_size(store: Store) -> None:
+    store.put("g/1", [b"head", b"-", b"payload"])  # a list of buffers is one object
+    assert store.get("g/1") == b"head-payload"
+    a, b = bytearray(5), bytearray(7)
+    assert store.get_into("g/1", [memoryview(a), memoryview(b)]) == 12
+    assert (a, b) == (bytearray(b"head-"), bytearray(b"payload"))
+    short = bytearray(4)
+    assert store.get_into("g/1", [memoryview(short)]) == 12 and short == b"head"
+    long = bytearray(20)
+    assert store.get_into("g/1", [memoryview(long)]) == 12 and long[:12] == b"head-payload"
+    with pytest.raises(ObjectNotFound):
+        store.get_into("g/missing", [memoryview(a)])
+
+
+def test_non_durable_puts_become_durable_on_sync(store: Store) -> None:
+    for i in range(20):
+        store.put(f"batch/{i:02d}/x", f"v{i}".encode(), durable=False)
+    store.sync()
+    store.sync()  # idempotent
+    assert [store.get(f"batch/{i:02d}/x") for i in range(20)] == [f"v{i}".encode()
+                                                                   for i in range(20)]

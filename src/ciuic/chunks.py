@@ -54,7 +54,7 @@ def split(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
 
 
-def frame(plain: Buffer) -> list[Buffer]:
+def frame(plain: Buffer) -> list[Buffer]:  # a store.Data list
     """The stored form of a plaintext piece, as buffers to write back to back (no copy)."""
     header = _HEADER.pack(MAGIC, FRAME_VERSION, CODEC_RAW, CIPHER_NONE, 0, len(plain))
     return [header, plain]
@@ -81,3 +81,26 @@ def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> m
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
     return payload
+
+
+def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryview,
+               expected_digest: str, expected_len: int) -> None:
+    """Check a chunk read straight into its destination: ``header`` (16 bytes), the object's
+    total ``size``, and the ``payload`` view it filled. Raises :class:`CorruptObject`."""
+    if size < HEADER_BYTES:
+        raise CorruptObject(key, f"truncated: {size} bytes, shorter than the header")
+    magic, version, codec, cipher, _, length = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise CorruptObject(key, "not a ciuic chunk (bad magic)")
+    if version != FRAME_VERSION:
+        raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
+    if codec != CODEC_RAW or cipher != CIPHER_NONE:
+        raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
+    if length != expected_len or size - HEADER_BYTES != expected_len:
+        raise CorruptObject(
+            key, f"length mismatch: header says {length}, object holds {size - HEADER_BYTES}, "
+            f"manifest expects {expected_len} (truncated?)"
+        )
+    actual = digest(payload)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")

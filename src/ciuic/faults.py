@@ -4,7 +4,8 @@ Off and free in normal runs. Enabled through ``CIUIC_FAILPOINTS`` (read at impor
 :func:`reload`), a comma-separated list of ``NAME=ACTION`` where ACTION is ``kill`` (SIGKILL
 the process), ``raise`` (an I/O error), ``kill@N`` / ``raise@N`` (only on the N-th hit,
 counting from 1), or ``sleep:SECONDS`` (slow the step down, so that kills from outside land
-inside saves). Names: ``chunk.put``, ``body.put``, ``manifest.create``, ``catalog.insert``.
+inside saves). Names, in write order: ``chunk.put``, ``chunks.sync``, ``body.put``,
+``manifest.create``, ``catalog.insert``.
 """
 
 from __future__ import annotations

@@ -40,13 +40,19 @@ def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[s
     return m, mf.decode_body(data, key, m.body)
 
 
-def _get_chunk(repo: Repository, d: str, n: int) -> memoryview:
+def _read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
+    """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it."""
     key = ck.chunk_key(d)
+    header = bytearray(ck.HEADER_BYTES)
     try:
-        blob = repo.store.get(key)
+        size = repo.store.get_into(key, [memoryview(header), dest])
     except ObjectNotFound:
         raise CorruptObject(key, "missing") from None
-    return ck.unframe(key, blob, d, n)
+    ck.check_read(key, header, size, dest, d, n)
+
+
+def _get_chunk(repo: Repository, d: str, n: int) -> None:
+    _read_chunk(repo, d, n, memoryview(bytearray(n)))
 
 
 def _leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
@@ -71,9 +77,10 @@ def _leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     for _, n in refs:
         offsets.append(off)
         off += n
-    futures = [pool.submit(_get_chunk, repo, d, n) for d, n in refs]
-    for fut, o, (_, n) in zip(futures, offsets, refs, strict=True):
-        view[o:o + n] = fut.result()
+    futures = [pool.submit(_read_chunk, repo, d, n, view[o:o + n])
+               for o, (d, n) in zip(offsets, refs, strict=True)]
+    for fut in futures:
+        fut.result()
     return out
 
 

@@ -100,7 +100,7 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
                 key = ck.chunk_key(d)
                 if not store.has(key):
                     failpoint("chunk.put")
-                    store.put(key, b"".join(ck.frame(piece)))
+                    store.put(key, ck.frame(piece), durable=False)  # synced below, as a batch
                     new += n
                 cache.digests.add(d)
             desc["chunks"] = refs
@@ -120,6 +120,8 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
     with InflightSave(store) as inflight:
         cache.sync(inflight.epoch)
         total, new = write_leaves(repo, captured.leaves, cache)
+        failpoint("chunks.sync")
+        store.sync()  # every chunk durable before anything refers to it
         body = mf.encode_body(captured.states)
         body_digest = digest(body)
         failpoint("body.put")

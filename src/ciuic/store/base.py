@@ -19,7 +19,20 @@ from ..errors import InvalidKey
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
 
-Data = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview
+#: An object's bytes: one buffer, or a list of buffers written back to back (no join needed).
+Data = Buffer | list[Buffer]
+
+
+def parts(data: Data) -> list[memoryview]:
+    """``data`` as a list of byte views."""
+    if isinstance(data, list):
+        return [memoryview(p).cast("B") for p in data]
+    return [memoryview(data).cast("B")]
+
+
+def joined(data: Data) -> bytes:
+    return b"".join(parts(data)) if isinstance(data, list) else bytes(data)
 
 
 def check_key(key: str) -> str:
@@ -49,14 +62,21 @@ class Store(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    def put(self, key: str, data: Data) -> None:
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Write ``data`` under ``key``, atomically and durably.
 
         Idempotent: writing the same bytes twice is harmless; an existing object is replaced
         (callers only ever re-put identical content for content-addressed keys). When this
         returns the object survives a crash; a crash during the call leaves either the old
         object, the new one, or nothing, never a partial object.
+
+        With ``durable=False`` the write is still atomic, but it is only guaranteed to survive
+        a crash after the next :meth:`sync` returns (the writer batches many chunk writes this
+        way and syncs once before it writes anything that refers to them).
         """
+
+    def sync(self) -> None:  # noqa: B027 - stores that are always durable need nothing
+        """Make every ``put(..., durable=False)`` made so far durable."""
 
     @abc.abstractmethod
     def create(self, key: str, data: Data) -> bool:
@@ -69,6 +89,23 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``. Raises :class:`~ciuic.errors.ObjectNotFound`."""
+
+    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+        """Read ``key`` into ``buffers``, back to back, and return the object's size in bytes.
+
+        Bytes beyond the buffers' total are not read; a shorter object leaves the tail of the
+        buffers untouched (callers compare the returned size). Raises
+        :class:`~ciuic.errors.ObjectNotFound`. Backends override it to avoid a copy.
+        """
+        data = memoryview(self.get(key))
+        off = 0
+        for buf in buffers:
+            n = min(len(buf), len(data) - off)
+            if n <= 0:
+                break
+            buf[:n] = data[off:off + n]
+            off += n
+        return len(data)
 
     @abc.abstractmethod
     def has(self, key: str) -> bool:

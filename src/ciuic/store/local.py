@@ -12,14 +12,31 @@ import contextlib
 import errno
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ObjectNotFound, StoreError
-from .base import Data, Store, check_key, check_prefix
+from .base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
+
+
+_SYNC_THREADS = 8
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write every view, in order, with as few system calls as possible (writev)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -42,6 +59,8 @@ class LocalStore(Store):
             raise StoreError(f"cannot create the store directory {self.root}: {e}") from e
         self.url = f"file://{self.root}"
         self._known_dirs: set[Path] = set()
+        self._pending: list[Path] = []
+        self._pending_lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -63,17 +82,14 @@ class LocalStore(Store):
                 _fsync_dir(d.parent)
         self._known_dirs.add(directory)
 
-    def _write_tmp(self, path: Path, data: Data) -> Path:
+    def _write_tmp(self, path: Path, data: Data, sync: bool = True) -> Path:
         parent = path.parent
         self._ensure_dir(parent)
         tmp = parent / f"{_TMP}{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if self.fsync:
+            _write_all(fd, parts(data))
+            if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -83,15 +99,43 @@ class LocalStore(Store):
         os.close(fd)
         return tmp
 
-    def put(self, key: str, data: Data) -> None:
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         path = self._path(key)
         try:
-            tmp = self._write_tmp(path, data)
+            tmp = self._write_tmp(path, data, sync=durable)
             os.replace(tmp, path)
-            if self.fsync:
+            if self.fsync and durable:
                 _fsync_dir(path.parent)
         except OSError as e:
             raise StoreError(f"cannot write {self.location(key)}: {e}") from e
+        if self.fsync and not durable:
+            with self._pending_lock:
+                self._pending.append(path)
+
+    def sync(self) -> None:
+        """fsync every file written with ``durable=False``, then their directories, in parallel
+        (one fsync each, overlapped: far cheaper than one at a time while writing)."""
+        with self._pending_lock:
+            files, self._pending = self._pending, []
+        if not files:
+            return
+        dirs = sorted({f.parent for f in files})
+
+        def fsync_path(path: Path) -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync") as pool:
+                list(pool.map(fsync_path, files))
+                list(pool.map(fsync_path, dirs))
+        except OSError as e:
+            with self._pending_lock:
+                self._pending.extend(files)
+            raise StoreError(f"cannot make writes under {self.root} durable: {e}") from e
 
     def create(self, key: str, data: Data) -> bool:
         path = self._path(key)
@@ -121,6 +165,32 @@ class LocalStore(Store):
             raise ObjectNotFound(f"{self.location(key)} is not an object") from None
         except OSError as e:
             raise StoreError(f"cannot read {self.location(key)}: {e}") from e
+
+    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.location(key)} does not exist") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {self.location(key)}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            views = [memoryview(b).cast("B") for b in buffers if len(b)]
+            while views:
+                n = os.readv(fd, views)
+                if n == 0:
+                    break
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+            return size
+        except OSError as e:
+            raise StoreError(f"cannot read {self.location(key)}: {e}") from e
+        finally:
+            os.close(fd)
 
     def has(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 
 from ..errors import ObjectNotFound
-from .base import Data, Store, check_key, check_prefix
+from .base import Data, Store, check_key, check_prefix, joined
 
 _NAMED: dict[str, MemoryStore] = {}
 _NAMED_LOCK = threading.Lock()
@@ -31,15 +31,15 @@ class MemoryStore(Store):
                 _NAMED[name] = cls(name)
             return _NAMED[name]
 
-    def put(self, key: str, data: Data) -> None:
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         check_key(key)
-        blob = bytes(data)
+        blob = joined(data)
         with self._lock:
             self._objects[key] = blob
 
     def create(self, key: str, data: Data) -> bool:
         check_key(key)
-        blob = bytes(data)
+        blob = joined(data)
         with self._lock:
             if key in self._objects:
                 return False
