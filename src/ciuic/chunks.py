@@ -62,24 +62,8 @@ def frame(plain: Buffer) -> list[Buffer]:  # a store.Data list
 
 def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
     """Check and decode a stored chunk; returns the plaintext. Raises :class:`CorruptObject`."""
-    if len(blob) < HEADER_BYTES:
-        raise CorruptObject(key, f"truncated: {len(blob)} bytes, shorter than the header")
-    magic, version, codec, cipher, _, length = _HEADER.unpack_from(blob)
-    if magic != MAGIC:
-        raise CorruptObject(key, "not a ciuic chunk (bad magic)")
-    if version != FRAME_VERSION:
-        raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
-    if codec != CODEC_RAW or cipher != CIPHER_NONE:
-        raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
     payload = memoryview(blob)[HEADER_BYTES:]
-    if length != expected_len or len(payload) != length:
-        raise CorruptObject(
-            key, f"length mismatch: header says {length}, payload has {len(payload)}, "
-            f"manifest expects {expected_len} (truncated?)"
-        )
-    actual = digest(payload)
-    if actual != expected_digest:
-        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    check_read(key, blob[:HEADER_BYTES], len(blob), payload, expected_digest, expected_len)
     return payload
 
 

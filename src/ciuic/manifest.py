@@ -110,17 +110,7 @@ class Manifest:
     @classmethod
     def decode(cls, data: bytes, key: str = "manifest") -> Manifest:
         """Parse and validate manifest bytes. Raises :class:`CorruptObject` on any defect."""
-        try:
-            obj = canonical.loads(data)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CorruptObject(key, f"not canonical JSON: {e}") from e
-        if not isinstance(obj, dict) or obj.get("kind") != MANIFEST_KIND:
-            raise CorruptObject(key, "not a ciuic snapshot manifest")
-        if obj.get("format") != FORMAT_VERSION:
-            raise CorruptObject(
-                key, f"format {obj.get('format')!r} is not supported by this version of ciuic "
-                f"(it reads format {FORMAT_VERSION}); upgrade ciuic"
-            )
+        obj = _load(data, key, MANIFEST_KIND, "manifest")
         try:
             m = cls(
                 project=_typed(obj, "project", str),
@@ -144,6 +134,22 @@ class Manifest:
         if m.encode() != data:
             raise CorruptObject(key, "manifest bytes are not in canonical form")
         return m
+
+
+def _load(data: bytes, key: str, kind: str, what: str) -> dict[str, Any]:
+    """Parse a canonical-JSON object of ``kind`` and check its format version."""
+    try:
+        obj = canonical.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptObject(key, f"not canonical JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("kind") != kind:
+        raise CorruptObject(key, f"not a ciuic snapshot {what}")
+    if obj.get("format") != FORMAT_VERSION:
+        raise CorruptObject(
+            key, f"{what} format {obj.get('format')!r} is not supported by this version of ciuic "
+            f"(it reads format {FORMAT_VERSION}); upgrade ciuic"
+        )
+    return obj
 
 
 def _typed(obj: dict[str, Any], name: str, kind: type) -> Any:
@@ -173,14 +179,7 @@ def decode_body(data: bytes, key: str, expected_digest: str) -> dict[str, Any]:
     actual = digest(data)
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
-    try:
-        obj = canonical.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptObject(key, f"not canonical JSON: {e}") from e
-    if not isinstance(obj, dict) or obj.get("kind") != BODY_KIND:
-        raise CorruptObject(key, "not a ciuic snapshot body")
-    if obj.get("format") != FORMAT_VERSION:
-        raise CorruptObject(key, f"unsupported body format {obj.get('format')!r}; upgrade ciuic")
+    obj = _load(data, key, BODY_KIND, "body")
     states = obj.get("states")
     if not isinstance(states, dict):
         raise CorruptObject(key, "body has no states")

@@ -27,16 +27,20 @@ _TMP = ".tmp-"
 _SYNC_THREADS = 8
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
+
+
 def _write_all(fd: int, views: list[memoryview]) -> None:
     """Write every view, in order, with as few system calls as possible (writev)."""
     views = [v for v in views if len(v)]
     while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, os.writev(fd, views))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -181,11 +185,7 @@ class LocalStore(Store):
                 n = os.readv(fd, views)
                 if n == 0:
                     break
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
+                _advance(views, n)
             return size
         except OSError as e:
             raise StoreError(f"cannot read {self.location(key)}: {e}") from e
