@@ -235,7 +235,10 @@ def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be dele
        ) -> None:
     """Delete chunks and bodies no snapshot references."""
     repo = _repo()
-    result = collect(repo, dry_run=dry_run, wait_s=wait)
+    with _progress() as bar:
+        task = bar.add_task("gc: reading manifests", total=None)
+        result = collect(repo, dry_run=dry_run, wait_s=wait,
+                         progress=lambda key: bar.advance(task))
     if result.skipped:
         err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
         raise typer.Exit(2)
