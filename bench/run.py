@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--quick", action="store_true", help="1/16-size state, 1 round")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)  # keep the recovery log out of the table
     scale = 4 if a.quick else 1
     rounds = 1 if a.quick else a.rounds
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-bench-"))
