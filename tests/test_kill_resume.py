@@ -43,12 +43,29 @@ def test_kill_at_every_failpoint_resumes_bit_exact(tmp_path: Path, reference_dig
 
 def test_resume_twice_in_a_row(tmp_path: Path, reference_digest: str) -> None:
     store = tmp_path / "store"
-    assert run_train(store, "--kill-at", "13").rc == -signal.SIGKILL
-    r = run_train(store, "--kill-at", "27")
+    assert run_train(store, "--sync", "--kill-at", "13").rc == -signal.SIGKILL
+    r = run_train(store, "--sync", "--kill-at", "27")
     assert r.rc == -signal.SIGKILL and r.start == 11
     assert "Detected training interruption" in r.err
     digest, start = finish(store)
     assert start == 26
+    assert digest == reference_digest
+
+
+def test_death_before_the_background_write_finishes(tmp_path: Path,
+                                                    reference_digest: str) -> None:
+    """step() returned (the state is staged) but the process dies while the snapshot is still
+    being written: nothing is published, and the restart resumes from the previous snapshot,
+    not from step 0."""
+    store = tmp_path / "store"
+    slow = {"CIUIC_FAILPOINTS": "chunk.put=sleep:0.2"}
+    crashed = run_train(store, "--kill-at", "11", env=slow)
+    assert crashed.rc == -signal.SIGKILL
+    assert "STEP 11" in crashed.out  # step(10) had returned: its snapshot was staged
+    repo = Repository.open(store)
+    assert [s.step for s in repo.catalog.snapshots("tests", "mlp")] == [0, 5]
+    digest, start = finish(store)
+    assert start == 6
     assert digest == reference_digest
 
 

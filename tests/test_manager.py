@@ -151,7 +151,8 @@ def test_gc_waits_for_saves_in_progress(repo: Repository) -> None:
 def test_step_failure_does_not_stop_training(store_dir: Path, caplog: pytest.LogCaptureFixture
                                              ) -> None:
     model, opt = model_and_opt()
-    with SnapshotManager("p", job="f", store=store_dir, save_interval=1) as m:
+    with SnapshotManager("p", job="f", store=store_dir, save_interval=1,
+                         asynchronous=False) as m:
         assert m.step(0, model, opt)
         faults.reload("body.put=raise")
         with caplog.at_level(logging.ERROR, logger="ciuic"):
@@ -162,6 +163,15 @@ def test_step_failure_does_not_stop_training(store_dir: Path, caplog: pytest.Log
         faults.reload("")
         assert m.latest().step == 0  # type: ignore[union-attr]
         assert m.step(2, model, opt)
+    with SnapshotManager("p", job="fa", store=store_dir, save_interval=1) as ma:  # async
+        assert ma.step(0, model, opt)
+        ma.wait()
+        faults.reload("body.put=raise")
+        assert ma.step(1, model, opt)  # started: staged, then failed in the background
+        ma.wait()
+        assert ma.stats.failures == 1 and "injected" in ma.stats.last_error
+        faults.reload("")
+        assert ma.latest().step == 0  # type: ignore[union-attr]
     with pytest.raises(Exception, match="injected"):
         faults.reload("manifest.create=raise")
         with SnapshotManager("p", job="f2", store=store_dir) as m2:
@@ -220,6 +230,7 @@ def test_interruption_is_detected_from_the_previous_run(store_dir: Path,
     model, opt = model_and_opt()
     m = SnapshotManager("p", job="i", store=store_dir, save_interval=1)
     m.step(0, model, opt)
+    m.wait()
     m._record_end("signal:SIGTERM")  # as the signal path records it
     with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
             "p", job="i", store=store_dir) as m2:

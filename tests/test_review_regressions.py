@@ -42,6 +42,8 @@ def test_numpy_scalars_as_metrics_and_state_round_trip(store_dir: Path) -> None:
     with SnapshotManager("p", job="np", store=store_dir, keep_last=1, save_interval=1) as m:
         assert m.step(0, model, opt, holder=Holder(), loss=np.float64(0.25))
         assert m.step(1, model, opt, holder=Holder(), loss=np.float32(0.125))
+        m.wait()
+        assert m.stats.failures == 0
         assert m.latest().metrics == {"loss": 0.125}  # type: ignore[union-attr]
     h = Holder()
     h.s = {}
@@ -117,12 +119,18 @@ def test_unexpected_errors_in_a_save_never_stop_training(store_dir: Path,
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("surprise")
 
-    with SnapshotManager("p", job="rt", store=store_dir, save_interval=1) as m:
-        assert m.step(0, model, opt, conj=torch.randn(3, dtype=torch.complex64).conj())
-        monkeypatch.setattr(snapshot_module, "write_snapshot", boom)
-        with caplog.at_level(logging.ERROR, logger="ciuic"):
-            assert m.step(1, model, opt) is False
-        assert "surprise" in caplog.text and m.stats.failures == 1
+    for asynchronous in (False, True):
+        with SnapshotManager("p", job=f"rt{asynchronous}", store=store_dir, save_interval=1,
+                             asynchronous=asynchronous) as m:
+            assert m.step(0, model, opt, conj=torch.randn(3, dtype=torch.complex64).conj())
+            m.wait()
+            assert m.stats.failures == 0
+            with monkeypatch.context() as mp, caplog.at_level(logging.ERROR, logger="ciuic"):
+                mp.setattr(snapshot_module, "write_snapshot", boom)
+                started = m.step(1, model, opt)
+                m.wait()
+            assert started is asynchronous  # async: started, then failed in the background
+            assert "surprise" in caplog.text and m.stats.failures == 1
 
 
 def test_restore_falls_back_when_a_manifest_is_missing(store_dir: Path) -> None:

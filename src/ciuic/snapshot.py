@@ -13,12 +13,14 @@ N holds the state after N's update, and a resumed run continues at N + 1.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import secrets
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -33,6 +35,7 @@ from .capture import (
     match_model_state,
     set_rng_state,
 )
+from .engine import StagingArea, StagingBudgetExceeded
 from .errors import (
     CiuicError,
     ConfigurationError,
@@ -46,7 +49,7 @@ from .info import SnapshotInfo
 from .reader import load_states
 from .repo import Repository
 from .retention import prune
-from .writer import ChunkCache, write_snapshot
+from .writer import Captured, ChunkCache, write_snapshot
 
 log = logging.getLogger("ciuic")
 
@@ -66,10 +69,13 @@ def _ensure_log_handler() -> None:
 class ManagerStats:
     snapshots: int = 0
     failures: int = 0
+    skipped: int = 0  # due while the previous snapshot was still being written (on_busy="skip")
+    waited_s: float = 0.0  # training time spent waiting for a previous snapshot (on_busy="wait")
+    last_stall_s: float = 0.0  # how long the last step()/save_async() blocked training
     consecutive_failures: int = 0
     bytes_total: int = 0
     bytes_new: int = 0
-    last_save_s: float = 0.0
+    last_save_s: float = 0.0  # from the call until committed
     last_error: str = ""
 
 
@@ -93,6 +99,15 @@ class SnapshotManager:
         keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
         keep_every: also keep every snapshot whose step is a multiple of K.
         handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
+        asynchronous: ``step()`` blocks only while the state is copied into reused host
+            buffers; chunking, hashing, writing and the commit run in a background thread.
+            With False, ``step()`` returns once the snapshot is committed.
+        on_busy: what ``step()`` does when a snapshot is due while the previous one is still
+            being written: ``"wait"`` for it (the default, like Orbax: every due snapshot is
+            taken; the wait is logged once) or ``"skip"`` the new one (counted in
+            ``stats.skipped``; training never waits).
+        staging_budget_bytes: the most host memory the staging buffers may take (default: the
+            state's size). A state over the budget is written synchronously, with a warning.
     """
 
     def __init__(self, project_id: str, api_key: str | None = None,
@@ -100,7 +115,8 @@ class SnapshotManager:
                  job: str | None = None,
                  store: str | os.PathLike[str] | None = None, time_interval_s: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
-                 handle_signals: bool = True) -> None:
+                 handle_signals: bool = True, asynchronous: bool = True,
+                 on_busy: str = "wait", staging_budget_bytes: int | None = None) -> None:
         self.project = mf.check_name("project", project_id)
         self.job = mf.check_name("job", job or "default")
         _positive("time_interval_s", time_interval_s)
@@ -117,7 +133,17 @@ class SnapshotManager:
             )
         if encryption:
             _check_encryption()
+        if on_busy not in ("skip", "wait"):
+            raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self.api_key = api_key
+        self.asynchronous = asynchronous
+        self.on_busy = on_busy
+        self._staging = StagingArea(staging_budget_bytes)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot")
+        self._inflight: Future[SnapshotInfo] | None = None
+        self._last_committed_step: int | None = None
+        self._warned_budget = False
+        self._warned_busy = False
         self.save_interval = save_interval or None
         self.time_interval_s = time_interval_s
         self.keep_last = keep_last
@@ -151,10 +177,12 @@ class SnapshotManager:
     # -- the training loop's calls -----------------------------------------------------------
 
     def step(self, step: int, model: Any = None, optimizer: Any = None, **extras: Any) -> bool:
-        """Call after the optimizer update of ``step``; snapshots when due. Returns whether it did.
+        """Call after the optimizer update of ``step``; snapshots when due.
 
-        A failure to snapshot never stops training: it is logged, counted in ``stats``, and the
-        previous snapshot stays the latest.
+        Returns whether a snapshot was taken: started (its state staged, the write running in
+        the background) when ``asynchronous``, committed otherwise. A failure to snapshot never
+        stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
+        latest.
         """
         self._check_open()
         if not self._first_step_checked:
@@ -172,19 +200,49 @@ class SnapshotManager:
             log.warning("step(%d): a snapshot is due but step() was given no state to save "
                         "(pass the model and optimizer)", step)
             return False
-        try:
-            self.save(step, model, optimizer, **extras)
-            return True
-        except Exception as e:  # never let a snapshot failure stop training
-            self.stats.failures += 1
-            self.stats.consecutive_failures += 1
-            self.stats.last_error = str(e)
-            level = logging.CRITICAL if self.stats.consecutive_failures >= 3 else logging.ERROR
-            log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
-                    "snapshot is still %s (%d failure(s) in a row)", step, e,
-                    f"step {self._last_save_step}" if self._last_save_step is not None
-                    else "none", self.stats.consecutive_failures)
+        if self._busy():
+            if self.on_busy == "skip":
+                self.stats.skipped += 1
+                if not self._warned_busy:
+                    self._warned_busy = True
+                    log.warning("snapshot at step %d skipped: the previous one is still being "
+                                "written (last took %.2f s). Snapshots are skipped, not queued, "
+                                "while one is in flight; see stats.skipped, or pass "
+                                "on_busy='wait'", step, self.stats.last_save_s)
+                return False
+            t0 = time.perf_counter()
+            self.wait()
+            waited = time.perf_counter() - t0
+            self.stats.waited_s += waited
+            if not self._warned_busy and waited > 0.05:
+                self._warned_busy = True
+                log.warning("snapshot at step %d waited %.2f s for the previous one to be "
+                            "written: snapshots are due faster than they are written. Consider "
+                            "a larger save_interval, or on_busy='skip'", step, waited)
+        try:  # never let a snapshot failure stop training
+            future = self._submit(step, model, optimizer, extras)
+        except Exception as e:
+            self._failed(step, e)
             return False
+        if not self.asynchronous:
+            try:
+                future.result()
+            except Exception:
+                return False  # already logged and counted by the writer
+        return True
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self.stats.failures += 1
+        self.stats.consecutive_failures += 1
+        self.stats.last_error = str(e)
+        level = logging.CRITICAL if self.stats.consecutive_failures >= 3 else logging.ERROR
+        log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
+                "snapshot is still %s (%d failure(s) in a row)", step, e,
+                f"step {self._last_committed_step}" if self._last_committed_step is not None
+                else "none", self.stats.consecutive_failures)
+
+    def _busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
 
     def _due(self, step: int, now: float) -> bool:
         if step == self._last_save_step:
@@ -195,24 +253,61 @@ class SnapshotManager:
 
     def save(self, step: int, model: Any = None, optimizer: Any = None,
              **extras: Any) -> SnapshotInfo:
-        """Snapshot now and return its info. Raises on failure (unlike :meth:`step`)."""
+        """Snapshot now, wait until it is committed, and return its info. Raises on failure
+        (unlike :meth:`step`)."""
+        return self.save_async(step, model, optimizer, **extras).result()
+
+    def save_async(self, step: int, model: Any = None, optimizer: Any = None,
+                   **extras: Any) -> Future[SnapshotInfo]:
+        """Snapshot now; return once the state is staged, with a future of the committed info.
+
+        The values are those of the moment of the call, although training may change the live
+        tensors right after. Waits first if a previous snapshot is still in flight.
+        """
         self._check_open()
+        self.wait()
+        return self._submit(step, model, optimizer, extras)
+
+    def _submit(self, step: int, model: Any, optimizer: Any,
+                extras: dict[str, Any]) -> Future[SnapshotInfo]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         t0 = time.perf_counter()
         captured = capture(model, optimizer, extras)
-        m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent, captured,
-                                self._cache)
-        self._parent = sid
+        staged = False
+        if self.asynchronous:
+            try:
+                self._staging.stage(captured.leaves)  # the only part that blocks training
+                staged = True
+            except StagingBudgetExceeded as e:
+                if not self._warned_budget:
+                    self._warned_budget = True
+                    log.warning("%s", e)
         self._last_save_step = step
         self._last_save_time = time.monotonic()
+        future = self._executor.submit(self._write, step, captured, t0)
+        self._inflight = future
+        if not staged:
+            concurrent.futures.wait([future])  # it reads live tensors: finish before returning
+        self.stats.last_stall_s = time.perf_counter() - t0
+        return future
+
+    def _write(self, step: int, captured: Captured, t0: float) -> SnapshotInfo:
+        """The background part: chunks, body, commit, catalog, retention (writer thread)."""
+        try:
+            m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
+                                    captured, self._cache)
+        except BaseException as e:
+            self._failed(step, e)
+            raise
+        self._parent = sid
+        self._last_committed_step = step
         self.stats.snapshots += 1
         self.stats.consecutive_failures = 0
         self.stats.bytes_total += m.total_bytes
         self.stats.bytes_new += m.new_bytes
         self.stats.last_save_s = time.perf_counter() - t0
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
-        self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
         self._quietly("record the snapshot event", self.repo.catalog.event, self.run_id,
                       self.project, self.job, "snapshot", step, sid)
         if self.keep_last is not None or self.keep_every is not None:
@@ -234,12 +329,10 @@ class SnapshotManager:
                       result.deleted_chunks, result.skipped)
 
     def wait(self) -> None:
-        """Block until every started snapshot is durable and committed.
-
-        Snapshots are written synchronously in this version, so every snapshot that ``step()``
-        or ``save()`` started is already committed when they return.
-        """
-        self._check_open()
+        """Block until every started snapshot is durable and committed (or has failed: failures
+        are logged and counted in ``stats``, not raised here)."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
 
     def latest(self) -> SnapshotInfo | None:
         """The newest committed snapshot of this job, or None."""
@@ -257,6 +350,7 @@ class SnapshotManager:
         warning; if snapshots exist but none loads, raises :class:`RestoreError`.
         """
         self._check_open()
+        self.wait()
         self._restore_called = True
         if self.interrupted and self.previous_run is not None:
             step = self.previous_run.last_step
@@ -332,7 +426,7 @@ class SnapshotManager:
         self.restored = info
         same_job = (info.project, info.job) == (self.project, self.job)
         self._parent = info.id if same_job else ""
-        self._last_save_step = info.step
+        self._last_save_step = self._last_committed_step = info.step
         self._last_save_time = time.monotonic()
         self.repo.catalog.event(self.run_id, self.project, self.job, "restore", info.step, info.id)
         log.info("Resuming training at step %d", info.step + 1)
@@ -371,7 +465,8 @@ class SnapshotManager:
     def _emergency(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
         assert self._signal is not None
         name = signal.Signals(self._signal).name
-        if step != self._last_save_step and (model is not None or optimizer is not None):
+        self.wait()
+        if step != self._last_committed_step and (model is not None or optimizer is not None):
             try:
                 info = self.save(step, model, optimizer, **extras)
                 log.warning("Emergency snapshot at step %d saved (%s); exiting", step,
@@ -406,6 +501,9 @@ class SnapshotManager:
         """Finish: record a clean end of the run and release resources. Idempotent."""
         if self._closed:
             return
+        self.wait()
+        self._executor.shutdown(wait=True)
+        self._staging.release()
         self._record_end("clean")
         self._restore_handlers()
         self._closed = True

@@ -57,6 +57,8 @@ def main() -> int:
     p.add_argument("--no-restore", action="store_true")
     p.add_argument("--sleep-in-step", type=float, default=0.0)
     p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--on-busy", default="wait", help="skip or wait (the default)")
+    p.add_argument("--sync", action="store_true", help="synchronous snapshots")
     a = p.parse_args()
     torch.set_num_threads(1)
     model, optimizer, scheduler, _, dataset = build()
@@ -66,7 +68,8 @@ def main() -> int:
     start = 0
     if not a.no_snapshots:
         manager = SnapshotManager("tests", job=a.job, store=a.store, save_interval=a.save_every,
-                                  keep_last=a.keep_last)
+                                  keep_last=a.keep_last, on_busy=a.on_busy,
+                                  asynchronous=not a.sync)
         if not a.no_restore:
             last = manager.restore(model, optimizer, scheduler=scheduler, sampler=sampler)
             start = 0 if last is None else last + 1

@@ -1,0 +1,146 @@
+"""The asynchronous engine: a true snapshot, reused staging memory, busy policies, budget."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager, faults
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def setup(width: int = 256) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss = model(torch.randn(2, width)).sum()
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def test_snapshot_holds_the_values_of_the_call_not_later_ones(store_dir: Path) -> None:
+    model, opt = setup()
+    extra = {"ema": torch.arange(1000.0)}
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_steps = [st["step"].clone() for st in opt.state.values()]
+    faults.reload("chunk.put=sleep:0.05")  # keep the background write busy
+    with SnapshotManager("p", job="torn", store=store_dir) as m:
+        assert m.step(0, model, opt, ema=_Holder(extra))
+        # training goes on at once and changes everything in place
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        for st in opt.state.values():
+            st["step"].add_(100)
+            st["exp_avg"].mul_(0)
+        extra["ema"].zero_()
+        m.wait()
+        faults.reload("")
+        assert m.stats.failures == 0
+        fresh, fresh_opt = setup()
+        holder = _Holder({})
+        assert m.restore(fresh, fresh_opt, ema=holder) == 0
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want_model[k]), k
+    assert [st["step"].item() for st in fresh_opt.state.values()] == [s.item() for s in
+                                                                      want_steps]
+    assert torch.equal(holder.state["ema"], torch.arange(1000.0))
+
+
+class _Holder:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+
+def test_staging_buffers_are_allocated_once_and_reused(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="reuse", store=store_dir, save_interval=1) as m:
+        m.step(0, model, opt)
+        m.wait()
+        ptrs = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+        size = m._staging.allocated_bytes
+        for s in range(1, 5):
+            m.step(s, model, opt)
+        m.wait()
+        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
+        assert m._staging.allocated_bytes == size
+        assert m.stats.last_stall_s > 0 and m.stats.snapshots == 5
+
+
+def test_host_memory_stays_flat_across_50_async_snapshots(store_dir: Path) -> None:
+    model, opt = setup(width=1024)  # about 12.6 MiB of weights and Adam state
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    with SnapshotManager("p", job="mem", store=store_dir, save_interval=1, keep_last=2) as m:
+        samples = []
+        for s in range(50):
+            with torch.no_grad():
+                model[0].weight.add_(0.001)  # new bytes every snapshot
+            m.step(s, model, opt)
+            if s in (9, 49):
+                m.wait()
+                samples.append(rss_bytes())
+        m.wait()
+        assert m.stats.snapshots == 50 and m.stats.failures == 0
+        assert m._staging.allocated_bytes <= 1.1 * state_bytes
+    growth = samples[1] - samples[0]
+    assert growth < 0.5 * state_bytes, f"RSS grew {growth / 2**20:.1f} MiB over 40 snapshots"
+
+
+def test_skip_policy_never_waits_and_counts(store_dir: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = setup()
+    faults.reload("chunk.put=sleep:0.2")
+    with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
+            "p", job="skip", store=store_dir, save_interval=1, on_busy="skip") as m:
+        started = [m.step(s, model, opt) for s in range(5)]
+        faults.reload("")
+        m.wait()
+        assert started[0] and not any(started[1:])
+        assert m.stats.skipped == 4 and m.stats.waited_s == 0
+    assert "skipped: the previous one is still being written" in caplog.text
+
+
+def test_wait_policy_takes_every_snapshot_and_says_so(store_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = setup()
+    faults.reload("chunk.put=sleep:0.05")
+    with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
+            "p", job="wait", store=store_dir, save_interval=1) as m:
+        assert all(m.step(s, model, opt) for s in range(3))
+        faults.reload("")
+        m.wait()
+        assert m.stats.snapshots == 3 and m.stats.waited_s > 0
+    assert "waited" in caplog.text and "snapshots are due faster than they are written" in \
+        caplog.text
+
+
+def test_state_over_the_budget_is_written_synchronously(store_dir: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = setup()
+    with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
+            "p", job="budget", store=store_dir, staging_budget_bytes=1024) as m:
+        info = m.save(0, model, opt)
+        assert m._staging.allocated_bytes == 0
+    assert "over the budget of 1024" in caplog.text
+    with SnapshotManager("p", job="budget", store=store_dir) as m2:
+        fresh, fresh_opt = setup()
+        with torch.no_grad():
+            fresh[0].weight.zero_()
+        assert m2.restore(fresh, fresh_opt) == info.step
+        assert torch.equal(fresh[0].weight, model[0].weight)
