@@ -4,14 +4,19 @@
 
 Builds the reference state of ../shared/docs/PERFORMANCE.md ("GPT-like 1 GiB": 88 M fp32
 parameters of a 5-layer, d=1024, 24k-vocab transformer plus Adam's two moments, seeded), then
-measures, interleaving the systems round by round, the time to save until durable (fsync'ed) and
-the time to load back into fresh CPU tensors, and the bytes written. Prints min/median/max.
+measures, interleaving the systems round by round: the stall (how long the call blocks training),
+the time until durable (fsync'ed), the cold time to load back into fresh CPU tensors, the bytes
+written and the peak extra host memory; for ciuic also an incremental snapshot with 10 % of the
+tensors changed. Prints min/median/max.
 ``--quick`` uses a 1/16-size state (for the test suite's smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -21,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +82,41 @@ def drop_caches() -> None:
         pass
 
 
+class RssPeak:
+    """Samples this process's RSS every few ms; ``extra`` is the peak over the start value."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class System:
+    """One tool under test. ``save`` returns the stall (how long training was blocked); the
+    caller times the whole call until durable."""
+
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         self.name, self.state = name, state
         self.dir = base / name.replace(" ", "_").replace(".", "_")
@@ -85,15 +125,23 @@ class System:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
 
-    def save(self) -> None:
+    def save(self) -> float:
+        t0 = time.perf_counter()
+        self._save()
+        return time.perf_counter() - t0
+
+    def _save(self) -> None:
         raise NotImplementedError
 
     def load(self) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        pass
+
 
 class TorchSave(System):
-    def save(self) -> None:
+    def _save(self) -> None:
         path = self.dir / "state.pt"
         with open(path, "wb") as f:
             torch.save(self.state, f)
@@ -105,7 +153,7 @@ class TorchSave(System):
 
 
 class Safetensors(System):
-    def save(self) -> None:
+    def _save(self) -> None:
         from safetensors.torch import save_file
 
         save_file(self.state, str(self.dir / "state.safetensors"))
@@ -120,7 +168,7 @@ class Safetensors(System):
 
 
 class DCP(System):
-    def save(self) -> None:
+    def _save(self) -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self.state, checkpoint_id=str(self.dir / "ckpt"))
@@ -133,18 +181,62 @@ class DCP(System):
         dcp.load(target, checkpoint_id=str(self.dir / "ckpt"))
 
 
+class DCPAsync(DCP):
+    def save(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        future = dcp.async_save(self.state, checkpoint_id=str(self.dir / "ckpt"))
+        stall = time.perf_counter() - t0
+        future.result()
+        fsync_tree(self.dir)
+        return stall
+
+
 class Ciuic(System):
+    """ciuic's asynchronous ``step()``: the stall is the staging copy; ``wait()`` = durable.
+
+    One manager per round (a fresh store, so the snapshot is full); ``steady`` re-snapshots
+    with 10 % of the tensors changed, with the staging buffers already allocated."""
+
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         super().__init__(name, base, state)
+        self.manager: object = None
         self.step = 0
+        self.steady: dict[str, list[float]] = {"stall": [], "durable": [], "new_bytes": []}
 
-    def save(self) -> None:
+    def fresh(self) -> None:
+        self.close()
+        super().fresh()
         from ciuic import SnapshotManager
 
-        with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False,
-                             save_interval=None) as m:
-            self.step += 1
-            m.save(self.step, state=_Holder(self.state))
+        self.manager = SnapshotManager("bench", job="ref", store=self.dir, save_interval=1,
+                                       handle_signals=False)
+
+    def save(self) -> float:
+        m = self.manager
+        assert m is not None
+        self.step += 1
+        t0 = time.perf_counter()
+        m.step(self.step, state=_Holder(self.state))  # type: ignore[attr-defined]
+        stall = time.perf_counter() - t0
+        m.wait()  # type: ignore[attr-defined]
+        return stall
+
+    def incremental(self) -> None:
+        """10 % of the tensors change; measure the steady-state stall and the new bytes."""
+        m = self.manager
+        names = sorted(self.state)
+        changed = {k: self.state[k] + 1e-3 for k in names[::10]}
+        state = {**self.state, **changed}
+        self.step += 1
+        t0 = time.perf_counter()
+        m.step(self.step, state=_Holder(state))  # type: ignore[attr-defined]
+        self.steady["stall"].append(time.perf_counter() - t0)
+        m.wait()  # type: ignore[attr-defined]
+        self.steady["durable"].append(time.perf_counter() - t0)
+        latest = m.latest()  # type: ignore[attr-defined]
+        self.steady["new_bytes"].append(latest.new_bytes)
 
     def load(self) -> None:
         from ciuic import SnapshotManager
@@ -152,6 +244,11 @@ class Ciuic(System):
         holder = _Holder({})
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
             m.restore(state=holder)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()  # type: ignore[attr-defined]
+            self.manager = None
 
 
 class _Holder:
@@ -163,6 +260,24 @@ class _Holder:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS, so that RSS peaks measure each system alone."""
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def staging_floor(state: dict[str, torch.Tensor]) -> float:
+    """The stall's floor: copying the state into buffers allocated beforehand."""
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():  # touch once, as reused buffers are
+        buffers[k].copy_(v)
+    t0 = time.perf_counter()
+    for k, v in state.items():
+        buffers[k].copy_(v)
+    return time.perf_counter() - t0
 
 
 def timed(fn: Fn) -> float:
@@ -192,22 +307,44 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"{os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}")
     systems: list[System] = [TorchSave("torch.save", base, state),
                              Safetensors("safetensors", base, state),
-                             DCP("dcp.save", base, state), Ciuic("ciuic", base, state)]
-    results: dict[str, dict[str, list[float]]] = {s.name: {"save": [], "load": [], "bytes": []}
-                                                  for s in systems}
+                             DCP("dcp.save", base, state), DCPAsync("dcp.async_save", base, state),
+                             Ciuic("ciuic", base, state)]
+    keys = ("stall", "durable", "load", "bytes", "extra_mem")
+    results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
+    floor: list[float] = []
     for r in range(rounds):
-        for s in systems if r % 2 == 0 else reversed(systems):
+        floor.append(staging_floor(state))
+        for s in systems if r % 2 == 0 else list(reversed(systems)):
             s.fresh()
-            results[s.name]["save"].append(timed(s.save))
-            results[s.name]["bytes"].append(du(s.dir))
+            release_freed_memory()
+            with RssPeak() as mem:
+                t0 = time.perf_counter()
+                stall = s.save()
+                durable = time.perf_counter() - t0
+            res = results[s.name]
+            res["stall"].append(stall)
+            res["durable"].append(durable)
+            res["extra_mem"].append(mem.extra)
+            res["bytes"].append(du(s.dir))
+            if isinstance(s, Ciuic):
+                s.incremental()
             drop_caches()
-            results[s.name]["load"].append(timed(s.load))
-    print(f"\n{'system':<12} {'save+fsync s (min/med/max)':>28} {'load s (min/med/max)':>28}"
-          f" {'bytes/state':>12}")
+            res["load"].append(timed(s.load))
+    for s in systems:
+        s.close()
+    print(f"\nstaging floor (copy into preallocated buffers): {summary(floor)} s")
+    print(f"\n{'system':<15} {'stall s':>24} {'durable s':>24} {'cold load s':>24}"
+          f" {'bytes/state':>11} {'extra mem/state':>15}")
     for name, res in results.items():
-        print(f"{name:<12} {summary(res['save']):>28} {summary(res['load']):>28} "
-              f"{statistics.median(res['bytes']) / size:12.3f}")
+        print(f"{name:<15} {summary(res['stall']):>24} {summary(res['durable']):>24} "
+              f"{summary(res['load']):>24} {statistics.median(res['bytes']) / size:11.3f} "
+              f"{statistics.median(res['extra_mem']) / size:15.3f}")
+    ciuic = next(s for s in systems if isinstance(s, Ciuic))
+    print(f"\nciuic incremental (10 % of tensors changed, buffers warm): stall "
+          f"{summary(ciuic.steady['stall'])} s, durable {summary(ciuic.steady['durable'])} s, "
+          f"new bytes {statistics.median(ciuic.steady['new_bytes']) / size:.3f} of the state")
     out: dict[str, object] = {"state_bytes": size, "rounds": rounds, "results": results,
+                              "staging_floor": floor, "ciuic_incremental": ciuic.steady,
                               "machine": {"node": platform.node(), "cpus": os.cpu_count()}}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))

@@ -19,8 +19,12 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out: dict[str, Any] = bench.main(["--quick", "--dir", str(tmp_path / "b")])
     text = capsys.readouterr().out
     size = out["state_bytes"]
-    assert set(out["results"]) == {"torch.save", "safetensors", "dcp.save", "ciuic"}
+    assert set(out["results"]) == {"torch.save", "safetensors", "dcp.save", "dcp.async_save",
+                                   "ciuic"}
     for name, res in out["results"].items():
-        assert res["save"][0] > 0 and res["load"][0] > 0, name
+        assert 0 < res["stall"][0] <= res["durable"][0], name
+        assert res["load"][0] > 0, name
         assert res["bytes"][0] >= 0.99 * size, f"{name} wrote less than the state"
         assert name in text
+    inc = out["ciuic_incremental"]
+    assert 0 < inc["new_bytes"][0] < 0.5 * size  # only the changed tensors were written
