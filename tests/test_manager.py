@@ -95,6 +95,21 @@ def test_unchanged_tensors_are_not_written_again(store_dir: Path) -> None:
     assert second.new_bytes > 4 * 1024 * 4  # the head's weight did change
 
 
+def test_identical_tensors_in_one_snapshot_are_stored_once(store_dir: Path) -> None:
+    same = torch.randn(512, 512)  # 1 MiB, referenced twice (tied weights) and copied once
+
+    class Tied:
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            return {"embed": same, "head": same, "copy": same.clone()}
+
+    with knobs.override(chunk_bytes=256 * 1024), SnapshotManager("p", job="tied",
+                                                                   store=store_dir) as m:
+        info = m.save(0, tied=Tied())
+    assert info.total_bytes >= 3 * same.numel() * 4
+    assert same.numel() * 4 <= info.new_bytes < 1.1 * same.numel() * 4
+    assert len(list(m.repo.store.list("chunks/"))) <= 4 + 4  # 4 pieces + RNG state chunks
+
+
 def test_retention_orders_steps_numerically(store_dir: Path) -> None:
     model, opt = model_and_opt()
     steps = [9800, 9900, 10000, 10100]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 class Knobs:
     #: Tensors are cut into chunks of this many bytes (the last chunk of a tensor is shorter).
     chunk_bytes: int = 4 * 1024 * 1024
+    #: Threads that hash and write chunks in the background (BLAKE3 and writes release the GIL).
+    write_threads: int = 4
     #: Tensors of at most this many bytes are stored inline in the snapshot body.
     inline_max_bytes: int = 256
     #: How often step() records the run's progress (for interruption detection).

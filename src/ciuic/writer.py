@@ -13,6 +13,8 @@ A crash anywhere before 3 leaves the previous snapshot the latest and this one i
 from __future__ import annotations
 
 import base64
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +79,40 @@ def _describe(leaf: Leaf) -> dict[str, Any]:
     return {"dtype": dt.str, "shape": list(v.shape)}
 
 
+class _ChunkWriter:
+    """Hashes pieces and writes those the store lacks, on a few threads (BLAKE3 and the
+    store's writes release the GIL). Identical pieces within a snapshot are written once."""
+
+    def __init__(self, repo: Repository, cache: ChunkCache) -> None:
+        self.store = repo.store
+        self.cache = cache
+        self.lock = threading.Lock()
+
+    def __call__(self, piece: memoryview) -> tuple[str, int]:
+        d = digest(piece)
+        with self.lock:
+            if d in self.cache.digests:
+                return d, 0
+            self.cache.digests.add(d)  # claimed: a twin piece in this snapshot skips the write
+        try:
+            key = ck.chunk_key(d)
+            if self.store.has(key):
+                return d, 0
+            failpoint("chunk.put")
+            self.store.put(key, ck.frame(piece), durable=False)  # synced as a batch later
+            return d, len(piece)
+        except BaseException:
+            with self.lock:
+                self.cache.digests.discard(d)
+            raise
+
+
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tuple[int, int]:
     """Store every leaf's chunks the store lacks; fill descriptors. Returns (total, new) bytes."""
-    store = repo.store
     k = knobs.get()
     total = new = 0
+    pieces: list[memoryview] = []
+    owners: list[dict[str, Any]] = []
     for leaf in leaves:
         data = leaf_bytes(leaf)
         desc = _describe(leaf)
@@ -90,22 +121,18 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
         if len(data) <= k.inline_max_bytes:
             desc["inline"] = base64.b64encode(data).decode("ascii")
         else:
-            refs = []
+            desc["chunks"] = []
             for off, n in ck.split(len(data), k.chunk_bytes):
-                piece = data[off:off + n]
-                d = digest(piece)
-                refs.append([d, n])
-                if d in cache.digests:
-                    continue
-                key = ck.chunk_key(d)
-                if not store.has(key):
-                    failpoint("chunk.put")
-                    store.put(key, ck.frame(piece), durable=False)  # synced below, as a batch
-                    new += n
-                cache.digests.add(d)
-            desc["chunks"] = refs
+                pieces.append(data[off:off + n])
+                owners.append(desc)
         leaf.descriptor.clear()
         leaf.descriptor.update(desc)
+    writer = _ChunkWriter(repo, cache)
+    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
+        for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces),
+                                           strict=True):
+            desc["chunks"].append([d, len(piece)])
+            new += wrote
     return total, new
 
 
