@@ -520,13 +520,9 @@ class SnapshotManager:
 
 
 def _check_encryption() -> None:
-    if not (os.environ.get("CIUIC_ENCRYPTION_KEY") or os.environ.get("CIUIC_ENCRYPTION_KEY_FILE")):
-        raise ConfigurationError(
-            "encryption=True needs a key, and none is configured. Create one with "
-            "`ciuic keygen > ~/.ciuic-key && chmod 600 ~/.ciuic-key`, then set "
-            "CIUIC_ENCRYPTION_KEY_FILE=~/.ciuic-key (or CIUIC_ENCRYPTION_KEY to the key itself)."
-        )
     raise ConfigurationError(
         "encryption=True: client-side AES-256-GCM encryption is not available in this version "
-        "of ciuic yet; pass encryption=False (the default) for now"
+        "of ciuic yet, and ciuic will not silently store plaintext instead. Pass "
+        "encryption=False (the default) to store snapshots unencrypted, or wait for the release "
+        "that adds encryption keys (`ciuic keygen`)."
     )
