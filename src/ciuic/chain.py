@@ -13,7 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from . import chunks as ck
 from . import manifest as mf
+from .digest import digest
 from .errors import CorruptObject, ObjectNotFound
 from .reader import _POOL_WORKERS, chunk_refs, verify_chunks
 from .repo import Repository
@@ -100,8 +102,47 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
                 hit = cache.get(d)
                 if hit is not None:
                     problems.append(Problem(sid, m.step, hit[0], hit[1]))
+    if deep and only is None:
+        checked_bodies = {mf.body_key(project, job, m.body) for m in manifests.values()}
+        problems.extend(_unreferenced_bodies(repo, project, job, checked_bodies))
+        problems.extend(_unreferenced_chunks(repo, cache))
+        report.chunks_checked = sum(1 for _ in cache)
     # one problem per (snapshot, key)
     report.problems = list(dict.fromkeys(problems))
     if progress:
         progress(len(targets), len(targets))
     return report
+
+
+def _unreferenced_chunks(repo: Repository, cache: dict[str, tuple[str, str] | None]
+                         ) -> list[Problem]:
+    """Deep verification re-hashes every chunk object, also those no readable snapshot names
+    (their snapshot's manifest or body may be the damaged part)."""
+    problems = []
+    for key in repo.store.list("chunks/"):
+        d = key.rsplit("/", 1)[-1]
+        if d in cache:
+            continue
+        try:
+            blob = repo.store.get(key)
+            ck.unframe(key, blob, d, ck.header_length(blob[:ck.HEADER_BYTES]))
+            cache[d] = None
+        except CorruptObject as e:
+            cache[d] = (e.key, e.reason)
+            problems.append(Problem("", None, e.key, e.reason + " (no readable snapshot names "
+                                    "this chunk)"))
+    return problems
+
+
+def _unreferenced_bodies(repo: Repository, project: str, job: str,
+                         checked: set[str]) -> list[Problem]:
+    problems = []
+    for key in repo.store.list(mf.job_prefix(project, job) + "bodies/"):
+        if key in checked:
+            continue
+        name = key.rsplit("/", 1)[-1].removesuffix(".json")
+        actual = digest(repo.store.get(key))
+        if actual != name:
+            problems.append(Problem("", None, key, f"content hash {actual[:16]}... does not "
+                                    "match its name (no readable snapshot names this body)"))
+    return problems

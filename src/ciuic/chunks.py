@@ -73,9 +73,11 @@ def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryvi
     total ``size``, and the ``payload`` view it filled. Raises :class:`CorruptObject`."""
     if size < HEADER_BYTES:
         raise CorruptObject(key, f"truncated: {size} bytes, shorter than the header")
-    magic, version, codec, cipher, _, length = _HEADER.unpack_from(header)
+    magic, version, codec, cipher, reserved, length = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptObject(key, "not a ciuic chunk (bad magic)")
+    if reserved != 0:
+        raise CorruptObject(key, "reserved header byte is not zero")
     if version != FRAME_VERSION:
         raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
     if codec != CODEC_RAW or cipher != CIPHER_NONE:
@@ -88,3 +90,8 @@ def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryvi
     actual = digest(payload)
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+
+
+def header_length(header: bytes | bytearray) -> int:
+    """The plaintext length a chunk's header claims (for checking unreferenced chunks)."""
+    return int(_HEADER.unpack_from(header)[5]) if len(header) >= HEADER_BYTES else -1

@@ -231,8 +231,9 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
                 if not dry_run:
                     store.delete(key)
                 result.deleted_bodies += 1
-        if isinstance(store, LocalStore) and not dry_run:
-            result.deleted_temporaries = store.remove_temporaries(knobs.get().temp_stale_s)
+        local = getattr(store, "inner", store)
+        if isinstance(local, LocalStore) and not dry_run:
+            result.deleted_temporaries = local.remove_temporaries(knobs.get().temp_stale_s)
         return result
     finally:
         store.delete(LOCK_KEY)

@@ -28,6 +28,10 @@ class Knobs:
     #: ``gc_lock_refresh_s`` while it works).
     gc_lock_stale_s: float = 600.0
     gc_lock_refresh_s: float = 30.0
+    #: Store calls: attempts for transient errors, timeout per attempt, first backoff.
+    store_attempts: int = 3
+    store_timeout_s: float = 120.0
+    store_backoff_s: float = 0.1
     #: Temporary files of the local store older than this are removed by `gc`.
     temp_stale_s: float = 3600.0
 

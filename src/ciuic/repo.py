@@ -18,7 +18,8 @@ from .catalog import Catalog
 from .digest import digest, is_digest
 from .errors import ConfigurationError, CorruptObject, ObjectNotFound, SnapshotNotFound
 from .info import SnapshotInfo
-from .store import LocalStore, MemoryStore, Store, open_store
+from .store import LocalStore, Store, open_store
+from .store.retry import RetryingStore
 
 DEFAULT_HOME = ".ciuic"
 _MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
@@ -35,11 +36,16 @@ class Repository:
         self.catalog = catalog
 
     @classmethod
-    def open(cls, location: str | os.PathLike[str] | None = None,
+    def open(cls, location: str | os.PathLike[str] | Store | None = None,
              catalog_url: str | None = None) -> Repository:
-        """Open (creating if needed) the repository at ``location``: a directory or a URL."""
-        text = os.fspath(location) if location is not None else default_location()
+        """Open (creating if needed) the repository at ``location``: a directory, a URL, or a
+        :class:`Store` instance (its catalog is then ``catalog_url``, or an in-process SQLite
+        database shared by every opening of the same store). Every store is wrapped in a
+        :class:`RetryingStore` (bounded retries, timeouts)."""
         catalog_url = catalog_url or os.environ.get("CIUIC_CATALOG")
+        if isinstance(location, Store):
+            return cls._shared(location, catalog_url)
+        text = os.fspath(location) if location is not None else default_location()
         scheme = urlparse(text).scheme.lower()
         if scheme in ("", "file"):
             root = Path(urlparse(text).path if scheme == "file" else text).expanduser()
@@ -48,20 +54,23 @@ class Repository:
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
         elif scheme == "memory":
-            store = open_store(text)
-            assert isinstance(store, MemoryStore)
-            url = catalog_url or "sqlite://"
-            cached = _MEMORY_CATALOGS.get(store.url)
-            if cached is None and catalog_url is None:
-                cached = _MEMORY_CATALOGS[store.url] = Catalog(url)
-            if cached is not None:
-                return cls(store, cached)
+            return cls._shared(open_store(text), catalog_url)
         else:
             store = open_store(text)
             tag = hashlib.sha256(store.url.encode()).hexdigest()[:16]
             cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
             url = catalog_url or f"sqlite:///{cache / (tag + '.db')}"
-        return cls(store, Catalog(url))
+        return cls(RetryingStore(store), Catalog(url))
+
+    @classmethod
+    def _shared(cls, store: Store, catalog_url: str | None) -> Repository:
+        wrapped = store if isinstance(store, RetryingStore) else RetryingStore(store)
+        if catalog_url is not None:
+            return cls(wrapped, Catalog(catalog_url))
+        cached = _MEMORY_CATALOGS.get(store.url)
+        if cached is None:
+            cached = _MEMORY_CATALOGS[store.url] = Catalog("sqlite://")
+        return cls(wrapped, cached)
 
     def close(self) -> None:
         self.store.close()

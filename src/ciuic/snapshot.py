@@ -49,6 +49,7 @@ from .info import SnapshotInfo
 from .reader import load_states
 from .repo import Repository
 from .retention import prune
+from .store import Store
 from .writer import Captured, ChunkCache, write_snapshot
 
 log = logging.getLogger("ciuic")
@@ -94,7 +95,8 @@ class SnapshotManager:
         encryption: seal snapshots with AES-256-GCM on the client (needs a key).
         job: the job within the project (default ``"default"``). The same project and job
             restarted means the same chain.
-        store: a directory or URL; default ``$CIUIC_HOME``, else ``./.ciuic``.
+        store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
+            else ``./.ciuic``.
         time_interval_s: also snapshot when this many seconds passed since the last one.
         keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
         keep_every: also keep every snapshot whose step is a multiple of K.
@@ -113,7 +115,8 @@ class SnapshotManager:
     def __init__(self, project_id: str, api_key: str | None = None,
                  save_interval: int | None = 1000, encryption: bool = False, *,
                  job: str | None = None,
-                 store: str | os.PathLike[str] | None = None, time_interval_s: float | None = None,
+                 store: str | os.PathLike[str] | Store | None = None,
+                 time_interval_s: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  handle_signals: bool = True, asynchronous: bool = True,
                  on_busy: str = "wait", staging_budget_bytes: int | None = None) -> None:

@@ -162,8 +162,11 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
         sid = digest(data)
         # commit only after every chunk and the body are durable
         failpoint("manifest.create")
-        if not store.create(mf.manifest_key(project, job, sid), data):
-            raise StoreError(f"snapshot {sid[:12]} already exists (identical manifest)")
+        key = mf.manifest_key(project, job, sid)
+        # An existing manifest with our exact bytes (salted body, microsecond time) can only be
+        # ours: a create that succeeded but whose reply was lost, then retried.
+        if not store.create(key, data) and store.get(key) != data:
+            raise StoreError(f"{store.location(key)} exists with other content")
         failpoint("catalog.insert")
         repo.catalog.add_snapshot(m, sid)
     return m, sid

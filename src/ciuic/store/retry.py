@@ -1,0 +1,103 @@
+"""``RetryingStore``: bounded retries with backoff, and a timeout on every call.
+
+Wraps any store. Transient failures (I/O errors, timeouts) are retried ``attempts`` times with
+exponential backoff; permanent ones are raised at once: a missing object, an invalid key, and a
+full disk (ENOSPC, EDQUOT), which says so and what to do. Each call runs in a helper thread so
+that a store that hangs (a stuck network mount, a server that never answers) costs at most
+``timeout_s`` per attempt; a call that timed out is abandoned, not killed (Python cannot kill a
+thread), and its thread is left to finish or hang on its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
+
+from .. import knobs
+from ..errors import InvalidKey, ObjectNotFound, StoreError
+from .base import Data, Store
+
+T = TypeVar("T")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class StoreTimeout(StoreError):
+    """A store call did not finish within its timeout."""
+
+
+class DiskFull(StoreError):
+    """The store has no space left."""
+
+
+class RetryingStore(Store):
+    def __init__(self, inner: Store, attempts: int | None = None, timeout_s: float | None = None,
+                 backoff_s: float | None = None) -> None:
+        k = knobs.get()
+        self.inner = inner
+        self.attempts = attempts if attempts is not None else k.store_attempts
+        self.timeout_s = timeout_s if timeout_s is not None else k.store_timeout_s
+        self.backoff_s = backoff_s if backoff_s is not None else k.store_backoff_s
+        self.url = inner.url
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store")
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        for attempt in range(1, self.attempts + 1):
+            future = self._pool.submit(fn)
+            try:
+                return future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                error: Exception = StoreTimeout(
+                    f"{what} {self.inner.location(key)} did not finish in {self.timeout_s:g} s "
+                    f"(attempt {attempt} of {self.attempts}); is the store reachable?")
+            except (ObjectNotFound, InvalidKey):
+                raise
+            except OSError as e:
+                cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+                if cause.errno in _FULL:
+                    raise DiskFull(
+                        f"{what} {self.inner.location(key)} failed: no space left on the store's "
+                        "device. Free space, lower keep_last, or run `ciuic prune` and "
+                        "`ciuic gc`") from e
+                error = e
+            if attempt < self.attempts:
+                time.sleep(delay)
+                delay *= 2
+        raise StoreError(f"{what} {self.inner.location(key)} failed after {self.attempts} "
+                         f"attempt(s): {error}") from error
+
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        self._call("writing", key, lambda: self.inner.put(key, data, durable=durable))
+
+    def sync(self) -> None:
+        self._call("syncing", "", self.inner.sync)
+
+    def create(self, key: str, data: Data) -> bool:
+        # Not blindly retried: a create that succeeded but timed out would report "exists".
+        return self._call("creating", key, lambda: self.inner.create(key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._call("reading", key, lambda: self.inner.get(key))
+
+    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+        return self._call("reading", key, lambda: self.inner.get_into(key, buffers))
+
+    def has(self, key: str) -> bool:
+        return self._call("checking", key, lambda: self.inner.has(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return iter(self._call("listing", prefix, lambda: list(self.inner.list(prefix))))
+
+    def delete(self, key: str) -> None:
+        self._call("deleting", key, lambda: self.inner.delete(key))
+
+    def location(self, key: str = "") -> str:
+        return self.inner.location(key)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.inner.close()

@@ -1,0 +1,207 @@
+"""Storage faults and hostile input: transient errors, a full disk, a hanging store, tampering."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager, knobs
+from ciuic import manifest as mf
+from ciuic.chain import verify_job
+from ciuic.repo import Repository
+from ciuic.store import MemoryStore, Store
+from ciuic.store.base import Data
+
+
+class FaultyStore(Store):
+    """A memory store whose chunk writes fail (or hang) while ``mode`` says so."""
+
+    def __init__(self, name: str) -> None:
+        self.inner = MemoryStore(name)
+        self.url = f"faulty://{name}"
+        self.mode = "ok"  # ok | flaky | full | hang
+        self.failures = 0
+        self.release = threading.Event()
+
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        if key.startswith("chunks/"):
+            if self.mode == "flaky" and self.failures % 2 == 0:
+                self.failures += 1
+                raise OSError(errno.EIO, "transient I/O error")
+            if self.mode == "full":
+                self.failures += 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            if self.mode == "hang":
+                self.failures += 1
+                self.release.wait(30)
+        self.inner.put(key, data, durable=durable)
+
+    def create(self, key: str, data: Data) -> bool:
+        return self.inner.create(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.inner.has(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+def model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(300, 300)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def bump(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+
+def test_transient_errors_are_retried(tmp_path: Path) -> None:
+    store = FaultyStore("flaky")
+    model, opt = model_opt()
+    with knobs.override(store_backoff_s=0.01), SnapshotManager(
+            "p", job="flaky", store=store, save_interval=1) as m:
+        store.mode = "flaky"
+        assert m.step(0, model, opt)
+        m.wait()
+        assert m.stats.failures == 0 and store.failures >= 1
+        assert m.latest().step == 0  # type: ignore[union-attr]
+
+
+def test_disk_full_fails_loudly_training_goes_on_previous_survives(
+        caplog: pytest.LogCaptureFixture) -> None:
+    store = FaultyStore("full")
+    model, opt = model_opt()
+    with knobs.override(store_backoff_s=0.01), SnapshotManager(
+            "p", job="full", store=store, save_interval=1) as m:
+        assert m.step(0, model, opt)
+        m.wait()
+        store.mode = "full"
+        bump(model)
+        assert m.step(1, model, opt)  # staged; the write fails in the background
+        m.wait()
+        assert m.stats.failures == 1
+        assert "no space left" in m.stats.last_error and "ciuic gc" in m.stats.last_error
+        assert store.failures == 1  # a full disk is not retried
+        assert "snapshot at step 1 failed" in caplog.text
+        assert m.latest().step == 0  # type: ignore[union-attr]
+        store.mode = "ok"
+        bump(model)
+        assert m.step(2, model, opt)
+        m.wait()
+        assert m.latest().step == 2  # type: ignore[union-attr]
+
+
+def test_a_hanging_store_times_out_and_training_goes_on() -> None:
+    store = FaultyStore("hang")
+    model, opt = model_opt()
+    with knobs.override(store_timeout_s=0.3, store_attempts=2, store_backoff_s=0.01):
+        m = SnapshotManager("p", job="hang", store=store, save_interval=1, asynchronous=False)
+        assert m.step(0, model, opt)
+        store.mode = "hang"
+        bump(model)
+        t0 = time.perf_counter()
+        assert m.step(1, model, opt) is False  # synchronous: failed, after bounded time
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 5, elapsed
+        assert "did not finish in 0.3 s" in m.stats.last_error
+        assert m.latest().step == 0  # type: ignore[union-attr]
+        store.release.set()
+        store.mode = "ok"
+        bump(model)
+        assert m.step(2, model, opt)
+        m.close()
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path.touch, (Path(_MARKER),))
+
+
+_MARKER = "/tmp/ciuic-test-pickle-was-executed"
+
+
+def test_a_malicious_pickle_is_never_executed(store_dir: Path) -> None:
+    Path(_MARKER).unlink(missing_ok=True)
+    model, opt = model_opt()
+    with SnapshotManager("p", job="evil", store=store_dir) as m:
+        info = m.save(1, model, opt)
+    payload = pickle.dumps({"weights": _Boom()})
+    torch_file = store_dir / "evil.pt"
+    torch.save({"x": _Boom()}, torch_file)  # a torch file that would run code on load
+    objects = store_dir / "objects"
+    for key in (mf.body_key("p", "evil", info.body), mf.manifest_key("p", "evil", info.id)):
+        (objects / key).write_bytes(payload)
+    for chunk in (objects / "chunks").rglob("*"):
+        if chunk.is_file():
+            chunk.write_bytes(torch_file.read_bytes())
+    with SnapshotManager("p", job="evil", store=store_dir) as m2, pytest.raises(Exception):
+        m2.restore(model, opt)
+    report = verify_job(Repository.open(store_dir), "p", "evil", deep=True)
+    assert not report.ok
+    assert not Path(_MARKER).exists(), "unpickling ran code"
+
+
+def _flip_random_bits(paths: list[Path], rng: random.Random) -> None:
+    for path in paths:
+        data = bytearray(path.read_bytes())
+        bit = rng.randrange(len(data) * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def flip_store(store_dir: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.Adam(model.parameters())
+    with knobs.override(chunk_bytes=1024, inline_max_bytes=64), SnapshotManager(
+            "p", job="flip", store=store_dir, save_interval=1) as m:
+        for s in range(4):
+            loss = model(torch.randn(2, 64)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            m.step(s, model, opt)
+    return store_dir / "objects"
+
+
+def test_100_random_bit_flips_in_chunks_are_detected_with_their_snapshots(
+        flip_store: Path, store_dir: Path) -> None:
+    chunks = sorted(p for p in (flip_store / "chunks").rglob("*") if p.is_file())
+    assert len(chunks) >= 200
+    victims = random.Random(7).sample(chunks, 100)
+    _flip_random_bits(victims, random.Random(8))
+    report = verify_job(Repository.open(store_dir), "p", "flip", deep=True)
+    problems = report.problems or []
+    for v in victims:
+        key = str(v.relative_to(flip_store))
+        users = {p.snapshot for p in problems if p.key == key}
+        assert users and "" not in users, f"{key}: detected by {users}"
+    assert {p.key for p in problems} == {str(v.relative_to(flip_store)) for v in victims}
+
+
+def test_random_bit_flips_in_manifests_and_bodies_are_detected(flip_store: Path,
+                                                               store_dir: Path) -> None:
+    meta = sorted(p for p in (flip_store / "jobs").rglob("*.json") if p.is_file())
+    victims = random.Random(9).sample(meta, 5)
+    _flip_random_bits(victims, random.Random(10))
+    report = verify_job(Repository.open(store_dir), "p", "flip", deep=True)
+    named = {p.key for p in report.problems or []}
+    assert {str(v.relative_to(flip_store)) for v in victims} <= named
