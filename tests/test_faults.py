@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, knobs
+from ciuic import RestoreError, SnapshotManager, knobs
 from ciuic import manifest as mf
 from ciuic.chain import verify_job
 from ciuic.repo import Repository
@@ -151,7 +151,7 @@ def test_a_malicious_pickle_is_never_executed(store_dir: Path) -> None:
     for chunk in (objects / "chunks").rglob("*"):
         if chunk.is_file():
             chunk.write_bytes(torch_file.read_bytes())
-    with SnapshotManager("p", job="evil", store=store_dir) as m2, pytest.raises(Exception):
+    with SnapshotManager("p", job="evil", store=store_dir) as m2, pytest.raises(RestoreError):
         m2.restore(model, opt)
     report = verify_job(Repository.open(store_dir), "p", "evil", deep=True)
     assert not report.ok
