@@ -8,13 +8,17 @@ A run that was killed (SIGKILL, power loss, OOM killer) records nothing: its row
 from __future__ import annotations
 
 import atexit
+import os
+import socket
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
 from .catalog.models import Run
+from .manifest import parse_time
 
 
 class _Ends(Protocol):
@@ -66,3 +70,23 @@ def describe_end(run: Run) -> str:
     if kind.startswith("exception:"):
         return f"it raised {kind.split(':', 1)[1]}"
     return "it exited cleanly"
+
+
+def may_still_run(run: Run | None, recent_s: float = 30.0) -> bool:
+    """Whether a previous run that recorded no end may still be alive: its process exists on
+    this machine, or (elsewhere) it reported progress within ``recent_s`` seconds."""
+    if run is None or run.end_kind is not None:
+        return False
+    if run.host == socket.gethostname():
+        try:
+            os.kill(run.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        seen = parse_time(run.last_seen).timestamp()
+    except ValueError:
+        return False
+    return time.time() - seen < recent_s

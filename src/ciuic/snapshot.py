@@ -46,6 +46,8 @@ from .errors import (
 )
 from .gc import collect
 from .info import SnapshotInfo
+from .lease import FencedOut
+from .lease import acquire as acquire_lease
 from .reader import load_states
 from .repo import Repository
 from .retention import prune
@@ -158,6 +160,15 @@ class SnapshotManager:
         self.run_id = secrets.token_hex(8)
         self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
         self.interrupted = runs.was_interrupted(self.previous_run)
+        self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
+        if runs.may_still_run(self.previous_run):
+            log.warning(
+                "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
+                "seen %s). This process takes the job over (lease %d): the other one can no "
+                "longer commit snapshots and will say so. Stop it if it is still running.",
+                self.project, self.job, self.previous_run.pid,  # type: ignore[union-attr]
+                self.previous_run.host, self.previous_run.id,  # type: ignore[union-attr]
+                self.previous_run.last_seen, self.lease.token)  # type: ignore[union-attr]
         self.stats = ManagerStats()
         self.restored: SnapshotInfo | None = None
         self.restored_values: dict[str, Any] = {}
@@ -238,7 +249,8 @@ class SnapshotManager:
         self.stats.failures += 1
         self.stats.consecutive_failures += 1
         self.stats.last_error = str(e)
-        level = logging.CRITICAL if self.stats.consecutive_failures >= 3 else logging.ERROR
+        level = logging.CRITICAL if self.stats.consecutive_failures >= 3 or isinstance(
+            e, FencedOut) else logging.ERROR
         log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
                 "snapshot is still %s (%d failure(s) in a row)", step, e,
                 f"step {self._last_committed_step}" if self._last_committed_step is not None
@@ -299,7 +311,7 @@ class SnapshotManager:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         try:
             m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
-                                    captured, self._cache)
+                                    captured, self._cache, lease=self.lease)
         except BaseException as e:
             self._failed(step, e)
             raise

@@ -28,6 +28,8 @@ from .digest import digest
 from .errors import StoreError
 from .faults import failpoint
 from .gc import InflightSave
+from .lease import Lease, commit_lock_name
+from .lease import check as check_lease
 from .repo import Repository
 from .tree import Leaf, dtype_name
 
@@ -137,8 +139,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
 
 
 def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
-                   captured: Captured, cache: ChunkCache, world_size: int = 1
-                   ) -> tuple[mf.Manifest, str]:
+                   captured: Captured, cache: ChunkCache, world_size: int = 1,
+                   lease: Lease | None = None) -> tuple[mf.Manifest, str]:
     """Persist ``captured`` as a snapshot of ``project/job`` and commit it.
 
     Returns (manifest, snapshot ID).
@@ -163,10 +165,13 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
         # commit only after every chunk and the body are durable
         failpoint("manifest.create")
         key = mf.manifest_key(project, job, sid)
-        # An existing manifest with our exact bytes (salted body, microsecond time) can only be
-        # ours: a create that succeeded but whose reply was lost, then retried.
-        if not store.create(key, data) and store.get(key) != data:
-            raise StoreError(f"{store.location(key)} exists with other content")
+        with store.lock(commit_lock_name(project, job)):
+            if lease is not None:
+                check_lease(store, lease)  # a process that was taken over never commits
+            # An existing manifest with our exact bytes (salted body, microsecond time) can
+            # only be ours: a create that succeeded but whose reply was lost, then retried.
+            if not store.create(key, data) and store.get(key) != data:
+                raise StoreError(f"{store.location(key)} exists with other content")
         failpoint("catalog.insert")
         repo.catalog.add_snapshot(m, sid)
     return m, sid

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 from ..errors import InvalidKey
 
@@ -118,6 +119,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``. Idempotent: a missing key is not an error."""
+
+    def lock(self, name: str) -> AbstractContextManager[None]:
+        """A lock named ``name`` (a key-like string), exclusive across every process that uses
+        this store, held for the ``with`` block. Used to make a fencing check and a commit
+        atomic. The default is no lock at all: backends that can lock override it, and callers
+        document what they lose without one."""
+        check_key(name)
+        return nullcontext()
 
     def location(self, key: str = "") -> str:
         """A human-readable location of ``key`` (for logs), e.g. a path or URL."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import threading
@@ -65,6 +66,7 @@ class LocalStore(Store):
         self._known_dirs: set[Path] = set()
         self._pending: list[Path] = []
         self._pending_lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -204,7 +206,7 @@ class LocalStore(Store):
             return iter(())
         found: list[str] = []
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames.sort()
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .locks
             rel = Path(dirpath).relative_to(self.root).as_posix()
             base = "" if rel == "." else rel + "/"
             for name in filenames:
@@ -225,6 +227,25 @@ class LocalStore(Store):
             if e.errno == errno.EISDIR:
                 return
             raise StoreError(f"cannot delete {self.location(key)}: {e}") from e
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """An advisory ``flock`` on ``<root>/.locks/<name>``: exclusive across processes on
+        this machine (and on network filesystems that honour flock)."""
+        check_key(name)
+        path = self.root / ".locks" / (name.replace("/", "~") + ".lock")
+        self._ensure_dir(path.parent)
+        with self._thread_lock(name):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # closing releases the flock
+
+    def _thread_lock(self, name: str) -> threading.Lock:
+        with self._pending_lock:
+            return self._locks.setdefault(name, threading.Lock())
 
     def location(self, key: str = "") -> str:
         return str(self.root / key) if key else str(self.root)

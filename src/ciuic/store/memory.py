@@ -6,6 +6,7 @@ the same objects.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ class MemoryStore(Store):
         self.url = f"memory://{name}"
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self._named_locks: dict[str, threading.Lock] = {}
 
     @classmethod
     def named(cls, name: str) -> MemoryStore:
@@ -69,6 +71,15 @@ class MemoryStore(Store):
         check_key(key)
         with self._lock:
             self._objects.pop(key, None)
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """A process-wide lock (the store itself lives in one process)."""
+        check_key(name)
+        with self._lock:
+            named = self._named_locks.setdefault(name, threading.Lock())
+        with named:
+            yield
 
     def corrupt(self, key: str, data: bytes) -> None:
         """Replace an object's bytes behind the writer's back (for fault tests)."""

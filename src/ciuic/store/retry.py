@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from .. import knobs
@@ -94,6 +95,9 @@ class RetryingStore(Store):
 
     def delete(self, key: str) -> None:
         self._call("deleting", key, lambda: self.inner.delete(key))
+
+    def lock(self, name: str) -> AbstractContextManager[None]:
+        return self.inner.lock(name)
 
     def location(self, key: str = "") -> str:
         return self.inner.location(key)
