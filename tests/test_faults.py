@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import pickle
 import random
 import threading
@@ -205,3 +206,74 @@ def test_random_bit_flips_in_manifests_and_bodies_are_detected(flip_store: Path,
     report = verify_job(Repository.open(store_dir), "p", "flip", deep=True)
     named = {p.key for p in report.problems or []}
     assert {str(v.relative_to(flip_store)) for v in victims} <= named
+
+
+@pytest.mark.parametrize("failpoint", ["chunk.put", "chunks.sync", "body.put",
+                                       "manifest.create"])
+def test_an_io_error_at_each_write_step_keeps_the_previous_snapshot(
+        store_dir: Path, failpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    from ciuic import faults
+
+    model, opt = model_opt()
+    with SnapshotManager("p", job="err", store=store_dir, save_interval=1,
+                         asynchronous=False) as m:
+        assert m.step(0, model, opt)
+        bump(model)
+        faults.reload(f"{failpoint}=raise")
+        assert m.step(1, model, opt) is False  # training goes on
+        faults.reload("")
+        assert f"failpoint {failpoint}" in m.stats.last_error
+        assert "snapshot at step 1 failed" in caplog.text
+        assert m.latest().step == 0  # type: ignore[union-attr]
+        bump(model)
+        assert m.step(2, model, opt)
+    fresh, fresh_opt = model_opt()
+    with SnapshotManager("p", job="err", store=store_dir) as m2:
+        assert m2.restore(fresh, fresh_opt) == 2
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_truncated_chunk_falls_back_to_the_previous_snapshot(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ciuic.reader import chunk_refs, read_body
+
+    model, opt = model_opt()
+    with SnapshotManager("p", job="trunc", store=store_dir) as m:
+        m.save(1, model, opt)
+        bump(model)
+        second = m.save(2, model, opt)
+        _, states = read_body(m.repo, second)
+    weight_chunks = set(chunk_refs({"m": states["model"]}))
+    victim = store_dir / "objects" / "chunks" / next(iter(weight_chunks))[:2] / next(
+        iter(weight_chunks))
+    victim.write_bytes(victim.read_bytes()[:100])
+    fresh, fresh_opt = model_opt()
+    with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
+            "p", job="trunc", store=store_dir) as m2:
+        assert m2.restore(fresh, fresh_opt) == 1
+    assert "truncated" in caplog.text or "length mismatch" in caplog.text
+
+
+def test_gc_during_a_save_never_deletes_what_the_save_references(store_dir: Path) -> None:
+    from ciuic import faults
+    from ciuic.gc import collect
+
+    model, opt = model_opt()
+    with SnapshotManager("p", job="race", store=store_dir, save_interval=1, keep_last=1) as m:
+        assert m.step(0, model, opt)
+        m.wait()
+        bump(model)
+        faults.reload("chunk.put=sleep:0.1")
+        assert m.step(1, model, opt)  # in flight for a while
+        time.sleep(0.05)
+        results = [collect(Repository.open(store_dir), wait_s=0.0) for _ in range(3)]
+        faults.reload("")
+        m.wait()
+        assert m.stats.failures == 0
+    assert all("in progress" in r.skipped for r in results if r.skipped)
+    report = verify_job(Repository.open(store_dir), "p", "race", deep=True)
+    assert report.ok, report.problems
+    fresh, fresh_opt = model_opt()
+    with SnapshotManager("p", job="race", store=store_dir) as m2:
+        assert m2.restore(fresh, fresh_opt) == 1
+    assert torch.equal(fresh.weight, model.weight)
