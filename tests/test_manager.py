@@ -317,18 +317,6 @@ def test_bad_arguments_are_explained(store_dir: Path, kwargs: dict[str, object],
         SnapshotManager(store=store_dir, **kwargs)  # type: ignore[arg-type]
 
 
-def test_encryption_is_refused_clearly_not_faked(store_dir: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in (None, "some-key"):
-        if key is None:
-            monkeypatch.delenv("CIUIC_ENCRYPTION_KEY", raising=False)
-        else:
-            monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", key)
-        with pytest.raises(ConfigurationError, match="will not silently store plaintext"):
-            SnapshotManager("p", encryption=True, store=store_dir)
-    assert not (store_dir / "objects" / "jobs").exists()  # nothing was written
-
-
 def test_missing_extra_and_reserved_names(store_dir: Path) -> None:
     model, opt = model_and_opt()
     with SnapshotManager("p", job="e", store=store_dir) as m:

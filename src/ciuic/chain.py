@@ -13,11 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import chunks as ck
 from . import manifest as mf
 from .digest import digest
-from .errors import CorruptObject, ObjectNotFound
-from .reader import _POOL_WORKERS, chunk_refs, verify_chunks
+from .errors import CorruptObject, IntegrityError, ObjectNotFound
+from .reader import _POOL_WORKERS, body_states, check_chunk_blob, chunk_refs, verify_chunks
 from .repo import Repository
 
 
@@ -80,16 +79,15 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
                                             f"step {m.step} follows parent step {parent.step}: "
                                             "the chain is out of order"))
             bkey = mf.body_key(project, job, m.body)
-            try:
-                data = repo.store.get(bkey)
-            except ObjectNotFound:
+            if not repo.store.has(bkey):
                 report.pruned += 1
                 continue
             report.snapshots += 1
             try:
-                states = mf.decode_body(data, bkey, m.body)
-            except CorruptObject as e:
-                problems.append(Problem(sid, m.step, e.key, e.reason))
+                states = body_states(repo, m)
+            except IntegrityError as e:
+                problems.append(Problem(sid, m.step, getattr(e, "key", bkey),
+                                        getattr(e, "reason", str(e))))
                 continue
             refs = chunk_refs(states)
             fresh = {d: size for d, size in refs.items() if d not in cache}
@@ -124,12 +122,12 @@ def _unreferenced_chunks(repo: Repository, cache: dict[str, tuple[str, str] | No
         if d in cache:
             continue
         try:
-            blob = repo.store.get(key)
-            ck.unframe(key, blob, d, ck.header_length(blob[:ck.HEADER_BYTES]))
+            check_chunk_blob(repo, key, repo.store.get(key), d, None)
             cache[d] = None
-        except CorruptObject as e:
-            cache[d] = (e.key, e.reason)
-            problems.append(Problem("", None, e.key, e.reason + " (no readable snapshot names "
+        except IntegrityError as e:
+            reason = getattr(e, "reason", str(e))
+            cache[d] = (key, reason)
+            problems.append(Problem("", None, key, reason + " (no readable snapshot names "
                                     "this chunk)"))
     return problems
 
@@ -141,7 +139,12 @@ def _unreferenced_bodies(repo: Repository, project: str, job: str,
         if key in checked:
             continue
         name = key.rsplit("/", 1)[-1].removesuffix(".json")
-        actual = digest(repo.store.get(key))
+        try:
+            plain, name_key = repo.open_meta(key, repo.store.get(key))
+            actual = digest(plain, key=name_key)
+        except IntegrityError as e:
+            problems.append(Problem("", None, key, getattr(e, "reason", str(e))))
+            continue
         if actual != name:
             problems.append(Problem("", None, key, f"content hash {actual[:16]}... does not "
                                     "match its name (no readable snapshot names this body)"))

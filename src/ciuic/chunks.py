@@ -54,10 +54,37 @@ def split(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
 
 
+def header(length: int, cipher: int = CIPHER_NONE) -> bytes:
+    return _HEADER.pack(MAGIC, FRAME_VERSION, CODEC_RAW, cipher, 0, length)
+
+
 def frame(plain: Buffer) -> list[Buffer]:  # a store.Data list
     """The stored form of a plaintext piece, as buffers to write back to back (no copy)."""
-    header = _HEADER.pack(MAGIC, FRAME_VERSION, CODEC_RAW, CIPHER_NONE, 0, len(plain))
-    return [header, plain]
+    return [header(len(plain)), plain]
+
+
+def is_framed(blob: bytes | bytearray | memoryview) -> bool:
+    return bytes(blob[:4]) == MAGIC
+
+
+def is_sealed(header_bytes: bytes | bytearray | memoryview) -> bool:
+    return len(header_bytes) >= HEADER_BYTES and header_bytes[6] != CIPHER_NONE
+
+
+def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed: bool) -> int:
+    """Check a frame header; returns the plaintext length it states."""
+    if size < HEADER_BYTES:
+        raise CorruptObject(key, f"truncated: {size} bytes, shorter than the header")
+    magic, version, codec, cipher, reserved, length = _HEADER.unpack_from(header_bytes)
+    if magic != MAGIC:
+        raise CorruptObject(key, "not a ciuic object (bad magic)")
+    if reserved != 0:
+        raise CorruptObject(key, "reserved header byte is not zero")
+    if version != FRAME_VERSION:
+        raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
+    if codec != CODEC_RAW or cipher not in ((1,) if sealed else (CIPHER_NONE,)):
+        raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
+    return int(length)
 
 
 def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
@@ -71,17 +98,7 @@ def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryvi
                expected_digest: str, expected_len: int) -> None:
     """Check a chunk read straight into its destination: ``header`` (16 bytes), the object's
     total ``size``, and the ``payload`` view it filled. Raises :class:`CorruptObject`."""
-    if size < HEADER_BYTES:
-        raise CorruptObject(key, f"truncated: {size} bytes, shorter than the header")
-    magic, version, codec, cipher, reserved, length = _HEADER.unpack_from(header)
-    if magic != MAGIC:
-        raise CorruptObject(key, "not a ciuic chunk (bad magic)")
-    if reserved != 0:
-        raise CorruptObject(key, "reserved header byte is not zero")
-    if version != FRAME_VERSION:
-        raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
-    if codec != CODEC_RAW or cipher != CIPHER_NONE:
-        raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
+    length = check_header(key, header, size, sealed=False)
     if length != expected_len or size - HEADER_BYTES != expected_len:
         raise CorruptObject(
             key, f"length mismatch: header says {length}, object holds {size - HEADER_BYTES}, "

@@ -261,6 +261,18 @@ def reindex() -> None:
                   "manifest(s) skipped")
 
 
+@app.command("keygen")
+def keygen() -> None:
+    """Print a new encryption key (keep it secret and safe: without it, snapshots sealed
+    with it cannot be read)."""
+    from .crypto import generate_key_text, parse_key_text
+
+    text = generate_key_text()
+    err.print(f"key ID {parse_key_text(text).id}; use it with CIUIC_ENCRYPTION_KEY or "
+              "CIUIC_ENCRYPTION_KEY_FILE", highlight=False)
+    print(text)
+
+
 @app.command("demo")
 def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
          save_every: Annotated[int, typer.Option(help="Snapshot every N steps")] = 20,

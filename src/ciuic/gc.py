@@ -30,7 +30,7 @@ from . import knobs
 from . import manifest as mf
 from .chunks import chunk_key, digest_of_key
 from .errors import CiuicError, CorruptObject, IntegrityError, ObjectNotFound, StoreError
-from .reader import chunk_refs
+from .reader import body_states, chunk_refs
 from .repo import _MANIFEST, Repository
 from .store import LocalStore, Store
 
@@ -157,10 +157,12 @@ def referenced(repo: Repository, progress: Callable[[str], None] | None = None
         bkey = mf.body_key(project, job, m.body)
         bodies.add(bkey)
         try:
-            states = mf.decode_body(store.get(bkey), bkey, m.body)
-            refs = chunk_refs(states)
-        except ObjectNotFound:
-            continue  # pruned
+            refs = chunk_refs(body_states(repo, m))
+        except CorruptObject as e:
+            if not store.has(bkey):
+                continue  # pruned
+            damaged.append(f"{bkey} ({e.reason})")
+            continue
         except IntegrityError:
             damaged.append(bkey)
             continue

@@ -174,9 +174,10 @@ def encode_body(states: dict[str, Any], salt: str | None = None) -> bytes:
                             "states": states})
 
 
-def decode_body(data: bytes, key: str, expected_digest: str) -> dict[str, Any]:
-    """Check a body against its digest and return its ``states`` trees."""
-    actual = digest(data)
+def decode_body(data: bytes, key: str, expected_digest: str,
+                name_key: bytes | None = None) -> dict[str, Any]:
+    """Check a body (plaintext) against its digest and return its ``states`` trees."""
+    actual = digest(data, key=name_key)
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
     obj = _load(data, key, BODY_KIND, "body")

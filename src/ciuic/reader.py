@@ -19,6 +19,7 @@ import torch
 
 from . import chunks as ck
 from . import manifest as mf
+from .digest import digest
 from .errors import CorruptObject, IntegrityError, ObjectNotFound
 from .info import SnapshotInfo
 from .repo import Repository
@@ -30,14 +31,20 @@ _POOL_WORKERS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[str, Any]]:
     """The verified manifest and body trees of a snapshot."""
     m = repo.read_manifest(info.project, info.job, info.id)
+    return m, body_states(repo, m)
+
+
+def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
+    """The verified states of a manifest's body. ObjectNotFound when it was pruned."""
     key = mf.body_key(m.project, m.job, m.body)
     try:
-        data = repo.store.get(key)
+        blob = repo.store.get(key)
     except ObjectNotFound:
         raise CorruptObject(key, "missing (the snapshot was pruned or its body was lost)") from None
+    data, name_key = repo.open_meta(key, blob)
     if len(data) != m.body_bytes:
         raise CorruptObject(key, f"size {len(data)} differs from the manifest's {m.body_bytes}")
-    return m, mf.decode_body(data, key, m.body)
+    return mf.decode_body(data, key, m.body, name_key)
 
 
 def _read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
@@ -46,9 +53,30 @@ def _read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
     header = bytearray(ck.HEADER_BYTES)
     try:
         size = repo.store.get_into(key, [memoryview(header), dest])
+        if ck.is_sealed(header):
+            check_chunk_blob(repo, key, repo.store.get(key), d, n, dest)
+            return
     except ObjectNotFound:
         raise CorruptObject(key, "missing") from None
     ck.check_read(key, header, size, dest, d, n)
+
+
+def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,
+                     dest: memoryview | None = None) -> None:
+    """Check a whole stored chunk (plain or sealed) against its name; optionally copy its
+    plaintext into ``dest``. ``n``: the expected length (None: the header's)."""
+    if not ck.is_sealed(blob[:ck.HEADER_BYTES]):
+        n = ck.header_length(blob[:ck.HEADER_BYTES]) if n is None else n
+        plain = ck.unframe(key, blob, d, n)
+    else:
+        opened, used = repo.keyring.open(key, blob)
+        if n is not None and len(opened) != n:
+            raise CorruptObject(key, f"length {len(opened)} differs from the expected {n}")
+        if digest(opened, key=used.name_key) != d:
+            raise CorruptObject(key, "content hash does not match its name")
+        plain = memoryview(opened)
+    if dest is not None:
+        dest[:] = plain
 
 
 def _get_chunk(repo: Repository, d: str, n: int) -> None:

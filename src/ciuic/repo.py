@@ -13,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import chunks as ck
 from . import manifest as mf
 from .catalog import Catalog
+from .crypto import Keyring
 from .digest import digest, is_digest
 from .errors import ConfigurationError, CorruptObject, ObjectNotFound, SnapshotNotFound
 from .info import SnapshotInfo
@@ -34,6 +36,21 @@ class Repository:
     def __init__(self, store: Store, catalog: Catalog) -> None:
         self.store = store
         self.catalog = catalog
+        self._keyring: Keyring | None = None
+
+    @property
+    def keyring(self) -> Keyring:
+        """The keys configured in the environment (loaded on first use)."""
+        if self._keyring is None:
+            self._keyring = Keyring.from_env()
+        return self._keyring
+
+    def open_meta(self, key: str, blob: bytes) -> tuple[bytes, bytes | None]:
+        """The plaintext of a manifest or body and the name key its digest uses (None: plain)."""
+        if ck.is_framed(blob):
+            plain, used = self.keyring.open(key, blob)
+            return plain, used.name_key
+        return blob, None
 
     @classmethod
     def open(cls, location: str | os.PathLike[str] | Store | None = None,
@@ -85,8 +102,8 @@ class Repository:
     def read_manifest(self, project: str, job: str, snapshot_id: str) -> mf.Manifest:
         """Read a manifest and check that its bytes hash to its ID."""
         key = mf.manifest_key(project, job, snapshot_id)
-        data = self.store.get(key)
-        actual = digest(data)
+        data, name_key = self.open_meta(key, self.store.get(key))
+        actual = digest(data, key=name_key)
         if actual != snapshot_id:
             raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
         m = mf.Manifest.decode(data, key)

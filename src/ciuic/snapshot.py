@@ -35,6 +35,7 @@ from .capture import (
     match_model_state,
     set_rng_state,
 )
+from .crypto import Keyring, ObjectCodec
 from .engine import StagingArea, StagingBudgetExceeded
 from .errors import (
     CiuicError,
@@ -94,7 +95,8 @@ class SnapshotManager:
         project_id: the project (a name: letters, digits, ``.``, ``_``, ``-``).
         api_key: the key for a ciuic server; unused with the embedded store.
         save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
-        encryption: seal snapshots with AES-256-GCM on the client (needs a key).
+        encryption: seal every object with AES-256-GCM on the client, with the key from
+            ``CIUIC_ENCRYPTION_KEY`` or ``CIUIC_ENCRYPTION_KEY_FILE`` (``ciuic keygen``).
         job: the job within the project (default ``"default"``). The same project and job
             restarted means the same chain.
         store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
@@ -136,8 +138,7 @@ class SnapshotManager:
                 "CIUIC_ENDPOINT is set, but this version of ciuic has no server client yet; "
                 "unset CIUIC_ENDPOINT to use the embedded store (a local directory)"
             )
-        if encryption:
-            _check_encryption()
+        self._codec = ObjectCodec(Keyring.from_env() if encryption else None)
         if on_busy not in ("skip", "wait"):
             raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self.api_key = api_key
@@ -311,7 +312,8 @@ class SnapshotManager:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         try:
             m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
-                                    captured, self._cache, lease=self.lease)
+                                    captured, self._cache, lease=self.lease,
+                                    codec=self._codec)
         except BaseException as e:
             self._failed(step, e)
             raise
@@ -532,12 +534,3 @@ class SnapshotManager:
         if tp is not None and not issubclass(tp, SystemExit):
             self._record_end(f"exception:{tp.__name__}")
         self.close()
-
-
-def _check_encryption() -> None:
-    raise ConfigurationError(
-        "encryption=True: client-side AES-256-GCM encryption is not available in this version "
-        "of ciuic yet, and ciuic will not silently store plaintext instead. Pass "
-        "encryption=False (the default) to store snapshots unencrypted, or wait for the release "
-        "that adds encryption keys (`ciuic keygen`)."
-    )

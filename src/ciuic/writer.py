@@ -24,7 +24,7 @@ import torch
 from . import chunks as ck
 from . import knobs
 from . import manifest as mf
-from .digest import digest
+from .crypto import ObjectCodec
 from .errors import StoreError
 from .faults import failpoint
 from .gc import InflightSave
@@ -85,13 +85,14 @@ class _ChunkWriter:
     """Hashes pieces and writes those the store lacks, on a few threads (BLAKE3 and the
     store's writes release the GIL). Identical pieces within a snapshot are written once."""
 
-    def __init__(self, repo: Repository, cache: ChunkCache) -> None:
+    def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec) -> None:
         self.store = repo.store
         self.cache = cache
+        self.codec = codec
         self.lock = threading.Lock()
 
     def __call__(self, piece: memoryview) -> tuple[str, int]:
-        d = digest(piece)
+        d = self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
                 return d, 0
@@ -101,7 +102,7 @@ class _ChunkWriter:
             if self.store.has(key):
                 return d, 0
             failpoint("chunk.put")
-            self.store.put(key, ck.frame(piece), durable=False)  # synced as a batch later
+            self.store.put(key, self.codec.chunk(key, piece), durable=False)  # synced later
             return d, len(piece)
         except BaseException:
             with self.lock:
@@ -109,7 +110,8 @@ class _ChunkWriter:
             raise
 
 
-def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tuple[int, int]:
+def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
+                 codec: ObjectCodec) -> tuple[int, int]:
     """Store every leaf's chunks the store lacks; fill descriptors. Returns (total, new) bytes."""
     k = knobs.get()
     total = new = 0
@@ -129,7 +131,7 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
                 owners.append(desc)
         leaf.descriptor.clear()
         leaf.descriptor.update(desc)
-    writer = _ChunkWriter(repo, cache)
+    writer = _ChunkWriter(repo, cache, codec)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
         for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces),
                                            strict=True):
@@ -140,7 +142,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache) -> tup
 
 def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
                    captured: Captured, cache: ChunkCache, world_size: int = 1,
-                   lease: Lease | None = None) -> tuple[mf.Manifest, str]:
+                   lease: Lease | None = None, codec: ObjectCodec | None = None
+                   ) -> tuple[mf.Manifest, str]:
     """Persist ``captured`` as a snapshot of ``project/job`` and commit it.
 
     Returns (manifest, snapshot ID).
@@ -148,20 +151,22 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
     store = repo.store
     with InflightSave(store) as inflight:
         cache.sync(inflight.epoch)
-        total, new = write_leaves(repo, captured.leaves, cache)
+        codec = codec or ObjectCodec()
+        total, new = write_leaves(repo, captured.leaves, cache, codec)
         failpoint("chunks.sync")
         store.sync()  # every chunk durable before anything refers to it
         body = mf.encode_body(captured.states)
-        body_digest = digest(body)
+        body_digest = codec.name(body)
         failpoint("body.put")
-        store.put(mf.body_key(project, job, body_digest), body)
+        bkey = mf.body_key(project, job, body_digest)
+        store.put(bkey, codec.meta(bkey, body))
         m = mf.Manifest(
             project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
             body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
             tensors=len(captured.leaves), world_size=world_size, metrics=captured.metrics,
         )
         data = m.encode()
-        sid = digest(data)
+        sid = codec.name(data)
         # commit only after every chunk and the body are durable
         failpoint("manifest.create")
         key = mf.manifest_key(project, job, sid)
@@ -170,7 +175,8 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
                 check_lease(store, lease)  # a process that was taken over never commits
             # An existing manifest with our exact bytes (salted body, microsecond time) can
             # only be ours: a create that succeeded but whose reply was lost, then retried.
-            if not store.create(key, data) and store.get(key) != data:
+            if not store.create(key, codec.meta(key, data)) and repo.open_meta(
+                    key, store.get(key))[0] != data:
                 raise StoreError(f"{store.location(key)} exists with other content")
         failpoint("catalog.insert")
         repo.catalog.add_snapshot(m, sid)

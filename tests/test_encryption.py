@@ -1,0 +1,148 @@
+"""Client-side encryption: sealed objects, keyed names, wrong keys, rotation, tampering."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import ConfigurationError, RestoreError, SnapshotManager, cli
+from ciuic.chain import verify_job
+from ciuic.crypto import generate_key_text, parse_key_text
+from ciuic.repo import Repository
+
+
+@pytest.fixture
+def key(monkeypatch: pytest.MonkeyPatch) -> str:
+    text = generate_key_text()
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", text)
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY_FILE", raising=False)
+    monkeypatch.delenv("CIUIC_DECRYPTION_KEYS", raising=False)
+    return text
+
+
+def model_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Linear(256, 256)
+    return model, torch.optim.Adam(model.parameters())
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(4, 256)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_seed_code_with_encryption_runs_and_restores(store_dir: Path, key: str) -> None:
+    model, optimizer = model_opt()
+    snapshot_manager = SnapshotManager(project_id="deepseek_v2", api_key="your_api_key",
+                                       save_interval=2, encryption=True, store=store_dir)
+    for step in range(5):
+        train(model, optimizer)
+        snapshot_manager.step(step, model, optimizer)
+    snapshot_manager.close()
+    fresh, fresh_opt = model_opt(seed=1)
+    with SnapshotManager("deepseek_v2", store=store_dir) as m:  # reading needs only the key
+        assert m.restore(fresh, fresh_opt) == 4
+    assert torch.equal(fresh.weight, model.weight)
+    assert verify_job(Repository.open(store_dir), "deepseek_v2", "default", deep=True).ok
+
+
+def test_no_key_says_how_to_make_one(store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("CIUIC_ENCRYPTION_KEY", "CIUIC_ENCRYPTION_KEY_FILE", "CIUIC_DECRYPTION_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigurationError, match="ciuic keygen"):
+        SnapshotManager("p", encryption=True, store=store_dir)
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", "hunter2")
+    with pytest.raises(ConfigurationError, match="not a ciuic key"):
+        SnapshotManager("p", encryption=True, store=store_dir)
+
+
+def test_no_plaintext_reaches_the_store(store_dir: Path, key: str) -> None:
+    model, opt = model_opt()
+    train(model, opt)
+    with SnapshotManager("secretproject", job="j", encryption=True, store=store_dir) as m:
+        m.save(7, model, opt, loss=0.123456)
+    raw = model.weight.detach().numpy().tobytes()
+    probes = [raw[i:i + 32] for i in range(0, len(raw) - 32, len(raw) // 16)]
+    for path in (store_dir / "objects").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(p in data for p in probes), f"plaintext tensor bytes in {path}"
+            assert b'"step"' not in data and b"0.123456" not in data, path
+
+
+def test_dedup_still_works_with_encryption(store_dir: Path, key: str) -> None:
+    model, opt = model_opt()
+    with SnapshotManager("p", job="dd", encryption=True, store=store_dir) as m:
+        first = m.save(0, model, opt)
+        second = m.save(1, model, opt)
+    assert first.new_bytes > 256 * 256 * 4
+    assert second.new_bytes < 16 * 1024  # only the RNG state changed
+
+
+def test_a_wrong_key_names_the_key_needed(store_dir: Path, key: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = model_opt()
+    with SnapshotManager("p", job="wk", encryption=True, store=store_dir) as m:
+        m.save(0, model, opt)
+    needed = parse_key_text(key).id
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
+    with SnapshotManager("p", job="wk", store=store_dir) as m2, pytest.raises(
+            RestoreError) as e:
+        m2.restore(model, opt)
+    assert needed in str(e.value) and "CIUIC_DECRYPTION_KEYS" in str(e.value)
+
+
+def test_rotation_old_key_still_opens(store_dir: Path, key: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = model_opt()
+    with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m:
+        m.save(0, model, opt)
+    new_key = generate_key_text()
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", new_key)
+    monkeypatch.setenv("CIUIC_DECRYPTION_KEYS", key)
+    with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m2:
+        assert m2.restore(model, opt) == 0
+        train(model, opt)
+        m2.save(1, model, opt)
+    monkeypatch.delenv("CIUIC_DECRYPTION_KEYS")
+    with SnapshotManager("p", job="rot", store=store_dir) as m3:
+        assert m3.restore(model, opt) == 1  # sealed with the new key only
+
+
+def test_tampering_is_detected(store_dir: Path, key: str) -> None:
+    model, opt = model_opt()
+    with SnapshotManager("p", job="tam", encryption=True, store=store_dir) as m:
+        m.save(0, model, opt)
+        train(model, opt)
+        m.save(1, model, opt)
+    chunks = sorted(p for p in (store_dir / "objects" / "chunks").rglob("*") if p.is_file())
+    a, b = chunks[0], chunks[1]
+    swapped = a.read_bytes()
+    shutil.copyfile(b, a)  # an object moved to another name
+    flipped = bytearray(chunks[2].read_bytes())
+    flipped[40] ^= 1
+    chunks[2].write_bytes(bytes(flipped))
+    report = verify_job(Repository.open(store_dir), "p", "tam", deep=True)
+    reasons = {p.key: p.reason for p in report.problems or []}
+    rel = str(a.relative_to(store_dir / "objects"))
+    assert "authentication failed" in reasons[rel]
+    assert "authentication failed" in reasons[str(chunks[2].relative_to(store_dir / "objects"))]
+    assert swapped != a.read_bytes()
+
+
+def test_keygen_prints_a_usable_key(capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["ciuic", "keygen"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert not e.value.code
+    out, err = capsys.readouterr()
+    k = parse_key_text(out.strip())
+    assert k.id in err and len(k.id) == 16
