@@ -199,6 +199,8 @@ class Ciuic(System):
     One manager per round (a fresh store, so the snapshot is full); ``steady`` re-snapshots
     with 10 % of the tensors changed, with the staging buffers already allocated."""
 
+    encryption = False
+
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         super().__init__(name, base, state)
         self.manager: object = None
@@ -211,7 +213,7 @@ class Ciuic(System):
         from ciuic import SnapshotManager
 
         self.manager = SnapshotManager("bench", job="ref", store=self.dir, save_interval=1,
-                                       handle_signals=False)
+                                       handle_signals=False, encryption=self.encryption)
 
     def save(self) -> float:
         m = self.manager
@@ -249,6 +251,12 @@ class Ciuic(System):
         if self.manager is not None:
             self.manager.close()  # type: ignore[attr-defined]
             self.manager = None
+
+
+class CiuicEncrypted(Ciuic):
+    """The same, with every object sealed (AES-256-GCM, keyed names)."""
+
+    encryption = True
 
 
 class _Holder:
@@ -298,6 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--json", type=Path, default=None, help="also write results here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)  # keep the recovery log out of the table
+    if not os.environ.get("CIUIC_ENCRYPTION_KEY"):
+        from ciuic.crypto import generate_key_text
+
+        os.environ["CIUIC_ENCRYPTION_KEY"] = generate_key_text()  # for the ciuic+aes system
     scale = 4 if a.quick else 1
     rounds = 1 if a.quick else a.rounds
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-bench-"))
@@ -308,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     systems: list[System] = [TorchSave("torch.save", base, state),
                              Safetensors("safetensors", base, state),
                              DCP("dcp.save", base, state), DCPAsync("dcp.async_save", base, state),
-                             Ciuic("ciuic", base, state)]
+                             Ciuic("ciuic", base, state), CiuicEncrypted("ciuic+aes", base, state)]
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []
@@ -326,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             res["durable"].append(durable)
             res["extra_mem"].append(mem.extra)
             res["bytes"].append(du(s.dir))
-            if isinstance(s, Ciuic):
+            if type(s) is Ciuic:
                 s.incremental()
             drop_caches()
             res["load"].append(timed(s.load))
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{name:<15} {summary(res['stall']):>24} {summary(res['durable']):>24} "
               f"{summary(res['load']):>24} {statistics.median(res['bytes']) / size:11.3f} "
               f"{statistics.median(res['extra_mem']) / size:15.3f}")
-    ciuic = next(s for s in systems if isinstance(s, Ciuic))
+    ciuic = next(s for s in systems if type(s) is Ciuic)
     print(f"\nciuic incremental (10 % of tensors changed, buffers warm): stall "
           f"{summary(ciuic.steady['stall'])} s, durable {summary(ciuic.steady['durable'])} s, "
           f"new bytes {statistics.median(ciuic.steady['new_bytes']) / size:.3f} of the state")

@@ -11,7 +11,9 @@ import pytest
 BENCH = Path(__file__).parent.parent / "bench" / "run.py"
 
 
-def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY", raising=False)
     spec = importlib.util.spec_from_file_location("bench_run", BENCH)
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
@@ -20,7 +22,7 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     text = capsys.readouterr().out
     size = out["state_bytes"]
     assert set(out["results"]) == {"torch.save", "safetensors", "dcp.save", "dcp.async_save",
-                                   "ciuic"}
+                                   "ciuic", "ciuic+aes"}
     for name, res in out["results"].items():
         assert 0 < res["stall"][0] <= res["durable"][0], name
         assert res["load"][0] > 0, name
