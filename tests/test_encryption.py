@@ -146,3 +146,24 @@ def test_keygen_prints_a_usable_key(capsys: pytest.CaptureFixture[str],
     out, err = capsys.readouterr()
     k = parse_key_text(out.strip())
     assert k.id in err and len(k.id) == 16
+
+
+def test_a_passphrase_derives_the_same_key_for_every_writer(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("CIUIC_ENCRYPTION_KEY", "CIUIC_ENCRYPTION_KEY_FILE", "CIUIC_DECRYPTION_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CIUIC_ENCRYPTION_PASSPHRASE", "correct horse battery staple")
+    model, opt = model_opt()
+    with SnapshotManager("p", job="pw", encryption=True, store=store_dir) as m:
+        m.save(3, model, opt)
+    fresh, fresh_opt = model_opt(seed=2)
+    with SnapshotManager("p", job="pw", store=store_dir) as m2:
+        assert m2.restore(fresh, fresh_opt) == 3
+    assert torch.equal(fresh.weight, model.weight)
+    monkeypatch.setenv("CIUIC_ENCRYPTION_PASSPHRASE", "incorrect horse battery staple")
+    with SnapshotManager("p", job="pw", store=store_dir) as m3, pytest.raises(
+            RestoreError, match="sealed with key"):
+        m3.restore(fresh, fresh_opt)
+    monkeypatch.setenv("CIUIC_ENCRYPTION_PASSPHRASE", "short")
+    with pytest.raises(ConfigurationError, match="too short"):
+        SnapshotManager("p", job="pw2", encryption=True, store=store_dir)

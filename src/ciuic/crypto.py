@@ -14,14 +14,16 @@ A sealed object uses the chunk frame (``chunks.py``) with cipher 1::
 The header and the object's store key are the associated data: a sealed object moved to another
 name, or with an edited header, fails authentication.
 
-Keys come from ``CIUIC_ENCRYPTION_KEY`` (the key text) or ``CIUIC_ENCRYPTION_KEY_FILE`` (a file
-holding it); that key seals. ``CIUIC_DECRYPTION_KEYS`` (comma-separated key texts) adds keys
+Keys come from ``CIUIC_ENCRYPTION_KEY`` (the key text), ``CIUIC_ENCRYPTION_KEY_FILE`` (a file
+holding it), or ``CIUIC_ENCRYPTION_PASSPHRASE`` (scrypt, memory-hard, with a random salt kept in
+the store); that key seals. ``CIUIC_DECRYPTION_KEYS`` (comma-separated key texts) adds keys
 that only open, for data sealed before a rotation.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from . import chunks as ck
 from .digest import Buffer
 from .errors import ConfigurationError, CorruptObject, IntegrityError
+from .store import Store
 
 KEY_PREFIX = "ciuic-key-v1:"
 _ID_BYTES = 8
@@ -93,6 +96,24 @@ def parse_key_text(text: str, source: str = "key") -> Key:
     return Key(secret)
 
 
+SALT_KEY = "keys/passphrase-salt"
+#: scrypt parameters: 2**15 x 8 x 128 bytes = 32 MiB of memory per derivation (memory-hard).
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
+
+
+def key_from_passphrase(passphrase: str, store: Store) -> Key:
+    """Derive a key from a passphrase with scrypt and the store's random salt (created on first
+    use, create-if-absent, so every writer of the store derives the same key)."""
+    if len(passphrase) < 12:
+        raise ConfigurationError("CIUIC_ENCRYPTION_PASSPHRASE is too short: use at least 12 "
+                                 "characters, or a generated key (`ciuic keygen`)")
+    store.create(SALT_KEY, secrets.token_bytes(16))
+    salt = store.get(SALT_KEY)
+    secret = hashlib.scrypt(passphrase.encode(), salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+                            maxmem=64 * 1024 * 1024, dklen=32)
+    return Key(secret)
+
+
 class Keyring:
     """The configured keys: the first seals, all of them open."""
 
@@ -102,10 +123,16 @@ class Keyring:
         self._aead = {k.id: k.aead for k in keys}
 
     @classmethod
-    def from_env(cls) -> Keyring:
+    def from_env(cls, store: Store | None = None) -> Keyring:
+        """The keys configured in the environment. A passphrase needs ``store`` (its salt)."""
         keys: list[Key] = []
         text = os.environ.get("CIUIC_ENCRYPTION_KEY")
         path = os.environ.get("CIUIC_ENCRYPTION_KEY_FILE")
+        passphrase = os.environ.get("CIUIC_ENCRYPTION_PASSPHRASE")
+        if passphrase and not (text or path):
+            if store is None:
+                raise ConfigurationError("CIUIC_ENCRYPTION_PASSPHRASE needs a store (its salt)")
+            keys.append(key_from_passphrase(passphrase, store))
         if text:
             keys.append(parse_key_text(text, "CIUIC_ENCRYPTION_KEY"))
         elif path:

@@ -42,7 +42,7 @@ class Repository:
     def keyring(self) -> Keyring:
         """The keys configured in the environment (loaded on first use)."""
         if self._keyring is None:
-            self._keyring = Keyring.from_env()
+            self._keyring = Keyring.from_env(self.store)
         return self._keyring
 
     def open_meta(self, key: str, blob: bytes) -> tuple[bytes, bytes | None]:

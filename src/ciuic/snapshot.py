@@ -35,7 +35,7 @@ from .capture import (
     match_model_state,
     set_rng_state,
 )
-from .crypto import Keyring, ObjectCodec
+from .crypto import ObjectCodec
 from .engine import StagingArea, StagingBudgetExceeded
 from .errors import (
     CiuicError,
@@ -138,7 +138,6 @@ class SnapshotManager:
                 "CIUIC_ENDPOINT is set, but this version of ciuic has no server client yet; "
                 "unset CIUIC_ENDPOINT to use the embedded store (a local directory)"
             )
-        self._codec = ObjectCodec(Keyring.from_env() if encryption else None)
         if on_busy not in ("skip", "wait"):
             raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self.api_key = api_key
@@ -157,6 +156,7 @@ class SnapshotManager:
         _ensure_log_handler()
 
         self.repo = Repository.open(store)
+        self._codec = ObjectCodec(self.repo.keyring if encryption else None)
         self.repo.sync_job(self.project, self.job)
         self.run_id = secrets.token_hex(8)
         self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
