@@ -243,6 +243,7 @@ class Ciuic(System):
     def load(self) -> None:
         from ciuic import SnapshotManager
 
+        self.close()  # a restarted job: the writer is gone (else the reader would take over)
         holder = _Holder({})
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
             m.restore(state=holder)
