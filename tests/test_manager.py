@@ -326,3 +326,19 @@ def test_missing_extra_and_reserved_names(store_dir: Path) -> None:
             m.restore(model, opt, scheduler=sched)
         with pytest.raises(ConfigurationError, match="reserved"):
             m.save(1, model, opt, rng=1)
+
+
+def test_damaged_catalog_is_moved_aside_and_rebuilt(store_dir: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = model_and_opt()
+    with SnapshotManager("p", job="dmg", store=store_dir) as m:
+        ids = [m.save(s, model, opt).id for s in range(3)]
+    for extra in ("catalog.db-wal", "catalog.db-shm"):
+        (store_dir / extra).unlink(missing_ok=True)
+    (store_dir / "catalog.db").write_bytes(b"this is not a database" * 100)
+    with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
+            "p", job="dmg", store=store_dir) as m2:
+        assert [s.id for s in m2.repo.catalog.snapshots("p", "dmg")] == ids
+        assert m2.restore(model, opt) == 2
+    assert "the catalog was damaged" in caplog.text and "nothing is lost" in caplog.text
+    assert list(store_dir.glob("catalog.db.damaged-*"))

@@ -7,6 +7,7 @@ The embedded default is a directory (``$CIUIC_HOME``, else ``./.ciuic``) holding
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from .store import LocalStore, Store, open_store
 from .store.retry import RetryingStore
 
 DEFAULT_HOME = ".ciuic"
+log = logging.getLogger("ciuic")
 _MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
 
 
@@ -77,7 +79,14 @@ class Repository:
             tag = hashlib.sha256(store.url.encode()).hexdigest()[:16]
             cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
             url = catalog_url or f"sqlite:///{cache / (tag + '.db')}"
-        return cls(RetryingStore(store), Catalog(url))
+        repo = cls(RetryingStore(store), Catalog(url))
+        if repo.catalog.recreated_from is not None:
+            counts = repo.reindex()
+            log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "
+                        "(%d snapshot(s), %d pruned): nothing is lost, since the store is the "
+                        "truth; run history before this point is in the damaged file",
+                        repo.catalog.recreated_from, counts["snapshots"], counts["pruned"])
+        return repo
 
     @classmethod
     def _shared(cls, store: Store, catalog_url: str | None) -> Repository:

@@ -10,12 +10,14 @@ import json
 import math
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -59,8 +61,26 @@ class Catalog:
             raise ConfigurationError(f"cannot open catalog {url!r}: {e}") from e
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
+        #: set when a damaged SQLite file was moved aside: the caller rebuilds from the store
+        self.recreated_from: Path | None = None
+        try:
+            self._init_schema()
+        except DatabaseError as e:
+            db = Path(url.split("///", 1)[1]) if url.startswith("sqlite:///") else None
+            if db is None or not db.exists():
+                raise ConfigurationError(f"catalog {url} cannot be opened: {e}") from e
+            self.engine.dispose()
+            aside = db.with_name(f"{db.name}.damaged-{int(time.time())}")
+            db.rename(aside)
+            for extra in ("-wal", "-shm"):
+                Path(str(db) + extra).unlink(missing_ok=True)
+            self.recreated_from = aside
+            self._init_schema()
+
+    def _init_schema(self) -> None:
+        Base.metadata.create_all(self.engine)
+        url = self.url
         with self.session() as s:
             row = s.get(Meta, "schema_version")
             if row is None:
