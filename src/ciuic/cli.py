@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -80,7 +81,12 @@ def ls() -> None:
     if not rows:
         console.print("No jobs yet.")
         return
-    t = Table("job", "snapshots", "latest step", "latest", "stored")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("job", no_wrap=True)
+    for col in ("snaps", "last step"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("latest, UTC", no_wrap=True)
+    t.add_column("stored", justify="right", no_wrap=True)
     for r in rows:
         t.add_row(f"{r['project']}/{r['job']}", str(r["snapshots"]), str(r["max_step"] or "-"),
                   _time(r["latest"]), _size(r["new_bytes"]))
@@ -100,20 +106,22 @@ def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if uniq
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
-    t = Table(title=f"{project}/{name}", title_justify="left")
+    t = Table(title=f"{project}/{name}", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
     t.add_column("id", no_wrap=True, min_width=12)
-    t.add_column("step", justify="right")
-    t.add_column("time (UTC)", no_wrap=True)
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("time, UTC", no_wrap=True)
     for col in ("size", "new"):
         t.add_column(col, justify="right", no_wrap=True)
-    t.add_column("parent", no_wrap=True, min_width=12)
-    t.add_column("status")
-    t.add_column("metrics")
+    t.add_column("parent", no_wrap=True)
+    t.add_column("notes", min_width=10)  # metrics; "pruned" when the data is gone
     for s in snaps:
-        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in s.metrics.items())
+        notes = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in s.metrics.items())
+        if s.status != "committed":
+            notes = f"{s.status} {notes}".strip()
         t.add_row(s.short_id, str(s.step), _time(s.created), _size(s.total_bytes),
-                  _size(s.new_bytes), s.parent[:12] or "(root)", s.status, metrics)
+                  _size(s.new_bytes), s.parent[:8] or "(root)", notes)
     console.print(t)
 
 
