@@ -262,6 +262,10 @@ def test_interruption_is_detected_from_the_previous_run(store_dir: Path,
                          "Resuming training at step 1"]
     with SnapshotManager("p", job="i", store=store_dir) as m3:
         assert not m3.interrupted  # m2 closed cleanly
+        kinds = [(e["kind"], e["detail"]) for e in reversed(m3.repo.catalog.events("p", "i"))]
+    assert [k for k, _ in kinds] == ["start", "snapshot", "end", "start", "restore", "end",
+                                     "start"]
+    assert kinds[2][1] == "signal:SIGTERM" and kinds[5][1] == "clean"
 
 
 def test_lost_catalog_is_rebuilt_from_the_store(store_dir: Path) -> None:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from . import knobs
 from . import manifest as mf
@@ -239,8 +238,3 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
         return result
     finally:
         store.delete(LOCK_KEY)
-
-
-def gc_status(store: Store) -> dict[str, Any]:
-    return {"locked": store.has(LOCK_KEY), "inflight": len(list(store.list(INFLIGHT))),
-            "epoch": read_epoch(store)}

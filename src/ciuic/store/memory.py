@@ -80,8 +80,3 @@ class MemoryStore(Store):
             named = self._named_locks.setdefault(name, threading.Lock())
         with named:
             yield
-
-    def corrupt(self, key: str, data: bytes) -> None:
-        """Replace an object's bytes behind the writer's back (for fault tests)."""
-        with self._lock:
-            self._objects[key] = data
