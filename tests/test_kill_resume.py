@@ -81,7 +81,7 @@ def random_kill_loop(tmp_path: Path, rounds: int, seed: int, steps: int = 60) ->
     rng = random.Random(seed)
     stats = {"rounds": rounds, "kills": 0, "kills_in_save": 0, "resumes": 0, "mismatches": 0}
     env = {k: v for k, v in os.environ.items() if k != "CIUIC_HOME"}
-    env["CIUIC_FAILPOINTS"] = "chunk.put=sleep:0.02"
+    env["CIUIC_FAILPOINTS"] = "chunk.put=sleep:0.06"
     last_start = -1
     markers: set[Path] = set()
     for _ in range(rounds):
