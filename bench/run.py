@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ciuic import StateHolder
+
 Fn = Callable[[], None]
 
 
@@ -220,7 +222,7 @@ class Ciuic(System):
         assert m is not None
         self.step += 1
         t0 = time.perf_counter()
-        m.step(self.step, state=_Holder(self.state))  # type: ignore[attr-defined]
+        m.step(self.step, state=StateHolder(self.state))  # type: ignore[attr-defined]
         stall = time.perf_counter() - t0
         m.wait()  # type: ignore[attr-defined]
         return stall
@@ -233,7 +235,7 @@ class Ciuic(System):
         state = {**self.state, **changed}
         self.step += 1
         t0 = time.perf_counter()
-        m.step(self.step, state=_Holder(state))  # type: ignore[attr-defined]
+        m.step(self.step, state=StateHolder(state))  # type: ignore[attr-defined]
         self.steady["stall"].append(time.perf_counter() - t0)
         m.wait()  # type: ignore[attr-defined]
         self.steady["durable"].append(time.perf_counter() - t0)
@@ -244,7 +246,7 @@ class Ciuic(System):
         from ciuic import SnapshotManager
 
         self.close()  # a restarted job: the writer is gone (else the reader would take over)
-        holder = _Holder({})
+        holder = StateHolder({})
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
             m.restore(state=holder)
 
@@ -258,17 +260,6 @@ class CiuicEncrypted(Ciuic):
     """The same, with every object sealed (AES-256-GCM, keyed names)."""
 
     encryption = True
-
-
-class _Holder:
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
 
 
 def release_freed_memory() -> None:

@@ -9,7 +9,7 @@ def test_public_api_is_guarded() -> None:
         "AmbiguousReference", "CaptureError", "CiuicError", "ConfigurationError",
         "CorruptObject", "IntegrityError", "InvalidKey", "ObjectNotFound", "Repository",
         "RestoreError", "ResumableSampler", "SnapshotInfo", "SnapshotManager",
-        "SnapshotNotFound", "StateMismatch", "StoreError", "__version__",
+        "SnapshotNotFound", "StateHolder", "StateMismatch", "StoreError", "__version__",
     ])
     for name in ciuic.__all__:
         assert hasattr(ciuic, name), name

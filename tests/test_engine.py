@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, faults
+from ciuic import SnapshotManager, StateHolder, faults
 
 
 def rss_bytes() -> int:
@@ -35,7 +35,7 @@ def test_snapshot_holds_the_values_of_the_call_not_later_ones(store_dir: Path) -
     want_steps = [st["step"].clone() for st in opt.state.values()]
     faults.reload("chunk.put=sleep:0.05")  # keep the background write busy
     with SnapshotManager("p", job="torn", store=store_dir) as m:
-        assert m.step(0, model, opt, ema=_Holder(extra))
+        assert m.step(0, model, opt, ema=StateHolder(extra))
         # training goes on at once and changes everything in place
         with torch.no_grad():
             for p in model.parameters():
@@ -48,24 +48,13 @@ def test_snapshot_holds_the_values_of_the_call_not_later_ones(store_dir: Path) -
         faults.reload("")
         assert m.stats.failures == 0
         fresh, fresh_opt = setup()
-        holder = _Holder({})
+        holder = StateHolder({})
         assert m.restore(fresh, fresh_opt, ema=holder) == 0
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want_model[k]), k
     assert [st["step"].item() for st in fresh_opt.state.values()] == [s.item() for s in
                                                                       want_steps]
     assert torch.equal(holder.state["ema"], torch.arange(1000.0))
-
-
-class _Holder:
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
 
 
 def test_staging_buffers_are_allocated_once_and_reused(store_dir: Path) -> None:

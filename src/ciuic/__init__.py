@@ -21,6 +21,7 @@ from .errors import (
     StateMismatch,
     StoreError,
 )
+from .holder import StateHolder
 from .info import SnapshotInfo
 from .repo import Repository
 from .snapshot import SnapshotManager
@@ -42,6 +43,7 @@ __all__ = [
     "SnapshotInfo",
     "SnapshotManager",
     "SnapshotNotFound",
+    "StateHolder",
     "StateMismatch",
     "StoreError",
     "__version__",
