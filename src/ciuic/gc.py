@@ -31,6 +31,7 @@ from .chunks import chunk_key, digest_of_key
 from .errors import CiuicError, CorruptObject, IntegrityError, ObjectNotFound, StoreError
 from .reader import body_states, chunk_refs
 from .repo import _MANIFEST, Repository
+from .runs import pid_alive
 from .store import LocalStore, Store
 
 LOCK_KEY = "locks/gc.json"
@@ -57,16 +58,6 @@ def _marker() -> bytes:
     return json.dumps({**_IDENTITY, "pid": os.getpid(), "time": time.time()}).encode()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _is_live(store: Store, key: str, stale_s: float) -> bool:
     """Whether a marker or lock still belongs to a running process.
 
@@ -78,7 +69,7 @@ def _is_live(store: Store, key: str, stale_s: float) -> bool:
     except (ObjectNotFound, ValueError):
         return False
     same_machine = all(info.get(k) == v for k, v in _IDENTITY.items()) and _IDENTITY["pidns"]
-    if same_machine and not _pid_alive(int(info.get("pid", -1))):
+    if same_machine and not pid_alive(int(info.get("pid", -1))):
         return False
     return bool(time.time() - float(info.get("time", 0)) < stale_s)
 

@@ -72,19 +72,24 @@ def describe_end(run: Run) -> str:
     return "it exited cleanly"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def may_still_run(run: Run | None, recent_s: float = 30.0) -> bool:
     """Whether a previous run that recorded no end may still be alive: its process exists on
     this machine, or (elsewhere) it reported progress within ``recent_s`` seconds."""
     if run is None or run.end_kind is not None:
         return False
     if run.host == socket.gethostname():
-        try:
-            os.kill(run.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(run.pid)
     try:
         seen = parse_time(run.last_seen).timestamp()
     except ValueError:

@@ -44,7 +44,8 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
         _advance(views, os.writev(fd, views))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -85,7 +86,7 @@ class LocalStore(Store):
             with contextlib.suppress(FileExistsError):
                 d.mkdir()
             if self.fsync:
-                _fsync_dir(d.parent)
+                _fsync_path(d.parent)
         self._known_dirs.add(directory)
 
     def _write_tmp(self, path: Path, data: Data, sync: bool = True) -> Path:
@@ -111,7 +112,7 @@ class LocalStore(Store):
             tmp = self._write_tmp(path, data, sync=durable)
             os.replace(tmp, path)
             if self.fsync and durable:
-                _fsync_dir(path.parent)
+                _fsync_path(path.parent)
         except OSError as e:
             raise StoreError(f"cannot write {self.location(key)}: {e}") from e
         if self.fsync and not durable:
@@ -127,17 +128,10 @@ class LocalStore(Store):
             return
         dirs = sorted({f.parent for f in files})
 
-        def fsync_path(path: Path) -> None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
         try:
             with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync") as pool:
-                list(pool.map(fsync_path, files))
-                list(pool.map(fsync_path, dirs))
+                list(pool.map(_fsync_path, files))
+                list(pool.map(_fsync_path, dirs))
         except OSError as e:
             with self._pending_lock:
                 self._pending.extend(files)
@@ -155,7 +149,7 @@ class LocalStore(Store):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
             if self.fsync:
-                _fsync_dir(path.parent)
+                _fsync_path(path.parent)
             return True
         except OSError as e:
             raise StoreError(f"cannot create {self.location(key)}: {e}") from e
