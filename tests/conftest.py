@@ -21,6 +21,7 @@ TRAIN = HELPERS / "train_mlp.py"
 def _isolate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Never touch the working directory's ./.ciuic; no failpoints unless a test sets them."""
     monkeypatch.setenv("CIUIC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("CIUIC_ENDPOINT", raising=False)
     monkeypatch.delenv("CIUIC_FAILPOINTS", raising=False)
     faults.reload("")
@@ -62,7 +63,7 @@ class Run:
         return None
 
 
-def run_train(store: Path, *args: str, env: dict[str, str] | None = None,
+def run_train(store: Path | str, *args: str, env: dict[str, str] | None = None,
               timeout: float = 120) -> Run:
     full_env = {**os.environ, **(env or {})}
     full_env.pop("CIUIC_HOME", None)
@@ -78,3 +79,36 @@ def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     assert r.rc == 0, r.err
     assert r.digest
     return r.digest
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3-protocol server (moto's standalone server, from PyPI) on 127.0.0.1, for the
+    whole session; tests talk to it over HTTP through boto3, nothing is patched in-process."""
+    from tests.s3server import start_moto
+
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with start_moto(log) as endpoint:
+        saved = {k: os.environ.get(k) for k in _AWS_ENV}
+        os.environ.update(_AWS_ENV)
+        try:
+            yield endpoint
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+_AWS_ENV = {"AWS_ACCESS_KEY_ID": "ciuic-test", "AWS_SECRET_ACCESS_KEY": "ciuic-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture
+def s3_url(s3_endpoint: str) -> str:
+    """A fresh, empty bucket on the test server, as a store URL with a key prefix."""
+    from tests.s3server import make_bucket
+
+    bucket = make_bucket(s3_endpoint)
+    return f"s3://{bucket}/ciuic?endpoint={s3_endpoint}"

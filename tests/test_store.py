@@ -12,10 +12,12 @@ from ciuic.errors import InvalidKey, ObjectNotFound, StoreError
 from ciuic.store import LocalStore, MemoryStore, Store, open_store
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "local":
         s: Store = LocalStore(tmp_path / "objects")
+    elif request.param == "s3":
+        s = open_store(request.getfixturevalue("s3_url"))
     else:
         s = MemoryStore()
     yield s

@@ -7,7 +7,8 @@ Hierarchy::
     ├── CaptureError (CiuicError, TypeError)          a state object holds something we cannot store
     ├── StoreError (CiuicError, OSError)              the object store failed
     │   ├── ObjectNotFound (StoreError, KeyError)     a key that is not in the store
-    │   └── InvalidKey (StoreError, ValueError)       a malformed or unsafe key (path traversal...)
+    │   ├── InvalidKey (StoreError, ValueError)       a malformed or unsafe key (path traversal...)
+    │   └── StoreAccessError (StoreError)             refused or nonexistent (bucket, credentials)
     ├── IntegrityError (CiuicError)                   stored bytes do not match their digest/format
     │   └── CorruptObject (IntegrityError)            one object is damaged; names it
     ├── SnapshotNotFound (CiuicError, LookupError)    a snapshot reference that resolves to nothing
@@ -46,6 +47,11 @@ class ObjectNotFound(StoreError, KeyError):
 
 class InvalidKey(StoreError, ValueError):
     """A key is malformed or tries to leave the store (``..``, absolute paths...)."""
+
+
+class StoreAccessError(StoreError):
+    """The store refuses access or does not exist (no bucket, bad credentials): retrying does
+    not help, so it is raised at once."""
 
 
 class IntegrityError(CiuicError):

@@ -32,6 +32,13 @@ class Knobs:
     store_attempts: int = 3
     store_timeout_s: float = 120.0
     store_backoff_s: float = 0.1
+    #: S3: objects above this size go up as multipart uploads (and come back as parallel ranged
+    #: GETs) in parts of ``s3_part_bytes``, ``s3_concurrency`` at a time per store.
+    s3_multipart_threshold_bytes: int = 16 * 1024 * 1024
+    s3_part_bytes: int = 8 * 1024 * 1024
+    s3_concurrency: int = 8
+    s3_connect_timeout_s: float = 10.0
+    s3_read_timeout_s: float = 60.0
     #: Temporary files of the local store older than this are removed by `gc`.
     temp_stale_s: float = 3600.0
 

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from .. import knobs
-from ..errors import InvalidKey, ObjectNotFound, StoreError
+from ..errors import InvalidKey, ObjectNotFound, StoreAccessError, StoreError
 from .base import Data, Store
 
 T = TypeVar("T")
@@ -55,7 +55,7 @@ class RetryingStore(Store):
                 error: Exception = StoreTimeout(
                     f"{what} {self.inner.location(key)} did not finish in {self.timeout_s:g} s "
                     f"(attempt {attempt} of {self.attempts}); is the store reachable?")
-            except (ObjectNotFound, InvalidKey):
+            except (ObjectNotFound, InvalidKey, StoreAccessError):
                 raise
             except OSError as e:
                 cause = e.__cause__ if isinstance(e.__cause__, OSError) else e

@@ -1,0 +1,333 @@
+"""``s3://bucket/prefix``: any S3-protocol object store (AWS S3, MinIO, Ceph RGW) through boto3.
+
+Configuration is boto3's own: credentials and region from the environment, ``~/.aws``, or an
+instance role; the endpoint from ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``. The URL's query
+may override some of it for one store (handy for ``ciuic push`` to another cluster)::
+
+    s3://bucket/prefix?endpoint=http://10.0.0.5:9000&region=eu-west-1&conditional=auto
+
+Transfers: objects above ``s3_multipart_threshold_bytes`` go up as a multipart upload with parts
+sent in parallel and come back as parallel ranged GETs. Every call has connect and read timeouts
+and botocore's standard retry mode; :class:`~ciuic.store.retry.RetryingStore` adds ciuic's own
+bounded retries on top, as for every store.
+
+Commit: :meth:`S3Store.create` is a PUT with ``If-None-Match: *`` (AWS S3 since 2024, MinIO,
+Ceph RGW, moto), so exactly one of several racing writers wins. ``conditional=auto`` (the
+default) probes the server once; a server that ignores the header (it would silently overwrite)
+gets the documented fallback: HEAD, then PUT, then read back, serialised within the process.
+That fallback is safe for everything ciuic creates except a race between two processes on the
+same key with different content (two writers of one job at the same instant, or two
+first-time passphrase set-ups); the lease's fencing token narrows the first, see
+``docs/architecture.md``. There is no cross-process lock on S3 (:meth:`Store.lock` is a no-op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlparse
+
+from .. import knobs
+from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from .base import Data, Store, check_key, check_prefix, joined, parts
+
+T = TypeVar("T")
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+           "AllAccessDisabled", "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+_CONDITIONAL_MODES = ("auto", "always", "never")
+
+
+def _code(e: Exception) -> str:
+    response = getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+class S3Store(Store):
+    """A store in an S3 bucket, under an optional key prefix. Thread-safe."""
+
+    def __init__(self, url: str, *, client: Any = None) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as e:  # pragma: no cover - depends on optional packages
+            raise ConfigurationError(
+                "the s3:// store needs boto3: pip install 'ciuic[s3]'") from e
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ConfigurationError(
+                f"bad S3 store URL {url!r}: write s3://BUCKET or s3://BUCKET/PREFIX")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        if self.prefix:
+            try:
+                check_prefix(self.prefix)
+            except ValueError as e:
+                raise ConfigurationError(f"bad key prefix in S3 store URL {url!r}: {e}") from None
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        unknown = set(query) - {"endpoint", "region", "conditional"}
+        if unknown:
+            raise ConfigurationError(
+                f"unknown option(s) {sorted(unknown)} in S3 store URL {url!r}; "
+                "known: endpoint, region, conditional")
+        self.conditional = query.get("conditional", "auto")
+        if self.conditional not in _CONDITIONAL_MODES:
+            raise ConfigurationError(
+                f"conditional={self.conditional!r} in {url!r}: use one of {_CONDITIONAL_MODES}")
+        self.url = url
+        k = knobs.get()
+        self._part_bytes = k.s3_part_bytes
+        self._threshold = max(k.s3_multipart_threshold_bytes, self._part_bytes)
+        if client is None:
+            session = boto3.session.Session()
+            config = Config(
+                connect_timeout=k.s3_connect_timeout_s, read_timeout=k.s3_read_timeout_s,
+                retries={"mode": "standard", "max_attempts": 3},
+                max_pool_connections=max(32, 2 * k.s3_concurrency),
+            )
+            client = session.client(
+                "s3", endpoint_url=query.get("endpoint"),
+                region_name=query.get("region") or session.region_name or "us-east-1",
+                config=config)
+        self._client = client
+        self._endpoint = str(getattr(client.meta, "endpoint_url", "")) or "AWS S3"
+        self._pool = ThreadPoolExecutor(k.s3_concurrency, thread_name_prefix="ciuic-s3")
+        self._probe_lock = threading.Lock()
+        self._conditional_ok: bool | None = {"always": True, "never": False}.get(
+            self.conditional)
+        self._fallback_lock = threading.Lock()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def location(self, key: str = "") -> str:
+        base = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        return f"{base}/{key}" if key else base
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one boto3 call and turn its failures into ciuic's errors."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        try:
+            return fn()
+        except ClientError as e:
+            code = _code(e)
+            where = self.location(key)
+            if code in _NOT_FOUND:
+                raise ObjectNotFound(f"{where} not found") from None
+            if code == "NoSuchBucket":
+                raise StoreAccessError(
+                    f"bucket {self.bucket!r} does not exist at {self._endpoint}: create it "
+                    f"(for example `aws s3 mb s3://{self.bucket}`) or fix the store URL") from e
+            if code in _ACCESS:
+                raise StoreAccessError(
+                    f"{what} {where} was refused ({code}): check the AWS credentials "
+                    "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) and the bucket's "
+                    "policy") from e
+            raise StoreError(f"{what} {where} failed: {code or e}") from e
+        except NoCredentialsError as e:
+            raise StoreAccessError(
+                f"{what} {self.location(key)}: no AWS credentials found; set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from e
+        except BotoCoreError as e:
+            raise StoreError(f"{what} {self.location(key)} failed at {self._endpoint}: {e}") from e
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        check_key(key)
+        self._call("writing", key, lambda: self._upload(key, data, conditional=False))
+
+    def _upload(self, key: str, data: Data, *, conditional: bool) -> None:
+        """PUT (or multipart upload) ``data``; raises ClientError 412 if ``conditional`` and
+        the key exists. S3 writes are durable when the call returns."""
+        size = sum(len(p) for p in parts(data))
+        extra = {"IfNoneMatch": "*"} if conditional else {}
+        if size <= self._threshold:
+            body = joined(data)
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, **extra)
+            return
+        self._multipart(key, data, size, extra)
+
+    def _multipart(self, key: str, data: Data, size: int, extra: dict[str, str]) -> None:
+        blob = memoryview(joined(data))
+        name = self._key(key)
+        upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
+        step = self._part_bytes
+
+        def send(number: int, start: int) -> dict[str, Any]:
+            part = bytes(blob[start:start + step])
+            etag = self._client.upload_part(Bucket=self.bucket, Key=name, UploadId=upload,
+                                            PartNumber=number, Body=part)["ETag"]
+            return {"ETag": etag, "PartNumber": number}
+
+        try:
+            futures = [self._pool.submit(send, i + 1, start)
+                       for i, start in enumerate(range(0, size, step))]
+            done = [f.result() for f in futures]
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=name, UploadId=upload,
+                MultipartUpload={"Parts": done}, **extra)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the original error matters, not this one
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=name,
+                                                    UploadId=upload)
+            raise
+
+    def create(self, key: str, data: Data) -> bool:
+        check_key(key)
+        if self._supports_conditional():
+            return self._call("creating", key, lambda: self._create_conditional(key, data))
+        with self._fallback_lock:
+            if self.has(key):
+                return False
+            self._call("creating", key, lambda: self._upload(key, data, conditional=False))
+            return self.get(key) == joined(data)
+
+    def _create_conditional(self, key: str, data: Data) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._upload(key, data, conditional=True)
+            return True
+        except ClientError as e:
+            code = _code(e)
+            if code in ("PreconditionFailed", "412"):
+                return False
+            if code == "ConditionalRequestConflict":  # a racing create: exactly one wins
+                self._call("reading", key, lambda: self._head(key))
+                return False
+            raise
+
+    def _supports_conditional(self) -> bool:
+        """Whether the server honours ``If-None-Match: *`` (probed once, with a scratch key)."""
+        with self._probe_lock:
+            if self._conditional_ok is None:
+                probe = f".ciuic-probe/{uuid.uuid4().hex}"
+                first = self._call("probing", probe,
+                                   lambda: self._create_conditional(probe, b"1"))
+                second = self._call("probing", probe,
+                                    lambda: self._create_conditional(probe, b"2"))
+                self.delete(probe)
+                self._conditional_ok = first and not second
+            return self._conditional_ok
+
+    def sync(self) -> None:
+        """Nothing to do: an S3 PUT is durable when it returns."""
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        check_key(key)
+        out = bytearray()
+
+        def fill(total: int) -> list[memoryview]:
+            out.extend(bytes(total))
+            return [memoryview(out)]
+
+        self._call("reading", key, lambda: self._download(key, fill))
+        return bytes(out)
+
+    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+        check_key(key)
+        return self._call("reading", key, lambda: self._download(key, lambda _n: buffers))
+
+    def _download(self, key: str, targets: Callable[[int], list[memoryview]]) -> int:
+        """GET ``key`` into the buffers ``targets(size)`` returns; objects larger than one part
+        come back as parallel ranged GETs. Returns the object's size."""
+        from botocore.exceptions import ClientError
+
+        name = self._key(key)
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=name,
+                                           Range=f"bytes=0-{self._part_bytes - 1}")
+            total = int(str(resp["ContentRange"]).rpartition("/")[2])
+        except ClientError as e:
+            if _code(e) != "InvalidRange":
+                raise
+            resp, total = self._client.get_object(Bucket=self.bucket, Key=name), 0
+        except KeyError:  # a server that ignored the Range header: the whole object came
+            total = int(resp["ContentLength"])
+        views = [v.cast("B") for v in targets(total)]
+        _read_into(resp["Body"], views, 0, int(resp["ContentLength"]))
+        first = int(resp["ContentLength"])
+        if first < total:
+            etag = resp.get("ETag")
+
+            def fetch(start: int) -> None:
+                end = min(start + self._part_bytes, total) - 1
+                extra = {"IfMatch": etag} if etag else {}
+                part = self._client.get_object(Bucket=self.bucket, Key=name,
+                                               Range=f"bytes={start}-{end}", **extra)
+                _read_into(part["Body"], views, start, end + 1 - start)
+
+            for future in [self._pool.submit(fetch, s)
+                           for s in range(first, total, self._part_bytes)]:
+                future.result()
+        return total
+
+    def _head(self, key: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        return result
+
+    def has(self, key: str) -> bool:
+        check_key(key)
+        try:
+            self._call("checking", key, lambda: self._head(key))
+        except ObjectNotFound:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        check_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+
+        def collect() -> list[str]:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base + prefix)
+            return [obj["Key"][len(base):] for page in pages for obj in page.get("Contents", [])]
+
+        keys = self._call("listing", prefix, collect)
+        return iter(sorted(k for k in keys if not k.startswith(".ciuic-probe/")))
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._call("deleting", key,
+                   lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_into(body: Any, views: list[memoryview], offset: int, length: int) -> None:
+    """Copy ``length`` bytes of a streaming body into the concatenation of ``views`` starting at
+    ``offset``; bytes past the views' end are read and dropped."""
+    remaining = length
+    pos = offset
+    for view in views:
+        if pos >= len(view):
+            pos -= len(view)
+            continue
+        while remaining and pos < len(view):
+            data = body.read(min(len(view) - pos, remaining, 8 << 20))
+            if not data:
+                raise StoreError("the S3 response ended early")
+            view[pos:pos + len(data)] = data
+            pos += len(data)
+            remaining -= len(data)
+        pos = 0
+        if not remaining:
+            break
+    while remaining:  # beyond the caller's buffers
+        data = body.read(min(remaining, 8 << 20))
+        if not data:
+            raise StoreError("the S3 response ended early")
+        remaining -= len(data)
+    body.close()

@@ -1,0 +1,66 @@
+"""Start and use moto's standalone S3 server (a real HTTP server) for the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_counter = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def start_moto(log: Path) -> Iterator[str]:
+    """Run ``moto.server`` on a free loopback port; yield its endpoint URL."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                 "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"moto server did not start: {log.read_text()[-2000:]}") from None
+                    time.sleep(0.2)
+            yield endpoint
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "ciuic-test"),
+                        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "x"))
+
+
+def make_bucket(endpoint: str) -> str:
+    name = f"ciuic-test-{os.getpid()}-{next(_counter)}"
+    client(endpoint).create_bucket(Bucket=name)
+    return name

@@ -1,0 +1,138 @@
+"""S3 specifics beyond the conformance suite: multipart, ranged reads, the commit fallback,
+errors. All against moto's standalone server over HTTP (see conftest.s3_endpoint)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from ciuic import knobs
+from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.store import open_store
+from ciuic.store.retry import RetryingStore
+from ciuic.store.s3 import S3Store
+from tests.s3server import client
+
+
+def test_large_objects_use_multipart_and_parallel_ranged_reads(s3_url: str,
+                                                               s3_endpoint: str) -> None:
+    blob = os.urandom(5 * 1024 * 1024 + 12345)
+    with knobs.override(s3_multipart_threshold_bytes=5 << 20, s3_part_bytes=5 << 20):
+        s = open_store(s3_url)
+        assert isinstance(s, S3Store)
+        s.put("big/one", [blob[:100], memoryview(blob)[100:]])
+        head = client(s3_endpoint).head_object(Bucket=s.bucket, Key="ciuic/big/one")
+        assert head["ETag"].strip('"').endswith("-2"), "not a two-part multipart upload"
+        assert s.get("big/one") == blob
+        a = bytearray(3 << 20)
+        b = bytearray(len(blob) - len(a))
+        assert s.get_into("big/one", [memoryview(a), memoryview(b)]) == len(blob)
+        assert bytes(a) + bytes(b) == blob
+        assert s.create("big/one", blob) is False
+        assert s.create("big/two", blob) is True
+        assert s.get("big/two") == blob
+
+
+def test_prefixes_isolate_stores_in_one_bucket(s3_url: str) -> None:
+    a = open_store(s3_url)
+    b = open_store(s3_url.replace("/ciuic?", "/other?"))
+    a.put("k", b"a")
+    assert not b.has("k")
+    assert list(a.list()) == ["k"] and list(b.list()) == []
+    assert a.location("k").endswith("/ciuic/k")
+
+
+def test_conditional_fallback_still_has_one_winner_in_process(s3_url: str) -> None:
+    s = open_store(s3_url + "&conditional=never")
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        results.append(s.create("m/x", f"w{i}".encode()))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1
+
+
+def test_probe_detects_conditional_support_and_leaves_nothing(s3_url: str) -> None:
+    s = open_store(s3_url)
+    assert isinstance(s, S3Store)
+    assert s._supports_conditional() is True
+    assert list(s.list()) == []  # the probe object is gone
+
+
+def test_missing_bucket_is_a_clear_permanent_error(s3_endpoint: str) -> None:
+    s = RetryingStore(open_store(f"s3://no-such-bucket-ciuic/x?endpoint={s3_endpoint}"),
+                      attempts=5, backoff_s=5)
+    with pytest.raises(StoreAccessError, match="bucket 'no-such-bucket-ciuic' does not exist"):
+        s.put("a", b"1")  # raised at once: five attempts with 5 s backoff would time out
+
+
+def test_unreachable_endpoint_fails_with_the_endpoint_in_the_message() -> None:
+    from tests.s3server import free_port
+
+    with knobs.override(s3_connect_timeout_s=1.0):
+        s = RetryingStore(open_store(f"s3://b/x?endpoint=http://127.0.0.1:{free_port()}"),
+                          attempts=1)
+        with pytest.raises(StoreError, match=r"127\.0\.0\.1") as e:
+            s.get("k")
+    assert not isinstance(e.value, ObjectNotFound)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("s3:///prefix", "write s3://BUCKET"),
+    ("s3://b/p?colour=blue", "unknown option"),
+    ("s3://b/p?conditional=maybe", "conditional='maybe'"),
+    ("s3://b/bad..//x", "invalid store key"),
+])
+def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        open_store(url)
+
+
+def test_a_job_killed_while_saving_to_s3_resumes_bit_exact(s3_url: str,
+                                                            reference_digest: str) -> None:
+    import signal
+
+    from tests.conftest import run_train
+
+    assert run_train(s3_url, "--sync", "--kill-at", "13").rc == -signal.SIGKILL
+    r = run_train(s3_url)
+    assert r.rc == 0, r.err
+    assert r.start == 11 and r.digest == reference_digest
+
+
+def test_encrypted_snapshots_on_s3_hold_no_plaintext(s3_url: str, s3_endpoint: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch import nn
+
+    from ciuic import SnapshotManager
+    from ciuic.crypto import generate_key_text
+
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
+    torch.manual_seed(0)
+    model = nn.Linear(300, 200)
+    with SnapshotManager("p", encryption=True, store=s3_url, handle_signals=False) as m:
+        m.save(7, model)
+    fresh = nn.Linear(300, 200)
+    with SnapshotManager("p", store=s3_url, handle_signals=False) as m:
+        assert m.restore(fresh) == 7
+    assert torch.equal(fresh.weight, model.weight)
+    c = client(s3_endpoint)
+    bucket = s3_url.split("/")[2]
+    needle = model.weight.detach()[3, :4].numpy().tobytes()
+    seen = 0
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            body = c.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            assert needle not in body and b"weight" not in body, obj["Key"]
+            seen += 1
+    assert seen >= 3  # chunks, body and manifest at least
