@@ -202,6 +202,7 @@ class Ciuic(System):
     with 10 % of the tensors changed, with the staging buffers already allocated."""
 
     encryption = False
+    compression = "auto"  # on a local disk "auto" decides not to compress
 
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         super().__init__(name, base, state)
@@ -215,7 +216,8 @@ class Ciuic(System):
         from ciuic import SnapshotManager
 
         self.manager = SnapshotManager("bench", job="ref", store=self.dir, save_interval=1,
-                                       handle_signals=False, encryption=self.encryption)
+                                       handle_signals=False, encryption=self.encryption,
+                                       compression=self.compression)
 
     def save(self) -> float:
         m = self.manager
@@ -260,6 +262,12 @@ class CiuicEncrypted(Ciuic):
     """The same, with every object sealed (AES-256-GCM, keyed names)."""
 
     encryption = True
+
+
+class CiuicCompressed(Ciuic):
+    """The same, with float compression forced on (byte planes, ``ciuic.floatcodec``)."""
+
+    compression = "on"
 
 
 def release_freed_memory() -> None:
@@ -312,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     systems: list[System] = [TorchSave("torch.save", base, state),
                              Safetensors("safetensors", base, state),
                              DCP("dcp.save", base, state), DCPAsync("dcp.async_save", base, state),
-                             Ciuic("ciuic", base, state), CiuicEncrypted("ciuic+aes", base, state)]
+                             Ciuic("ciuic", base, state), CiuicEncrypted("ciuic+aes", base, state),
+                             CiuicCompressed("ciuic+compress", base, state)]
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []

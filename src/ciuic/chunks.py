@@ -7,14 +7,16 @@ piece. The object is a 16-byte frame header followed by the payload::
     offset  size  field
     0       4     magic b"CIUK"
     4       1     frame version (1)
-    5       1     codec  (0 = raw; others reserved for compression)
+    5       1     codec  (0 = raw; 1 = float byte planes, ciuic.floatcodec)
     6       1     cipher (0 = none; others reserved for encryption)
     7       1     reserved, 0
     8       8     plaintext length, unsigned little-endian
     16      ...   payload
 
-A reader checks the header, decodes the payload and re-hashes the plaintext: a chunk whose bytes
-do not hash to its name is damaged, and is never loaded.
+The length is always the plaintext's; with codec 1 the payload is the float codec's
+self-describing encoding of it (sealed objects encrypt that payload). A reader checks the header,
+decodes the payload and re-hashes the plaintext: a chunk whose bytes do not hash to its name is
+damaged, and is never loaded.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from __future__ import annotations
 import struct
 
 from .digest import Buffer, digest, is_digest
-from .errors import CorruptObject, InvalidKey
+from .errors import CorruptObject, IntegrityError, InvalidKey
 
 MAGIC = b"CIUK"
 FRAME_VERSION = 1
 CODEC_RAW = 0
+CODEC_FLOAT = 1
+CODECS = (CODEC_RAW, CODEC_FLOAT)
 CIPHER_NONE = 0
 _HEADER = struct.Struct("<4sBBBBQ")
 HEADER_BYTES = _HEADER.size  # 16
@@ -54,13 +58,43 @@ def split(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
 
 
-def header(length: int, cipher: int = CIPHER_NONE) -> bytes:
-    return _HEADER.pack(MAGIC, FRAME_VERSION, CODEC_RAW, cipher, 0, length)
+def header(length: int, cipher: int = CIPHER_NONE, codec: int = CODEC_RAW) -> bytes:
+    return _HEADER.pack(MAGIC, FRAME_VERSION, codec, cipher, 0, length)
 
 
-def frame(plain: Buffer) -> list[Buffer]:  # a store.Data list
-    """The stored form of a plaintext piece, as buffers to write back to back (no copy)."""
+def frame(plain: Buffer, encoded: bytes | None = None) -> list[Buffer]:  # a store.Data list
+    """The stored form of a plaintext piece, as buffers to write back to back (no copy):
+    raw, or ``encoded`` (the float codec's payload for ``plain``) when given."""
+    if encoded is not None:
+        return [header(len(plain), codec=CODEC_FLOAT), encoded]
     return [header(len(plain)), plain]
+
+
+def codec_of(header_bytes: bytes | bytearray | memoryview) -> int:
+    return int(header_bytes[5]) if len(header_bytes) >= HEADER_BYTES else CODEC_RAW
+
+
+def decode_payload(key: str, codec: int, payload: Buffer, length: int,
+                   out: memoryview | None = None) -> memoryview:
+    """The plaintext of a payload stored with ``codec`` (written into ``out`` when given)."""
+    if codec == CODEC_RAW:
+        view = memoryview(payload).cast("B")
+        if out is not None:
+            out[:len(view)] = view
+            return out[:len(view)]
+        return view
+    from . import floatcodec
+
+    try:
+        plain = floatcodec.decode(payload, out)
+    except IntegrityError as e:
+        raise CorruptObject(key, str(e)) from None
+    except ValueError as e:  # e.g. an ``out`` that does not fit what the payload claims
+        raise CorruptObject(key, f"compressed payload does not fit: {e}") from None
+    view = memoryview(plain).cast("B")
+    if len(view) != length:
+        raise CorruptObject(key, f"decodes to {len(view)} bytes, the header says {length}")
+    return view
 
 
 def is_framed(blob: bytes | bytearray | memoryview) -> bool:
@@ -82,7 +116,7 @@ def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed
         raise CorruptObject(key, "reserved header byte is not zero")
     if version != FRAME_VERSION:
         raise CorruptObject(key, f"unknown frame version {version} (newer ciuic? upgrade)")
-    if codec != CODEC_RAW or cipher not in ((1,) if sealed else (CIPHER_NONE,)):
+    if codec not in CODECS or cipher not in ((1,) if sealed else (CIPHER_NONE,)):
         raise CorruptObject(key, f"unsupported codec {codec} / cipher {cipher}")
     return int(length)
 
@@ -90,8 +124,23 @@ def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed
 def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
     """Check and decode a stored chunk; returns the plaintext. Raises :class:`CorruptObject`."""
     payload = memoryview(blob)[HEADER_BYTES:]
-    check_read(key, blob[:HEADER_BYTES], len(blob), payload, expected_digest, expected_len)
-    return payload
+    head = blob[:HEADER_BYTES]
+    if codec_of(head) == CODEC_RAW:
+        check_read(key, head, len(blob), payload, expected_digest, expected_len)
+        return payload
+    length = check_header(key, head, len(blob), sealed=False)
+    if length != expected_len:
+        raise CorruptObject(key, f"length mismatch: header says {length}, manifest expects "
+                            f"{expected_len}")
+    plain = decode_payload(key, CODEC_FLOAT, payload, length)
+    check_digest(key, plain, expected_digest)
+    return plain
+
+
+def check_digest(key: str, plain: Buffer, expected_digest: str) -> None:
+    actual = digest(plain)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
 
 
 def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryview,
@@ -104,9 +153,7 @@ def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryvi
             key, f"length mismatch: header says {length}, object holds {size - HEADER_BYTES}, "
             f"manifest expects {expected_len} (truncated?)"
         )
-    actual = digest(payload)
-    if actual != expected_digest:
-        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    check_digest(key, payload, expected_digest)
 
 
 def header_length(header: bytes | bytearray) -> int:

@@ -47,7 +47,10 @@ def _main(store: StoreOpt = None) -> None:
 
 
 def _repo() -> Repository:
-    location = _state.get("store") or default_location()
+    return _open_existing(_state.get("store") or default_location())
+
+
+def _open_existing(location: str) -> Repository:
     if "://" not in str(location) and not Path(location).exists():
         raise CiuicError(f"no ciuic store at {Path(location).resolve()}: run a training job or "
                          "`ciuic demo` first, or point --store / CIUIC_HOME at an existing one")
@@ -267,6 +270,79 @@ def reindex() -> None:
     console.print(f"indexed {counts['snapshots']} snapshot(s) and {counts['pruned']} pruned; "
                   f"{counts['removed']} stale row(s) removed; {counts['damaged']} damaged "
                   "manifest(s) skipped")
+
+
+def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:
+    from .transfer import CopyStats, copy_job
+
+    total = CopyStats()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[size]}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        for project, job in jobs:
+            tasks: dict[str, TaskID] = {}
+
+            def tick(phase: str, done: int, count: int, sent: int, project: str = project,
+                     job: str = job, tasks: dict[str, TaskID] = tasks) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(f"{project}/{job}: {phase}", total=count,
+                                                size="")
+                bar.update(tasks[phase], completed=done, total=count, size=_size(sent))
+
+            stats = copy_job(src, dst.store, project, job, verify=verify, progress=tick)
+            dst.sync_job(project, job)
+            total.add(stats)
+            console.print(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
+                          f"object(s) sent ({_size(stats.sent_bytes)}), {stats.present} "
+                          "already there")
+            if stats.skipped_damaged:
+                err.print(f"[yellow]{project}/{job}: {stats.skipped_damaged} damaged "
+                          "manifest(s) not copied; `ciuic verify` names them[/yellow]")
+    if len(jobs) > 1:
+        console.print(f"copied {len(jobs)} jobs: {total.sent} object(s), "
+                      f"{_size(total.sent_bytes)}")
+
+
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify/--no-verify", help="Read every object back from the destination and compare")]
+
+
+@app.command("push")
+def push(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
+         url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
+         verify: VerifyOpt = True) -> None:
+    """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
+    src = _repo()
+    project, name = src.split_job(job)
+    _copy(src, Repository.open(url), [(project, name)], verify)
+
+
+@app.command("pull")
+def pull(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique there")],
+         url: Annotated[str, typer.Argument(help="Source store URL or directory")],
+         verify: VerifyOpt = True) -> None:
+    """Fetch a job's chain from another store into this one (created if needed)."""
+    from .transfer import find_job
+
+    src = _open_existing(url)
+    _copy(src, Repository.open(_state.get("store") or default_location()),
+          [find_job(src.store, job)], verify)
+
+
+@app.command("copy")
+def copy(src_url: Annotated[str, typer.Argument(help="Source store URL or directory")],
+         dst_url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
+         job: Annotated[list[str] | None, typer.Option(
+             "--job", "-j", help="PROJECT/JOB to copy (repeatable; default: every job)")] = None,
+         verify: VerifyOpt = True) -> None:
+    """Copy jobs' chains from one store to another, only what the destination lacks."""
+    from .transfer import find_job, jobs_in
+
+    src = _open_existing(src_url)
+    jobs = [find_job(src.store, j) for j in job] if job else jobs_in(src.store)
+    if not jobs:
+        raise CiuicError(f"{src_url} holds no snapshots: nothing to copy")
+    _copy(src, Repository.open(dst_url), jobs, verify)
 
 
 @app.command("keygen")

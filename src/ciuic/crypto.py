@@ -151,15 +151,18 @@ class Keyring:
     def sealing(self) -> Key | None:
         return self.keys[0] if self.keys else None
 
-    def seal(self, name: str, plain: Buffer) -> list[Buffer]:
-        """The sealed form of ``plain`` stored under ``name``, as buffers to write in order."""
+    def seal(self, name: str, plain: Buffer, encoded: bytes | None = None) -> list[Buffer]:
+        """The sealed form of ``plain`` stored under ``name``, as buffers to write in order.
+        With ``encoded`` (the float codec's payload for ``plain``) that payload is sealed."""
         key = self.sealing
         if key is None:
             raise ConfigurationError("no encryption key is configured: set CIUIC_ENCRYPTION_KEY "
                                      "(make one with `ciuic keygen`)")
-        header = ck.header(len(plain), cipher=CIPHER_AES_GCM)
+        codec = ck.CODEC_RAW if encoded is None else ck.CODEC_FLOAT
+        header = ck.header(len(plain), cipher=CIPHER_AES_GCM, codec=codec)
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        sealed = self._aead[key.id].encrypt(nonce, bytes(plain), header + name.encode())
+        body = bytes(plain) if encoded is None else encoded
+        sealed = self._aead[key.id].encrypt(nonce, body, header + name.encode())
         return [header, bytes.fromhex(key.id), nonce, sealed]
 
     def open(self, name: str, blob: bytes) -> tuple[bytes, Key]:
@@ -179,6 +182,9 @@ class Keyring:
         except InvalidTag:
             raise CorruptObject(name, "authentication failed: the sealed object was tampered "
                                 "with, damaged, or moved from another name") from None
+        codec = ck.codec_of(header)
+        if codec != ck.CODEC_RAW:
+            plain = bytes(ck.decode_payload(name, codec, plain, length))
         if len(plain) != length:
             raise CorruptObject(name, "sealed length does not match the header")
         return plain, key
@@ -210,8 +216,11 @@ class ObjectCodec:
 
         return digest(data, key=self.name_key)
 
-    def chunk(self, key: str, piece: Buffer) -> list[Buffer]:
-        return self.keyring.seal(key, piece) if self.keyring else ck.frame(piece)
+    def chunk(self, key: str, piece: Buffer, encoded: bytes | None = None) -> list[Buffer]:
+        """The stored form of a chunk; ``encoded``: its float-codec payload, if compressed."""
+        if self.keyring:
+            return self.keyring.seal(key, piece, encoded)
+        return ck.frame(piece, encoded)
 
     def meta(self, key: str, data: bytes) -> bytes | list[Buffer]:
         return self.keyring.seal(key, data) if self.keyring else data

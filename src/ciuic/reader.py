@@ -23,6 +23,7 @@ from .digest import digest
 from .errors import CorruptObject, IntegrityError, ObjectNotFound
 from .info import SnapshotInfo
 from .repo import Repository
+from .store import Store
 from .tree import decode, torch_dtype, walk_leaves
 
 _POOL_WORKERS = max(4, min(16, 2 * (os.cpu_count() or 2)))
@@ -37,28 +38,49 @@ def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[s
 def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
     """The verified states of a manifest's body. ObjectNotFound when it was pruned."""
     key = mf.body_key(m.project, m.job, m.body)
-    try:
-        blob = repo.store.get(key)
-    except ObjectNotFound:
-        raise CorruptObject(key, "missing (the snapshot was pruned or its body was lost)") from None
-    data, name_key = repo.open_meta(key, blob)
-    if len(data) != m.body_bytes:
-        raise CorruptObject(key, f"size {len(data)} differs from the manifest's {m.body_bytes}")
-    return mf.decode_body(data, key, m.body, name_key)
+
+    def read(store: Store) -> dict[str, Any]:
+        try:
+            blob = store.get(key)
+        except ObjectNotFound:
+            raise CorruptObject(key, "missing (the snapshot was pruned or its body was lost)"
+                                ) from None
+        data, name_key = repo.open_meta(key, blob)
+        if len(data) != m.body_bytes:
+            raise CorruptObject(key, f"size {len(data)} differs from the manifest's "
+                                f"{m.body_bytes}")
+        return mf.decode_body(data, key, m.body, name_key)
+
+    return repo.read_verified(key, read)
 
 
 def _read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
     """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it."""
     key = ck.chunk_key(d)
-    header = bytearray(ck.HEADER_BYTES)
-    try:
-        size = repo.store.get_into(key, [memoryview(header), dest])
-        if ck.is_sealed(header):
-            check_chunk_blob(repo, key, repo.store.get(key), d, n, dest)
+
+    def read(store: Store) -> None:
+        header = bytearray(ck.HEADER_BYTES)
+        try:
+            size = store.get_into(key, [memoryview(header), dest])
+            if ck.is_sealed(header):
+                check_chunk_blob(repo, key, store.get(key), d, n, dest)
+                return
+        except ObjectNotFound:
+            raise CorruptObject(key, "missing") from None
+        codec = ck.codec_of(header)
+        if codec == ck.CODEC_RAW:
+            ck.check_read(key, header, size, dest, d, n)
             return
-    except ObjectNotFound:
-        raise CorruptObject(key, "missing") from None
-    ck.check_read(key, header, size, dest, d, n)
+        # A compressed payload landed at the front of ``dest``: decode it from a copy.
+        length = ck.check_header(key, header, size, sealed=False)
+        if length != n or size - ck.HEADER_BYTES > n:
+            raise CorruptObject(key, f"length mismatch: header says {length}, the manifest "
+                                f"{n}, the object holds {size - ck.HEADER_BYTES} bytes")
+        encoded = bytes(dest[:size - ck.HEADER_BYTES])
+        ck.decode_payload(key, codec, encoded, n, out=dest)
+        ck.check_digest(key, dest, d)
+
+    repo.read_verified(key, read)
 
 
 def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,

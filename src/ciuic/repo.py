@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from . import chunks as ck
@@ -19,13 +20,22 @@ from . import manifest as mf
 from .catalog import Catalog
 from .crypto import Keyring
 from .digest import digest, is_digest
-from .errors import ConfigurationError, CorruptObject, ObjectNotFound, SnapshotNotFound
+from .errors import (
+    ConfigurationError,
+    CorruptObject,
+    IntegrityError,
+    ObjectNotFound,
+    SnapshotNotFound,
+    StoreError,
+)
 from .info import SnapshotInfo
 from .store import LocalStore, Store, open_store
+from .store.mirror import MirrorStore
 from .store.retry import RetryingStore
 
 DEFAULT_HOME = ".ciuic"
 log = logging.getLogger("ciuic")
+T = TypeVar("T")
 _MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
 
 
@@ -56,14 +66,22 @@ class Repository:
 
     @classmethod
     def open(cls, location: str | os.PathLike[str] | Store | None = None,
-             catalog_url: str | None = None) -> Repository:
+             catalog_url: str | None = None, *, mirror: str | Store | None = None,
+             durability: str | None = None) -> Repository:
         """Open (creating if needed) the repository at ``location``: a directory, a URL, or a
         :class:`Store` instance (its catalog is then ``catalog_url``, or an in-process SQLite
         database shared by every opening of the same store). Every store is wrapped in a
-        :class:`RetryingStore` (bounded retries, timeouts)."""
+        :class:`RetryingStore` (bounded retries, timeouts).
+
+        ``mirror`` (or ``$CIUIC_MIRROR``): a second, durable tier (a URL such as
+        ``s3://bucket/prefix``) that the store is mirrored to; ``durability`` (or
+        ``$CIUIC_DURABILITY``, default ``"local"``) says which tier's write is the commit
+        (:class:`~ciuic.store.mirror.MirrorStore`)."""
         catalog_url = catalog_url or os.environ.get("CIUIC_CATALOG")
+        mirror = mirror if mirror is not None else os.environ.get("CIUIC_MIRROR") or None
+        durability = durability or os.environ.get("CIUIC_DURABILITY") or "local"
         if isinstance(location, Store):
-            return cls._shared(location, catalog_url)
+            return cls._shared(location, catalog_url, mirror, durability)
         text = os.fspath(location) if location is not None else default_location()
         scheme = urlparse(text).scheme.lower()
         if scheme in ("", "file"):
@@ -73,13 +91,13 @@ class Repository:
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
         elif scheme == "memory":
-            return cls._shared(open_store(text), catalog_url)
+            return cls._shared(open_store(text), catalog_url, mirror, durability)
         else:
             store = open_store(text)
             tag = hashlib.sha256(store.url.encode()).hexdigest()[:16]
             cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
             url = catalog_url or f"sqlite:///{cache / (tag + '.db')}"
-        repo = cls(RetryingStore(store), Catalog(url))
+        repo = cls(_tiers(store, mirror, durability), Catalog(url))
         if repo.catalog.recreated_from is not None:
             counts = repo.reindex()
             log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "
@@ -89,14 +107,43 @@ class Repository:
         return repo
 
     @classmethod
-    def _shared(cls, store: Store, catalog_url: str | None) -> Repository:
-        wrapped = store if isinstance(store, RetryingStore) else RetryingStore(store)
+    def _shared(cls, store: Store, catalog_url: str | None, mirror: str | Store | None,
+                durability: str) -> Repository:
+        wrapped = _tiers(store, mirror, durability)
         if catalog_url is not None:
             return cls(wrapped, Catalog(catalog_url))
         cached = _MEMORY_CATALOGS.get(store.url)
         if cached is None:
             cached = _MEMORY_CATALOGS[store.url] = Catalog("sqlite://")
         return cls(wrapped, cached)
+
+    def read_verified(self, key: str, read: Callable[[Store], T]) -> T:
+        """``read(store)`` from the nearest copy of ``key`` that is present and intact.
+
+        ``read`` fetches and checks the object (raising :class:`ObjectNotFound` or an
+        :class:`IntegrityError`); on a mirror, a copy that fails is skipped with a warning, the
+        next tier is tried, and the good bytes are written back over the bad copy. With one
+        tier this is just ``read(self.store)``.
+        """
+        copies = self.store.copies()
+        first: Exception | None = None
+        for i, tier in enumerate(copies):
+            try:
+                result = read(tier)
+            except (IntegrityError, StoreError) as e:  # missing, damaged, or unreachable
+                first = first or e
+                if i + 1 < len(copies):
+                    log.warning("%s is unusable in %s (%s); reading it from %s", key,
+                                tier.url, e, copies[i + 1].url)
+                continue
+            for bad in copies[:i]:
+                try:
+                    bad.put(key, tier.get(key))
+                except Exception as e:
+                    log.warning("could not repair %s in %s: %s", key, bad.url, e)
+            return result
+        assert first is not None
+        raise first
 
     def close(self) -> None:
         self.store.close()
@@ -111,11 +158,15 @@ class Repository:
     def read_manifest(self, project: str, job: str, snapshot_id: str) -> mf.Manifest:
         """Read a manifest and check that its bytes hash to its ID."""
         key = mf.manifest_key(project, job, snapshot_id)
-        data, name_key = self.open_meta(key, self.store.get(key))
-        actual = digest(data, key=name_key)
-        if actual != snapshot_id:
-            raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
-        m = mf.Manifest.decode(data, key)
+
+        def read(store: Store) -> mf.Manifest:
+            data, name_key = self.open_meta(key, store.get(key))
+            actual = digest(data, key=name_key)
+            if actual != snapshot_id:
+                raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
+            return mf.Manifest.decode(data, key)
+
+        m = self.read_verified(key, read)
         if (m.project, m.job) != (project, job):
             raise CorruptObject(
                 key, f"manifest belongs to {m.project}/{m.job}, not {project}/{job}")
@@ -224,6 +275,17 @@ class Repository:
 
 
 _MEMORY_CATALOGS: dict[str, Catalog] = {}
+
+
+def _tiers(store: Store, mirror: str | Store | None, durability: str) -> Store:
+    """``store`` with retries, mirrored to ``mirror`` (with retries too) when one is given."""
+    fast = store if isinstance(store, RetryingStore) else RetryingStore(store)
+    if mirror is None:
+        return fast
+    remote = open_store(mirror) if isinstance(mirror, str) else mirror
+    if not isinstance(remote, RetryingStore):
+        remote = RetryingStore(remote)
+    return MirrorStore(fast, remote, durability)
 
 
 def commit_order(manifests: dict[str, mf.Manifest]) -> list[str]:

@@ -37,6 +37,8 @@ from .capture import (
 )
 from .crypto import ObjectCodec
 from .engine import StagingArea, StagingBudgetExceeded
+from .engine.compression import MODES as COMPRESSION_MODES
+from .engine.compression import CompressionPolicy
 from .errors import (
     CiuicError,
     ConfigurationError,
@@ -53,6 +55,8 @@ from .reader import load_states
 from .repo import Repository
 from .retention import prune
 from .store import Store
+from .store.mirror import MirrorStore
+from .transfer import copy_job
 from .writer import Captured, ChunkCache, write_snapshot
 
 log = logging.getLogger("ciuic")
@@ -114,6 +118,15 @@ class SnapshotManager:
             ``stats.skipped``; training never waits).
         staging_budget_bytes: the most host memory the staging buffers may take (default: the
             state's size). A state over the budget is written synchronously, with a warning.
+        mirror: a second, durable tier (e.g. ``"s3://bucket/prefix"``; or ``$CIUIC_MIRROR``)
+            that every object is mirrored to; restores fall back to it when the store has lost
+            or damaged an object.
+        durability: with a mirror, when a snapshot counts as committed: ``"local"`` (the
+            default; uploaded in the background, in write order) or ``"remote"`` (once the
+            mirror holds it).
+        compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
+            ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
+            ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
     """
 
     def __init__(self, project_id: str, api_key: str | None = None,
@@ -123,7 +136,9 @@ class SnapshotManager:
                  time_interval_s: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  handle_signals: bool = True, asynchronous: bool = True,
-                 on_busy: str = "wait", staging_budget_bytes: int | None = None) -> None:
+                 on_busy: str = "wait", staging_budget_bytes: int | None = None,
+                 mirror: str | Store | None = None, durability: str | None = None,
+                 compression: str = "auto") -> None:
         self.project = mf.check_name("project", project_id)
         self.job = mf.check_name("job", job or "default")
         _positive("time_interval_s", time_interval_s)
@@ -138,6 +153,9 @@ class SnapshotManager:
                 "CIUIC_ENDPOINT is set, but this version of ciuic has no server client yet; "
                 "unset CIUIC_ENDPOINT to use the embedded store (a local directory)"
             )
+        if compression not in COMPRESSION_MODES:
+            raise ConfigurationError(f"compression must be one of {COMPRESSION_MODES}, got "
+                                     f"{compression!r}")
         if on_busy not in ("skip", "wait"):
             raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
         self.api_key = api_key
@@ -155,13 +173,15 @@ class SnapshotManager:
         self.keep_every = keep_every
         _ensure_log_handler()
 
-        self.repo = Repository.open(store)
+        self.repo = Repository.open(store, mirror=mirror, durability=durability)
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
+        self._compression = CompressionPolicy(compression, self.repo.store.write_bytes_per_s)
         self.repo.sync_job(self.project, self.job)
         self.run_id = secrets.token_hex(8)
         self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
         self.interrupted = runs.was_interrupted(self.previous_run)
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
+        self._catch_up_mirror()
         if runs.may_still_run(self.previous_run):
             log.warning(
                 "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
@@ -188,6 +208,25 @@ class SnapshotManager:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._prev_handlers[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._on_signal)
+
+    def _catch_up_mirror(self) -> None:
+        """On a mirror, send in the background what an earlier run left unmirrored."""
+        mirror = self.repo.store
+        if not isinstance(mirror, MirrorStore) or mirror.durability != "local":
+            return
+        fast = Repository(mirror.fast, self.repo.catalog)
+
+        def catch_up() -> None:
+            try:
+                stats = copy_job(fast, mirror.remote, self.project, self.job, verify=False)
+            except Exception as e:  # never fatal: the next run tries again
+                log.warning("catching up the mirror %s failed: %s", mirror.remote.url, e)
+                return
+            if stats.sent:
+                log.info("mirror %s caught up: %d snapshot(s), %d object(s) sent",
+                         mirror.remote.url, stats.snapshots, stats.sent)
+
+        mirror.submit(catch_up)
 
     # -- the training loop's calls -----------------------------------------------------------
 
@@ -313,7 +352,7 @@ class SnapshotManager:
         try:
             m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
                                     captured, self._cache, lease=self.lease,
-                                    codec=self._codec)
+                                    codec=self._codec, compression=self._compression)
         except BaseException as e:
             self._failed(step, e)
             raise

@@ -25,6 +25,7 @@ from . import chunks as ck
 from . import knobs
 from . import manifest as mf
 from .crypto import ObjectCodec
+from .engine.compression import CompressionPolicy, float_kind
 from .errors import StoreError
 from .faults import failpoint
 from .gc import InflightSave
@@ -85,13 +86,16 @@ class _ChunkWriter:
     """Hashes pieces and writes those the store lacks, on a few threads (BLAKE3 and the
     store's writes release the GIL). Identical pieces within a snapshot are written once."""
 
-    def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec) -> None:
+    def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec,
+                 compression: CompressionPolicy) -> None:
         self.store = repo.store
         self.cache = cache
         self.codec = codec
+        self.compression = compression
         self.lock = threading.Lock()
+        self.stored_bytes = 0  # what the new chunks take in the store (after compression)
 
-    def __call__(self, piece: memoryview) -> tuple[str, int]:
+    def __call__(self, piece: memoryview, kind: tuple[str, int] | None) -> tuple[str, int]:
         d = self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
@@ -101,8 +105,11 @@ class _ChunkWriter:
             key = ck.chunk_key(d)
             if self.store.has(key):
                 return d, 0
+            encoded = self.compression.encode(kind, piece)
             failpoint("chunk.put")
-            self.store.put(key, self.codec.chunk(key, piece), durable=False)  # synced later
+            self.store.put(key, self.codec.chunk(key, piece, encoded), durable=False)  # synced
+            with self.lock:
+                self.stored_bytes += len(piece) if encoded is None else len(encoded)
             return d, len(piece)
         except BaseException:
             with self.lock:
@@ -111,11 +118,16 @@ class _ChunkWriter:
 
 
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
-                 codec: ObjectCodec) -> tuple[int, int]:
-    """Store every leaf's chunks the store lacks; fill descriptors. Returns (total, new) bytes."""
+                 codec: ObjectCodec, compression: CompressionPolicy | None = None
+                 ) -> tuple[int, int, int]:
+    """Store every leaf's chunks the store lacks; fill descriptors. Returns the bytes of the
+    state, of its new chunks, and what those new chunks take in the store (compressed)."""
     k = knobs.get()
     total = new = 0
+    compression = compression or CompressionPolicy("off")
+    compression.start_snapshot()
     pieces: list[memoryview] = []
+    kinds: list[tuple[str, int] | None] = []
     owners: list[dict[str, Any]] = []
     for leaf in leaves:
         data = leaf_bytes(leaf)
@@ -126,24 +138,26 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
             desc["inline"] = base64.b64encode(data).decode("ascii")
         else:
             desc["chunks"] = []
+            kind = float_kind(leaf.value)
             for off, n in ck.split(len(data), k.chunk_bytes):
                 pieces.append(data[off:off + n])
+                kinds.append(kind)
                 owners.append(desc)
         leaf.descriptor.clear()
         leaf.descriptor.update(desc)
-    writer = _ChunkWriter(repo, cache, codec)
+    writer = _ChunkWriter(repo, cache, codec, compression)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
-        for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces),
+        for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces, kinds),
                                            strict=True):
             desc["chunks"].append([d, len(piece)])
             new += wrote
-    return total, new
+    return total, new, writer.stored_bytes
 
 
 def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
                    captured: Captured, cache: ChunkCache, world_size: int = 1,
-                   lease: Lease | None = None, codec: ObjectCodec | None = None
-                   ) -> tuple[mf.Manifest, str]:
+                   lease: Lease | None = None, codec: ObjectCodec | None = None,
+                   compression: CompressionPolicy | None = None) -> tuple[mf.Manifest, str]:
     """Persist ``captured`` as a snapshot of ``project/job`` and commit it.
 
     Returns (manifest, snapshot ID).
@@ -152,7 +166,7 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
     with InflightSave(store) as inflight:
         cache.sync(inflight.epoch)
         codec = codec or ObjectCodec()
-        total, new = write_leaves(repo, captured.leaves, cache, codec)
+        total, new, _stored = write_leaves(repo, captured.leaves, cache, codec, compression)
         failpoint("chunks.sync")
         store.sync()  # every chunk durable before anything refers to it
         body = mf.encode_body(captured.states)

@@ -12,6 +12,7 @@ the writer ``put``s chunks and the body, then ``create``s the manifest (the comm
 from __future__ import annotations
 
 import abc
+import builtins
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -61,6 +62,9 @@ class Store(abc.ABC):
 
     #: A URL that reopens this store (``open_store(store.url)``).
     url: str
+    #: Typical write speed of one writer thread, in bytes/s: whether compressing a chunk pays
+    #: for its CPU time (``compression="auto"``) is judged against it.
+    write_bytes_per_s: float = 1e9
 
     @abc.abstractmethod
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
@@ -127,6 +131,10 @@ class Store(abc.ABC):
         document what they lose without one."""
         check_key(name)
         return nullcontext()
+
+    def copies(self) -> builtins.list[Store]:
+        """The independent copies a read may fall back to, nearest first (a mirror has two)."""
+        return [self]
 
     def location(self, key: str = "") -> str:
         """A human-readable location of ``key`` (for logs), e.g. a path or URL."""

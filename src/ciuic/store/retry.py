@@ -43,6 +43,7 @@ class RetryingStore(Store):
         self.timeout_s = timeout_s if timeout_s is not None else k.store_timeout_s
         self.backoff_s = backoff_s if backoff_s is not None else k.store_backoff_s
         self.url = inner.url
+        self.write_bytes_per_s = inner.write_bytes_per_s
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store")
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:

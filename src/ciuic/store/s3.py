@@ -51,6 +51,8 @@ def _code(e: Exception) -> str:
 class S3Store(Store):
     """A store in an S3 bucket, under an optional key prefix. Thread-safe."""
 
+    write_bytes_per_s = 50e6  # one S3 connection, typically
+
     def __init__(self, url: str, *, client: Any = None) -> None:
         try:
             import boto3

@@ -1,0 +1,112 @@
+"""Float compression in the write and read paths (the codec itself: test_floatcodec.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ciuic import ConfigurationError, SnapshotManager, StateHolder
+from ciuic import chunks as ck
+from ciuic.chain import verify_job
+from ciuic.crypto import generate_key_text
+from ciuic.reader import chunk_refs, read_body
+from ciuic.repo import Repository
+from ciuic.store import LocalStore
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w32": torch.randn(300_000, generator=g) * 0.02,
+            "w16": (torch.randn(200_000, generator=g) * 0.02).to(torch.bfloat16),
+            "ids": torch.arange(100_000),  # not floats: never compressed
+            "small": torch.randn(100, generator=g)}
+
+
+def chunk_headers(store_dir: Path) -> dict[str, tuple[int, int, int]]:
+    """digest -> (codec, cipher, stored bytes) of every chunk of the latest snapshot."""
+    repo = Repository.open(store_dir)
+    info = repo.catalog.latest("p", "default")
+    assert info is not None
+    _, states = read_body(repo, info)
+    out = {}
+    for d in chunk_refs(states):
+        blob = (store_dir / "objects" / ck.chunk_key(d)).read_bytes()
+        out[d] = (blob[5], blob[6], len(blob))
+    return out
+
+
+def save_and_restore(store: Path, **kw: object) -> dict[str, torch.Tensor]:
+    s = state()
+    with SnapshotManager("p", store=store, handle_signals=False, **kw) as m:
+        m.save(1, s=StateHolder(s))
+    back = StateHolder()
+    with SnapshotManager("p", store=store, handle_signals=False) as m:
+        assert m.restore(s=back) == 1
+    for name, t in s.items():
+        assert back.state[name].dtype == t.dtype
+        assert torch.equal(back.state[name].view(torch.uint8), t.view(torch.uint8)), name
+    return back.state
+
+
+def test_compressed_snapshots_restore_bit_exact_and_are_smaller(store_dir: Path) -> None:
+    save_and_restore(store_dir, compression="on")
+    headers = chunk_headers(store_dir)
+    codecs = sorted(h[0] for h in headers.values())
+    assert codecs.count(ck.CODEC_FLOAT) == 2  # w32 and w16; ids, small and RNG states: raw
+    floats = [h[2] for h in headers.values() if h[0] == ck.CODEC_FLOAT]
+    raw = 300_000 * 4 + 200_000 * 2
+    assert sum(floats) < 0.85 * raw
+    assert verify_job(Repository.open(store_dir), "p", "default", deep=True).ok
+
+
+def test_compression_off_writes_raw_chunks(store_dir: Path) -> None:
+    save_and_restore(store_dir, compression="off")
+    assert {h[0] for h in chunk_headers(store_dir).values()} == {ck.CODEC_RAW}
+
+
+def test_compression_under_encryption(store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
+    save_and_restore(store_dir, compression="on", encryption=True)
+    headers = chunk_headers(store_dir)
+    assert {h[1] for h in headers.values()} == {1}  # every chunk sealed
+    assert sorted(h[0] for h in headers.values()).count(ck.CODEC_FLOAT) == 2
+
+
+def test_auto_compresses_only_where_the_store_is_slow(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    save_and_restore(fast, compression="auto")  # a local disk is assumed fast: no gain
+    assert {h[0] for h in chunk_headers(fast).values()} == {ck.CODEC_RAW}
+
+    class SlowDisk(LocalStore):
+        write_bytes_per_s = 20e6  # a slow network mount
+
+    slow = tmp_path / "slow"
+    s = state()
+    with SnapshotManager("p", store=SlowDisk(slow / "objects"), handle_signals=False,
+                         compression="auto") as m:
+        m.save(1, s=StateHolder(s))
+        repo = m.repo
+        info = repo.catalog.latest("p", "default")
+        assert info is not None
+        _, states = read_body(repo, info)
+        codecs = [repo.store.get(ck.chunk_key(d))[5] for d in chunk_refs(states)]
+    assert codecs.count(ck.CODEC_FLOAT) == 2
+
+
+def test_a_damaged_compressed_chunk_is_caught(store_dir: Path) -> None:
+    save_and_restore(store_dir, compression="on")
+    d = next(d for d, h in chunk_headers(store_dir).items() if h[0] == ck.CODEC_FLOAT)
+    path = store_dir / "objects" / ck.chunk_key(d)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x10  # inside the compressed payload
+    path.write_bytes(bytes(blob))
+    report = verify_job(Repository.open(store_dir), "p", "default", deep=True)
+    assert not report.ok
+    assert ck.chunk_key(d) in str(report.problems)
+
+
+def test_bad_compression_mode_is_refused(store_dir: Path) -> None:
+    with pytest.raises(ConfigurationError, match="compression must be one of"):
+        SnapshotManager("p", store=store_dir, compression="zip")
