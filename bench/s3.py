@@ -53,14 +53,15 @@ def boto3_upload(endpoint: str, path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def ciuic_snapshots(endpoint: str, state: dict[str, torch.Tensor], threads: int
-                    ) -> tuple[float, float, int, int]:
+def ciuic_snapshots(endpoint: str, state: dict[str, torch.Tensor], threads: int,
+                    compression: str) -> tuple[float, float, int, int]:
     """(full seconds, incremental seconds, full bytes sent, incremental bytes sent)."""
     url = f"s3://{make_bucket(endpoint)}/bench?endpoint={endpoint}"
     holder = StateHolder(state)
     with knobs.override(write_threads=threads), tempfile.TemporaryDirectory() as home:
         os.environ["XDG_CACHE_HOME"] = home
-        m = SnapshotManager("bench", store=url, asynchronous=False, handle_signals=False)
+        m = SnapshotManager("bench", store=url, asynchronous=False, handle_signals=False,
+                            compression=compression)
         t0 = time.perf_counter()
         full = m.save(1, state=holder)
         t_full = time.perf_counter() - t0
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--endpoint", default=None)
     p.add_argument("--threads", type=int, nargs="+", default=[4, 16],
                    help="ciuic writer threads to measure")
+    p.add_argument("--compression", nargs="+", default=["auto", "off"],
+                   help="ciuic compression modes to measure (auto compresses on S3)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     logging.getLogger("ciuic").setLevel(logging.ERROR)
@@ -108,9 +111,10 @@ def run(args: argparse.Namespace, endpoint: str, state: dict[str, torch.Tensor],
     sent: dict[str, tuple[int, int]] = {}
     for _ in range(args.rounds):
         times["boto3.upload_file"].append(boto3_upload(endpoint, blob))
-        for threads in args.threads:
-            name = f"ciuic ({threads} threads)"
-            t_full, t_inc, full_bytes, inc_bytes = ciuic_snapshots(endpoint, state, threads)
+        for threads, compression in [(t, c) for t in args.threads for c in args.compression]:
+            name = f"ciuic {threads}t compr={compression}"
+            t_full, t_inc, full_bytes, inc_bytes = ciuic_snapshots(endpoint, state, threads,
+                                                                   compression)
             times.setdefault(name, []).append(t_full)
             inc.setdefault(name, []).append(t_inc)
             sent[name] = (full_bytes, inc_bytes)

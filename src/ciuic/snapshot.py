@@ -14,6 +14,7 @@ N holds the state after N's update, and a resumed run continues at N + 1.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import secrets
@@ -24,6 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+import torch
 
 from . import knobs, runs
 from . import manifest as mf
@@ -39,6 +42,7 @@ from .crypto import ObjectCodec
 from .engine import StagingArea, StagingBudgetExceeded
 from .engine.compression import MODES as COMPRESSION_MODES
 from .engine.compression import CompressionPolicy
+from .engine.staging import PendingCopy
 from .errors import (
     CiuicError,
     ConfigurationError,
@@ -85,6 +89,17 @@ class ManagerStats:
     bytes_new: int = 0
     last_save_s: float = 0.0  # from the call until committed
     last_error: str = ""
+    overlap_wait_s: float = 0.0  # optimizer steps held back until an overlapped copy finished
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The parameters of a module, or every tensor in an optimizer's state."""
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return [v for st in obj.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor)]
+    return []
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -124,6 +139,11 @@ class SnapshotManager:
         durability: with a mirror, when a snapshot counts as committed: ``"local"`` (the
             default; uploaded in the background, in write order) or ``"remote"`` (once the
             mirror holds it).
+        overlap: (opt-in, asynchronous only) copy the parameters and optimizer state while the
+            next forward/backward runs instead of inside ``step()``; the optimizer's next
+            ``step()`` waits for the copy to finish (a step pre-hook). Only the optimizer may
+            change parameters or optimizer state between ``manager.step()`` and the next
+            ``optimizer.step()``; buffers, RNG and extras are still copied inside ``step()``.
         compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
             ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
             ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
@@ -138,7 +158,7 @@ class SnapshotManager:
                  handle_signals: bool = True, asynchronous: bool = True,
                  on_busy: str = "wait", staging_budget_bytes: int | None = None,
                  mirror: str | Store | None = None, durability: str | None = None,
-                 compression: str = "auto") -> None:
+                 compression: str = "auto", overlap: bool = False) -> None:
         self.project = mf.check_name("project", project_id)
         self.job = mf.check_name("job", job or "default")
         _positive("time_interval_s", time_interval_s)
@@ -162,6 +182,9 @@ class SnapshotManager:
         self.asynchronous = asynchronous
         self.on_busy = on_busy
         self._staging = StagingArea(staging_budget_bytes)
+        self.overlap = overlap
+        self._pending_copy: PendingCopy | None = None
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot")
         self._inflight: Future[SnapshotInfo] | None = None
         self._last_committed_step: int | None = None
@@ -330,9 +353,13 @@ class SnapshotManager:
         t0 = time.perf_counter()
         captured = capture(model, optimizer, extras)
         staged = False
+        pending: PendingCopy | None = None
         if self.asynchronous:
             try:
-                self._staging.stage(captured.leaves)  # the only part that blocks training
+                if self.overlap and optimizer is not None:
+                    pending = self._stage_overlapped(captured, model, optimizer)
+                else:
+                    self._staging.stage(captured.leaves)  # the only part that blocks training
                 staged = True
             except StagingBudgetExceeded as e:
                 if not self._warned_budget:
@@ -340,16 +367,42 @@ class SnapshotManager:
                     log.warning("%s", e)
         self._last_save_step = step
         self._last_save_time = time.monotonic()
-        future = self._executor.submit(self._write, step, captured, t0)
+        future = self._executor.submit(self._write, step, captured, t0, pending)
         self._inflight = future
         if not staged:
             concurrent.futures.wait([future])  # it reads live tensors: finish before returning
         self.stats.last_stall_s = time.perf_counter() - t0
         return future
 
-    def _write(self, step: int, captured: Captured, t0: float) -> SnapshotInfo:
+    def _stage_overlapped(self, captured: Captured, model: Any, optimizer: Any) -> PendingCopy:
+        """Stage what only the optimizer changes in the background, the rest now."""
+        guarded: set[int] = set()
+        for obj in (model, optimizer):
+            for t in _tensors_of(obj):
+                guarded.add(t.untyped_storage().data_ptr())
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
+                self._before_optimizer_step)
+        pending = self._staging.stage_overlapped(
+            captured.leaves, lambda leaf: isinstance(leaf.value, torch.Tensor)
+            and leaf.value.untyped_storage().data_ptr() in guarded)
+        self._pending_copy = pending
+        return pending
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        pending, self._pending_copy = self._pending_copy, None
+        if pending is not None:
+            t0 = time.perf_counter()
+            with contextlib.suppress(Exception):  # the writer reports it; training goes on
+                pending.wait()
+            self.stats.overlap_wait_s += time.perf_counter() - t0
+
+    def _write(self, step: int, captured: Captured, t0: float,
+               pending: PendingCopy | None = None) -> SnapshotInfo:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         try:
+            if pending is not None:
+                pending.wait()
             m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
                                     captured, self._cache, lease=self.lease,
                                     codec=self._codec, compression=self._compression)
@@ -559,6 +612,9 @@ class SnapshotManager:
             return
         self.wait()
         self._executor.shutdown(wait=True)
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
         self._staging.release()
         self._record_end("clean")
         self._restore_handlers()
