@@ -123,18 +123,8 @@ def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed
 
 def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
     """Check and decode a stored chunk; returns the plaintext. Raises :class:`CorruptObject`."""
-    payload = memoryview(blob)[HEADER_BYTES:]
-    head = blob[:HEADER_BYTES]
-    if codec_of(head) == CODEC_RAW:
-        check_read(key, head, len(blob), payload, expected_digest, expected_len)
-        return payload
-    length = check_header(key, head, len(blob), sealed=False)
-    if length != expected_len:
-        raise CorruptObject(key, f"length mismatch: header says {length}, manifest expects "
-                            f"{expected_len}")
-    plain = decode_payload(key, CODEC_FLOAT, payload, length)
-    check_digest(key, plain, expected_digest)
-    return plain
+    return _checked(key, blob[:HEADER_BYTES], len(blob), memoryview(blob)[HEADER_BYTES:], None,
+                    expected_digest, expected_len)
 
 
 def check_digest(key: str, plain: Buffer, expected_digest: str) -> None:
@@ -146,14 +136,31 @@ def check_digest(key: str, plain: Buffer, expected_digest: str) -> None:
 def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryview,
                expected_digest: str, expected_len: int) -> None:
     """Check a chunk read straight into its destination: ``header`` (16 bytes), the object's
-    total ``size``, and the ``payload`` view it filled. Raises :class:`CorruptObject`."""
+    total ``size``, and the ``payload`` view it filled (the plaintext's size). A compressed
+    payload landed at the front of it and is decoded in place, from a copy. Raises
+    :class:`CorruptObject`."""
+    if codec_of(header) == CODEC_RAW:
+        _checked(key, header, size, payload, None, expected_digest, expected_len)
+    else:
+        encoded = bytes(payload[:max(0, size - HEADER_BYTES)])
+        _checked(key, header, size, encoded, payload, expected_digest, expected_len)
+
+
+def _checked(key: str, header: bytes | bytearray, size: int, encoded: Buffer,
+             out: memoryview | None, expected_digest: str, expected_len: int) -> memoryview:
+    """Check the header and lengths, decode ``encoded`` (into ``out`` if given), check the
+    plaintext against its name; returns the plaintext."""
     length = check_header(key, header, size, sealed=False)
-    if length != expected_len or size - HEADER_BYTES != expected_len:
+    codec = codec_of(header)
+    stored = size - HEADER_BYTES
+    if length != expected_len or (stored != length if codec == CODEC_RAW else stored > length):
         raise CorruptObject(
-            key, f"length mismatch: header says {length}, object holds {size - HEADER_BYTES}, "
+            key, f"length mismatch: header says {length}, object holds {stored}, "
             f"manifest expects {expected_len} (truncated?)"
         )
-    check_digest(key, payload, expected_digest)
+    plain = decode_payload(key, codec, encoded, length, out)
+    check_digest(key, plain, expected_digest)
+    return plain
 
 
 def header_length(header: bytes | bytearray) -> int:

@@ -67,18 +67,7 @@ def _read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
                 return
         except ObjectNotFound:
             raise CorruptObject(key, "missing") from None
-        codec = ck.codec_of(header)
-        if codec == ck.CODEC_RAW:
-            ck.check_read(key, header, size, dest, d, n)
-            return
-        # A compressed payload landed at the front of ``dest``: decode it from a copy.
-        length = ck.check_header(key, header, size, sealed=False)
-        if length != n or size - ck.HEADER_BYTES > n:
-            raise CorruptObject(key, f"length mismatch: header says {length}, the manifest "
-                                f"{n}, the object holds {size - ck.HEADER_BYTES} bytes")
-        encoded = bytes(dest[:size - ck.HEADER_BYTES])
-        ck.decode_payload(key, codec, encoded, n, out=dest)
-        ck.check_digest(key, dest, d)
+        ck.check_read(key, header, size, dest, d, n)
 
     repo.read_verified(key, read)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from . import chunks as ck
 from . import manifest as mf
@@ -44,8 +44,8 @@ class CopyStats:
     skipped_damaged: int = 0
 
     def add(self, other: CopyStats) -> None:
-        for name in ("snapshots", "sent", "sent_bytes", "present", "skipped_damaged"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def jobs_in(store: Store) -> list[tuple[str, str]]:

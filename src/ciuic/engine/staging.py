@@ -33,6 +33,14 @@ class StagingBudgetExceeded(CiuicError, MemoryError):
     """The state does not fit in the staging budget; the snapshot is written synchronously."""
 
 
+def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """``buf`` seen as an array or tensor shaped like ``value`` (little-endian), without copying."""
+    if isinstance(value, np.ndarray):
+        dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
+        return buf.numpy().view(dtype).reshape(value.shape)
+    return buf.view(value.dtype).view(value.shape)
+
+
 class PendingCopy:
     """Copies still running after :meth:`StagingArea.stage_overlapped` returned."""
 
@@ -117,7 +125,7 @@ class StagingArea:
         # CPU: point the leaves at their buffers now, copy on a thread.
         sources = [(leaf, leaf.value) for leaf in later]
         for leaf in later:
-            leaf.value = self._target(leaf.path, leaf.value, pin=False)
+            leaf.value = _view(leaf.value, self._buffer(leaf.path, leaf.nbytes, pin=False))
         pending = PendingCopy()
 
         def copy() -> None:
@@ -144,16 +152,6 @@ class StagingArea:
         leaf.value = self._copy(leaf.value, buf)
         return buf.numel()
 
-    def _target(self, path: str, value: torch.Tensor | np.ndarray,
-                pin: bool) -> torch.Tensor | np.ndarray:
-        """The view of ``path``'s buffer shaped like ``value`` (without copying)."""
-        buf = self._buffer(path, value.nbytes if isinstance(value, np.ndarray)
-                           else value.numel() * value.element_size(), pin)
-        if isinstance(value, np.ndarray):
-            dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
-            return buf.numpy().view(dtype).reshape(value.shape)
-        return buf.view(value.dtype).view(value.shape)
-
     def _prepare(self, leaves: list[Leaf]) -> None:
         """Drop buffers of vanished or resized tensors; enforce the budget."""
         needed = {leaf.path: leaf.nbytes for leaf in leaves}
@@ -168,13 +166,13 @@ class StagingArea:
 
     def _copy(self, value: torch.Tensor | np.ndarray,
               buf: torch.Tensor) -> torch.Tensor | np.ndarray:
-        if isinstance(value, np.ndarray):
-            dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
-            dst = buf.numpy().view(dtype).reshape(value.shape)
+        dst = _view(value, buf)
+        if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
             return dst
+        assert isinstance(value, torch.Tensor)
         src = value.detach()
-        dst_t = buf.view(src.dtype).view(src.shape)
+        dst_t = dst
         if src.is_cuda:
             assert self._stream is not None
             self._stream.wait_stream(torch.cuda.current_stream(src.device))

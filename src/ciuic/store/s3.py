@@ -228,14 +228,14 @@ class S3Store(Store):
 
     def get(self, key: str) -> bytes:
         check_key(key)
-        out = bytearray()
+        out: list[bytearray] = []
 
         def fill(total: int) -> list[memoryview]:
-            out.extend(bytes(total))
-            return [memoryview(out)]
+            out.append(bytearray(total))
+            return [memoryview(out[0])]
 
         self._call("reading", key, lambda: self._download(key, fill))
-        return bytes(out)
+        return bytes(out[0])
 
     def get_into(self, key: str, buffers: list[memoryview]) -> int:
         check_key(key)
