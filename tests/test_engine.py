@@ -133,3 +133,64 @@ def test_state_over_the_budget_is_written_synchronously(store_dir: Path,
             fresh[0].weight.zero_()
         assert m2.restore(fresh, fresh_opt) == info.step
         assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def _buffer_ptrs(m: SnapshotManager) -> dict[str, int]:
+    return {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+
+
+def test_restore_reads_the_model_into_the_buffers_the_next_snapshot_reuses(
+        store_dir: Path) -> None:
+    model, opt = setup()
+    ema = {"w": torch.arange(64.0)}
+    with SnapshotManager("p", job="reuse", store=store_dir) as m:
+        m.save(1, model, opt, ema=StateHolder(ema))
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = [{k: v.clone() for k, v in st.items()} for st in opt.state.values()]
+
+    fresh, fresh_opt = setup(256)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    holder = StateHolder({})
+    with SnapshotManager("p", job="reuse", store=store_dir) as m:
+        assert m.restore(fresh, fresh_opt, ema=holder) == 1
+        lent = _buffer_ptrs(m)
+        sizes = {f"model/{k}": v.numel() * v.element_size() for k, v in fresh.state_dict().items()}
+        assert set(lent) <= set(sizes) and "model/0.weight" in lent  # tiny ones are inline
+        assert m._staging.allocated_bytes == sum(sizes[p] for p in lent) > 0.99 * sum(
+            sizes.values())
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, want_model[k]), k
+        for st, want in zip(fresh_opt.state.values(), want_opt, strict=True):
+            assert all(torch.equal(st[k], v) for k, v in want.items())
+        # what the restore hands over for keeps never lives in a staging buffer (the next
+        # snapshot would then be staged onto the live values)
+        staged = {b.untyped_storage().data_ptr() for b in m._staging._buffers.values()}
+        kept = [holder.state["w"], *(v for st in fresh_opt.state.values() for v in st.values()),
+                *fresh.state_dict().values()]
+        assert not {t.untyped_storage().data_ptr() for t in kept} & staged
+        # train on, snapshot: the buffers the restore used are the ones staged into
+        fresh(torch.randn(2, 256)).sum().backward()
+        fresh_opt.step()
+        after = [{k: v.clone() for k, v in st.items()} for st in fresh_opt.state.values()]
+        m.save(2, fresh, fresh_opt, ema=holder)
+        assert {p: q for p, q in _buffer_ptrs(m).items() if p in lent} == lent
+        # nothing restored aliases a staging buffer: the snapshot did not change them
+        assert torch.equal(holder.state["w"], torch.arange(64.0))
+        for st, want in zip(fresh_opt.state.values(), after, strict=True):
+            for k, v in want.items():
+                assert torch.equal(st[k], v), k
+
+
+def test_restore_over_the_staging_budget_reads_into_fresh_memory(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="tight", store=store_dir) as m:
+        m.save(1, model, opt)
+    fresh, fresh_opt = setup(256)
+    with SnapshotManager("p", job="tight", store=store_dir,
+                         staging_budget_bytes=1024) as m:
+        assert m.restore(fresh, fresh_opt) == 1
+        assert m._staging.allocated_bytes <= 1024
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k

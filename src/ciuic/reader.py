@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 import math
 import os
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -94,33 +94,47 @@ def _get_chunk(repo: Repository, d: str, n: int) -> None:
     _read_chunk(repo, d, n, memoryview(bytearray(n)))
 
 
+def _uninitialized(nbytes: int) -> torch.Tensor:
+    """A flat byte tensor whose memory is not zero-filled first: every byte is about to be
+    overwritten by a read, and zero-filling a large buffer costs as much as reading it."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _bytes_view(flat: torch.Tensor) -> memoryview:
+    return flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
+
+
+BufferFor = Callable[[str, int], "torch.Tensor | None"]
+
+
 def _leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
-                 pool: ThreadPoolExecutor) -> bytearray:
+                 pool: ThreadPoolExecutor, buffer_for: BufferFor | None
+                 ) -> tuple[torch.Tensor, list[Future[None]]]:
+    """A buffer for one leaf (lent by ``buffer_for``, else fresh) and the reads, already
+    submitted, that fill and verify it."""
     _leaf_layout(path, kind, desc)
     nbytes = int(desc["nbytes"])
     if "inline" in desc:
         raw = base64.b64decode(desc["inline"])
         if len(raw) != nbytes:
             raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
-        return bytearray(raw)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else _uninitialized(
+            0), []
     try:
         refs = [(str(d), int(n)) for d, n in desc["chunks"]]
     except (KeyError, TypeError, ValueError) as e:
         raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
     if sum(n for _, n in refs) != nbytes:
         raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
-    out = bytearray(nbytes)
-    view = memoryview(out)
-    offsets = []
+    lent = buffer_for(path, nbytes) if buffer_for is not None else None
+    out = lent if lent is not None and lent.numel() == nbytes else _uninitialized(nbytes)
+    view = _bytes_view(out)
+    futures = []
     off = 0
-    for _, n in refs:
-        offsets.append(off)
+    for d, n in refs:
+        futures.append(pool.submit(_read_chunk, repo, d, n, view[off:off + n]))
         off += n
-    futures = [pool.submit(_read_chunk, repo, d, n, view[o:o + n])
-               for o, (d, n) in zip(offsets, refs, strict=True)]
-    for fut in futures:
-        fut.result()
-    return out
+    return out, futures
 
 
 def _leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[int]]:
@@ -144,30 +158,39 @@ def _leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[
     return dtype, shape
 
 
-def _materialize(path: str, kind: str, desc: dict[str, Any], buf: bytearray) -> Any:
+def _materialize(path: str, kind: str, desc: dict[str, Any], flat: torch.Tensor) -> Any:
     dtype, shape = _leaf_layout(path, kind, desc)
     if kind == "tensor":
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(
-            0, dtype=torch.uint8)
         return flat.view(dtype).reshape(shape)
-    arr = np.frombuffer(buf, dtype=dtype).reshape(shape).copy() if len(buf) else np.zeros(
-        shape, dtype=dtype)
+    arr = flat.numpy().view(dtype).reshape(shape) if flat.numel() else np.zeros(shape, dtype)
     return arr[()] if kind == "npscalar" else arr
 
 
-def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
-                ) -> tuple[mf.Manifest, dict[str, Any]]:
+def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = (),
+                buffer_for: BufferFor | None = None) -> tuple[mf.Manifest, dict[str, Any]]:
     """Read and verify a snapshot's states (all but those in ``skip``) as Python values.
 
-    Everything is read and checked before anything is returned, so a damaged snapshot never
-    reaches live objects.
+    Every read is in flight at once (a thread pool), straight into its tensor's memory, which is
+    never zero-filled first. ``buffer_for(path, nbytes)`` may lend a flat uint8 buffer to read a
+    leaf into (reused memory); it returns None to let the reader allocate one. Everything is
+    read and checked before anything is returned, so a damaged snapshot never reaches live
+    objects.
     """
     m, states = read_body(repo, info)
     wanted = {k: v for k, v in states.items() if k not in skip}
-    buffers: dict[str, bytearray] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    reads: list[Future[None]] = []
     with ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ciuic-read") as pool:
-        for path, kind, desc in walk_leaves(wanted):
-            buffers[path] = _leaf_buffer(repo, path, kind, desc, pool)
+        try:
+            for path, kind, desc in walk_leaves(wanted):  # every read in flight at once
+                buffers[path], submitted = _leaf_buffer(repo, path, kind, desc, pool,
+                                                        buffer_for)
+                reads.extend(submitted)
+            for fut in reads:
+                fut.result()
+        finally:
+            for fut in reads:
+                fut.cancel()
 
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
         return _materialize(path, kind, desc, buffers[path])

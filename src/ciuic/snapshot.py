@@ -21,6 +21,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
@@ -476,13 +477,14 @@ class SnapshotManager:
                      self.repo.location())
             return None
         skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
+        buffer_for = self._restore_buffers(model)
         problems: list[str] = []
         for info in candidates:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
             log.info("Downloading snapshot from %s",
                      self.repo.location(mf.manifest_key(info.project, info.job, info.id)))
             try:
-                _, states = load_states(self.repo, info, skip)
+                _, states = load_states(self.repo, info, skip, buffer_for)
             except (IntegrityError, ObjectNotFound) as e:
                 problems.append(f"step {info.step} ({info.short_id}): {e}")
                 if snapshot is not None:
@@ -497,6 +499,23 @@ class SnapshotManager:
             "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
             f"{self.project}/{self.job}` for details; refusing to start from scratch."
         )
+
+    def _restore_buffers(self, model: Any) -> Callable[[str, int], torch.Tensor | None] | None:
+        """Lend the staging buffers to the model's tensors: ``load_state_dict`` copies out of
+        them, and the first snapshot after the resume stages into them without allocating.
+        Only the model's: an optimizer's ``load_state_dict`` keeps the tensors it is given."""
+        if model is None or not self.asynchronous:
+            return None
+        live = _state_of_model(model)
+        pin = torch.cuda.is_available() and any(
+            isinstance(t, torch.Tensor) and t.is_cuda for t in live.values())
+
+        def buffer_for(path: str, nbytes: int) -> torch.Tensor | None:
+            if not path.startswith("model/"):
+                return None
+            return self._staging.lend(path, nbytes, pin)
+
+        return buffer_for
 
     def _apply(self, info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
                extras: dict[str, Any]) -> None:
@@ -629,3 +648,9 @@ class SnapshotManager:
         if tp is not None and not issubclass(tp, SystemExit):
             self._record_end(f"exception:{tp.__name__}")
         self.close()
+
+
+def _state_of_model(model: Any) -> Mapping[str, Any]:
+    fn = getattr(model, "state_dict", None)
+    state = fn() if callable(fn) else None
+    return state if isinstance(state, Mapping) else {}

@@ -86,6 +86,21 @@ class StagingArea:
             self._buffers[path] = buf
         return buf
 
+    def lend(self, path: str, nbytes: int, pin: bool) -> torch.Tensor | None:
+        """The buffer for ``path`` (allocated now if needed) for a restore to read into, or None
+        when it would not fit the budget.
+
+        A restore reads the model's tensors into the buffers the next snapshot stages into, so
+        the first snapshot after a resume allocates nothing (pinned, for a model on a GPU: the
+        copy to the device then runs at pinned speed). The caller must copy out of the buffer
+        before the next snapshot, as ``load_state_dict`` does.
+        """
+        buf = self._buffers.get(path)
+        grows = nbytes - (buf.numel() if buf is not None else 0)
+        if self.budget_bytes is not None and self.allocated_bytes + grows > self.budget_bytes:
+            return None
+        return self._buffer(path, nbytes, pin)
+
     def stage(self, leaves: list[Leaf]) -> int:
         """Copy every leaf into its buffer and point the leaf at the copy. Returns bytes copied.
 
