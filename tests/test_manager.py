@@ -346,3 +346,25 @@ def test_damaged_catalog_is_moved_aside_and_rebuilt(store_dir: Path,
         assert m2.restore(model, opt) == 2
     assert "the catalog was damaged" in caplog.text and "nothing is lost" in caplog.text
     assert list(store_dir.glob("catalog.db.damaged-*"))
+
+
+def test_processes_opening_a_fresh_catalog_at_once_never_call_it_damaged(
+        tmp_path: Path) -> None:
+    """Ranks of one job (or `ciuic ls` beside a starting job) create the same SQLite catalog at
+    the same moment: a busy or half-created schema is a race to wait out, not damage."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from ciuic.catalog import Catalog; "
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); "
+            "c = Catalog(sys.argv[1]); print(c.recreated_from); c.close()")
+    for round_ in range(2):
+        db = tmp_path / f"r{round_}" / "catalog.db"
+        start = time.time() + 1.5  # every process past its imports before any opens the file
+        procs = [subprocess.Popen([sys.executable, "-c", code, f"sqlite:///{db}", str(start)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(6)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+        assert [o.strip() for o, _ in outs] == ["None"] * 6
+        assert not list(db.parent.glob("*.damaged-*"))

@@ -20,7 +20,7 @@ from .tree import Leaf, encode
 from .writer import Captured
 
 log = logging.getLogger("ciuic")
-RESERVED = ("rng",)
+RESERVED = ("rng", "ranks", "dist")  # "ranks", "dist": multi-rank bodies (ciuic.distsave)
 _PREFIXES = ("_orig_mod.", "module.")
 
 

@@ -14,7 +14,8 @@ Hierarchy::
     ├── SnapshotNotFound (CiuicError, LookupError)    a snapshot reference that resolves to nothing
     │   └── AmbiguousReference (SnapshotNotFound)     a prefix that matches several snapshots
     ├── StateMismatch (CiuicError, ValueError)        a snapshot does not fit the live objects
-    └── RestoreError (CiuicError, RuntimeError)       snapshots exist but none could be restored
+    ├── RestoreError (CiuicError, RuntimeError)       snapshots exist but none could be restored
+    └── RankError (CiuicError, RuntimeError)          another rank failed; raised on every rank
 
 Messages say what is wrong and what to do next.
 """
@@ -100,3 +101,13 @@ __all__ = [
     "StateMismatch",
     "StoreError",
 ]
+
+
+class RankError(CiuicError, RuntimeError):
+    """One or more ranks failed inside a collective step; raised on every rank, naming each
+    failed rank and its error. ``failures`` maps rank -> message."""
+
+    def __init__(self, what: str, failures: dict[int, str]) -> None:
+        lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+        super().__init__(f"{what} failed on {len(failures)} rank(s): {lines}")
+        self.failures = failures

@@ -39,6 +39,9 @@ class Knobs:
     s3_concurrency: int = 8
     s3_connect_timeout_s: float = 10.0
     s3_read_timeout_s: float = 60.0
+    #: Multi-rank: how long a collective of ciuic's own gloo groups waits for the slowest rank
+    #: before it fails (a dead rank usually fails it at once: its connections close).
+    dist_timeout_s: float = 600.0
     #: Temporary files of the local store older than this are removed by `gc`.
     temp_stale_s: float = 3600.0
 

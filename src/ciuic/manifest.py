@@ -24,6 +24,8 @@ from .digest import digest, is_digest
 from .errors import ConfigurationError, CorruptObject
 
 FORMAT_VERSION = 1
+#: The body format of a multi-rank snapshot (sharded descriptors, per-rank states).
+DIST_BODY_FORMAT = 2
 MANIFEST_KIND = "ciuic.snapshot"
 BODY_KIND = "ciuic.body"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -136,7 +138,8 @@ class Manifest:
         return m
 
 
-def _load(data: bytes, key: str, kind: str, what: str) -> dict[str, Any]:
+def _load(data: bytes, key: str, kind: str, what: str,
+          formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict[str, Any]:
     """Parse a canonical-JSON object of ``kind`` and check its format version."""
     try:
         obj = canonical.loads(data)
@@ -144,10 +147,10 @@ def _load(data: bytes, key: str, kind: str, what: str) -> dict[str, Any]:
         raise CorruptObject(key, f"not canonical JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("kind") != kind:
         raise CorruptObject(key, f"not a ciuic snapshot {what}")
-    if obj.get("format") != FORMAT_VERSION:
+    if obj.get("format") not in formats:
         raise CorruptObject(
             key, f"{what} format {obj.get('format')!r} is not supported by this version of ciuic "
-            f"(it reads format {FORMAT_VERSION}); upgrade ciuic"
+            f"(it reads format {', '.join(map(str, formats))}); upgrade ciuic"
         )
     return obj
 
@@ -163,15 +166,18 @@ def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
     raise TypeError(f"{path}: tensors are not allowed in metrics")
 
 
-def encode_body(states: dict[str, Any], salt: str | None = None) -> bytes:
+def encode_body(states: dict[str, Any], salt: str | None = None,
+                distributed: bool = False) -> bytes:
     """Canonical bytes of a body holding ``states`` (already-encoded trees).
 
     The random ``salt`` makes every snapshot's body a distinct object, so pruning one snapshot
-    never deletes a body another snapshot with bit-identical state still uses.
+    never deletes a body another snapshot with bit-identical state still uses. A multi-rank
+    snapshot's body is format 2 (it may hold sharded descriptors, which format-1 readers would
+    misread): readers of format 1 only refuse it with "upgrade ciuic".
     """
     salt = secrets.token_hex(8) if salt is None else salt
-    return canonical.dumps({"format": FORMAT_VERSION, "kind": BODY_KIND, "salt": salt,
-                            "states": states})
+    fmt = DIST_BODY_FORMAT if distributed else FORMAT_VERSION
+    return canonical.dumps({"format": fmt, "kind": BODY_KIND, "salt": salt, "states": states})
 
 
 def decode_body(data: bytes, key: str, expected_digest: str,
@@ -180,7 +186,7 @@ def decode_body(data: bytes, key: str, expected_digest: str,
     actual = digest(data, key=name_key)
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
-    obj = _load(data, key, BODY_KIND, "body")
+    obj = _load(data, key, BODY_KIND, "body", (FORMAT_VERSION, DIST_BODY_FORMAT))
     states = obj.get("states")
     if not isinstance(states, dict):
         raise CorruptObject(key, "body has no states")

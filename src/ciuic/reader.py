@@ -104,6 +104,25 @@ def _bytes_view(flat: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
 
 
+def inline_bytes(path: str, desc: dict[str, Any], nbytes: int) -> torch.Tensor:
+    """The bytes of an inline descriptor (or shard), checked against ``nbytes``."""
+    raw = base64.b64decode(desc["inline"])
+    if len(raw) != nbytes:
+        raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else _uninitialized(0)
+
+
+def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, int]]:
+    """The ``[digest, length]`` list of a descriptor (or shard), checked to add up."""
+    try:
+        refs = [(str(d), int(n)) for d, n in desc["chunks"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
+    if sum(n for _, n in refs) != nbytes:
+        raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
+    return refs
+
+
 BufferFor = Callable[[str, int], "torch.Tensor | None"]
 
 
@@ -115,17 +134,8 @@ def _leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     _leaf_layout(path, kind, desc)
     nbytes = int(desc["nbytes"])
     if "inline" in desc:
-        raw = base64.b64decode(desc["inline"])
-        if len(raw) != nbytes:
-            raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else _uninitialized(
-            0), []
-    try:
-        refs = [(str(d), int(n)) for d, n in desc["chunks"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
-    if sum(n for _, n in refs) != nbytes:
-        raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
+        return inline_bytes(path, desc, nbytes), []
+    refs = chunk_list(path, desc, nbytes)
     lent = buffer_for(path, nbytes) if buffer_for is not None else None
     out = lent if lent is not None and lent.numel() == nbytes else _uninitialized(nbytes)
     view = _bytes_view(out)
@@ -178,14 +188,30 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
     """
     m, states = read_body(repo, info)
     wanted = {k: v for k, v in states.items() if k not in skip}
+    return m, load_trees(repo, wanted, buffer_for)
+
+
+def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor | None = None
+               ) -> dict[str, Any]:
+    """Read, verify and decode state trees (name -> tree) into Python values."""
     buffers: dict[str, torch.Tensor] = {}
     reads: list[Future[None]] = []
+    sharded: list[tuple[str, dict[str, Any]]] = []
     with ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ciuic-read") as pool:
         try:
             for path, kind, desc in walk_leaves(wanted):  # every read in flight at once
+                if "shards" in desc and kind == "tensor":
+                    sharded.append((path, desc))  # assembled below, while the rest reads
+                    continue
                 buffers[path], submitted = _leaf_buffer(repo, path, kind, desc, pool,
                                                         buffer_for)
                 reads.extend(submitted)
+            if sharded:
+                from .boxread import read_box
+
+                for path, desc in sharded:
+                    buffers[path] = read_box(repo, path, desc, None, None, pool).reshape(
+                        -1).view(torch.uint8)
             for fut in reads:
                 fut.result()
         finally:
@@ -195,15 +221,16 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
         return _materialize(path, kind, desc, buffers[path])
 
-    return m, {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
+    return {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
 
 
 def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
     """digest -> plaintext length of every chunk a body's states reference."""
     refs: dict[str, int] = {}
     for _path, _kind, desc in walk_leaves(states):
-        for d, n in desc.get("chunks", []):
-            refs[str(d)] = int(n)
+        for piece in desc.get("shards", [desc]):
+            for d, n in piece.get("chunks", []):
+                refs[str(d)] = int(n)
     return refs
 
 

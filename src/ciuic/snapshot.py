@@ -39,7 +39,18 @@ from .capture import (
     match_model_state,
     set_rng_state,
 )
+from .catalog.models import Run
 from .crypto import ObjectCodec
+from .dist import Collective
+from .distsave import (
+    DistCaptured,
+    Prepared,
+    capture_dist,
+    check_shared_store,
+    is_distributed,
+    prepare,
+    write_dist,
+)
 from .engine import StagingArea, StagingBudgetExceeded
 from .engine.compression import MODES as COMPRESSION_MODES
 from .engine.compression import CompressionPolicy
@@ -54,9 +65,9 @@ from .errors import (
 )
 from .gc import collect
 from .info import SnapshotInfo
-from .lease import FencedOut
+from .lease import FencedOut, Lease
 from .lease import acquire as acquire_lease
-from .reader import load_states
+from .reader import load_trees, read_body
 from .repo import Repository
 from .retention import prune
 from .store import Store
@@ -94,13 +105,23 @@ class ManagerStats:
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The parameters of a module, or every tensor in an optimizer's state."""
+    """The parameters of a module, or every tensor in an optimizer's state (a DTensor's local
+    shard: that is the memory the staging copies)."""
+    found: list[torch.Tensor] = []
     if isinstance(obj, torch.nn.Module):
-        return list(obj.parameters())
-    if isinstance(obj, torch.optim.Optimizer):
-        return [v for st in obj.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor)]
-    return []
+        found = list(obj.parameters())
+    elif isinstance(obj, torch.optim.Optimizer):
+        found = [v for st in obj.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor)]
+    return [t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
+            for t in found]
+
+
+def _sharded(model: Any) -> bool:
+    """Whether a model holds DTensors (FSDP2, tensor parallel): then its snapshots take the
+    multi-rank layout (sharded descriptors), even on a world of one."""
+    return isinstance(model, torch.nn.Module) and any(
+        type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -191,21 +212,30 @@ class SnapshotManager:
         self._last_committed_step: int | None = None
         self._warned_budget = False
         self._warned_busy = False
+        self._warned_steps = False
         self.save_interval = save_interval or None
         self.time_interval_s = time_interval_s
         self.keep_last = keep_last
         self.keep_every = keep_every
         _ensure_log_handler()
 
+        self.coll = Collective()  # ciuic's own gloo groups under torchrun; trivial otherwise
         self.repo = Repository.open(store, mirror=mirror, durability=durability)
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
         self._compression = CompressionPolicy(compression, self.repo.store.write_bytes_per_s)
-        self.repo.sync_job(self.project, self.job)
         self.run_id = secrets.token_hex(8)
-        self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
-        self.interrupted = runs.was_interrupted(self.previous_run)
-        self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
-        self._catch_up_mirror()
+        self.previous_run: Run | None = None
+        self.interrupted = False
+        self.lease: Lease | None = None
+        if self.coll.coordinator:  # rank 0 alone keeps the catalog, the lease and the mirror
+            self.repo.sync_job(self.project, self.job)
+            self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
+            self.interrupted = runs.was_interrupted(self.previous_run)
+            self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
+            self._catch_up_mirror()
+        if self.coll.enabled:
+            self.run_id, self.interrupted = self.coll.broadcast([self.run_id, self.interrupted])
+            check_shared_store(self.coll, self.repo.store, self.run_id)
         if runs.may_still_run(self.previous_run):
             log.warning(
                 "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
@@ -266,14 +296,19 @@ class SnapshotManager:
         if not self._first_step_checked:
             self._first_step_checked = True
             self._warn_if_not_resuming(step)
-        if self._signal is not None:
-            self._emergency(step, model, optimizer, extras)
         now = time.monotonic()
-        if now - self._last_heartbeat >= knobs.get().heartbeat_interval_s:
-            self._last_heartbeat = now
-            self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
-        if not self._due(step, now):
-            return False
+        if self.coll.enabled:
+            if not self._agree_step(step, now):  # every rank decides the same, together
+                return False
+            if self._signal is not None:
+                self._emergency(step, model, optimizer, extras)
+        else:
+            if self._signal is not None:
+                self._emergency(step, model, optimizer, extras)
+            if not self._due(step, now):
+                self._heartbeat(step, now)
+                return False
+        self._heartbeat(step, now)
         if model is None and optimizer is None and not extras:
             log.warning("step(%d): a snapshot is due but step() was given no state to save "
                         "(pass the model and optimizer)", step)
@@ -307,6 +342,43 @@ class SnapshotManager:
                 future.result()
             except Exception:
                 return False  # already logged and counted by the writer
+        return True
+
+    def _heartbeat(self, step: int, now: float) -> None:
+        if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
+                ).heartbeat_interval_s:
+            self._last_heartbeat = now
+            self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
+
+    def _agree_step(self, step: int, now: float) -> bool:
+        """Multi-rank: one small all-reduce on ciuic's control group per ``step()``, so that
+        every rank takes (or skips) the same snapshots and an emergency snapshot at the same
+        step. Returns whether a snapshot (or the emergency one) is due on every rank."""
+        time_due = bool(self.time_interval_s and now - self._last_save_time
+                        >= self.time_interval_s)
+        sig, due_t, busy, hi, neg_lo = self.coll.max_ints(
+            [self._signal or 0, int(time_due), int(self._busy()), step, -step])
+        if hi != -neg_lo:
+            if not self._warned_steps:
+                self._warned_steps = True
+                log.error("ranks called step() with different steps (%d to %d): no snapshot is "
+                          "taken until they agree; call manager.step(step, ...) with the same "
+                          "step on every rank", -neg_lo, hi)
+            return False
+        if sig:
+            self._signal = self._signal or sig  # a signal on any rank stops every rank here
+            return True
+        if step == self._last_save_step or not (
+                (self.save_interval and step % self.save_interval == 0) or due_t):
+            self._heartbeat(step, now)
+            return False
+        if busy and self.on_busy == "skip":
+            self.stats.skipped += 1
+            if not self._warned_busy:
+                self._warned_busy = True
+                log.warning("snapshot at step %d skipped: a rank is still writing the previous "
+                            "one; see stats.skipped, or pass on_busy='wait'", step)
+            return False
         return True
 
     def _failed(self, step: int, e: BaseException) -> None:
@@ -352,7 +424,8 @@ class SnapshotManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         t0 = time.perf_counter()
-        captured = capture(model, optimizer, extras)
+        captured = (capture_dist(model, optimizer, extras)
+                    if self.coll.enabled or _sharded(model) else capture(model, optimizer, extras))
         staged = False
         pending: PendingCopy | None = None
         if self.asynchronous:
@@ -404,9 +477,14 @@ class SnapshotManager:
         try:
             if pending is not None:
                 pending.wait()
-            m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
-                                    captured, self._cache, lease=self.lease,
+            if isinstance(captured, DistCaptured):
+                m, sid = write_dist(self.coll, self.repo, self.project, self.job, step,
+                                    self._parent, captured, self._cache, lease=self.lease,
                                     codec=self._codec, compression=self._compression)
+            else:
+                m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
+                                        captured, self._cache, lease=self.lease,
+                                        codec=self._codec, compression=self._compression)
         except BaseException as e:
             self._failed(step, e)
             raise
@@ -418,6 +496,8 @@ class SnapshotManager:
         self.stats.bytes_new += m.new_bytes
         self.stats.last_save_s = time.perf_counter() - t0
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
+        if not self.coll.coordinator:
+            return SnapshotInfo.from_manifest(m, sid)
         self._quietly("record the snapshot event", self.repo.catalog.event, self.run_id,
                       self.project, self.job, "snapshot", step, sid)
         if self.keep_last is not None or self.keep_every is not None:
@@ -462,16 +542,7 @@ class SnapshotManager:
         self._check_open()
         self.wait()
         self._restore_called = True
-        if self.interrupted and self.previous_run is not None:
-            step = self.previous_run.last_step
-            log.info("Detected training interruption at step %s (%s)",
-                     step if step is not None else "unknown", runs.describe_end(self.previous_run))
-        log.info("Searching for latest snapshot...")
-        if snapshot is not None:
-            candidates = [self.repo.resolve(snapshot)]
-        else:
-            self.repo.sync_job(self.project, self.job)
-            candidates = self.repo.catalog.snapshots(self.project, self.job, newest_first=True)
+        candidates = self._candidates(snapshot)
         if not candidates:
             log.info("No snapshot of %s/%s in %s: starting from scratch", self.project, self.job,
                      self.repo.location())
@@ -483,22 +554,92 @@ class SnapshotManager:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
             log.info("Downloading snapshot from %s",
                      self.repo.location(mf.manifest_key(info.project, info.job, info.id)))
+            outcome, detail = "ok", ""
+            prepared: Prepared | None = None
+            states: dict[str, Any] = {}
             try:
-                _, states = load_states(self.repo, info, skip, buffer_for)
+                _, trees = read_body(self.repo, info)
+                if is_distributed(trees):
+                    prepared = prepare(self.repo, trees, model, optimizer, extras,
+                                       self.coll.rank, self.coll.world_size)
+                else:
+                    states = load_trees(self.repo, {k: v for k, v in trees.items()
+                                                    if k not in skip}, buffer_for)
             except (IntegrityError, ObjectNotFound) as e:
-                problems.append(f"step {info.step} ({info.short_id}): {e}")
+                outcome, detail = "damaged", str(e)
+            except (StateMismatch, ConfigurationError) as e:
+                outcome, detail = "mismatch", str(e)
+            outcome, detail = self._agree_restore(outcome, detail)
+            if outcome == "mismatch":
+                raise StateMismatch(detail)
+            if outcome == "damaged":
+                problems.append(f"step {info.step} ({info.short_id}): {detail}")
                 if snapshot is not None:
-                    raise RestoreError(f"snapshot {info.short_id} cannot be restored: {e}") from e
+                    raise RestoreError(f"snapshot {info.short_id} cannot be restored: {detail}")
                 log.warning("Snapshot at step %d (%s) is damaged: %s; falling back to the "
-                            "previous snapshot", info.step, info.short_id, e)
+                            "previous snapshot", info.step, info.short_id, detail)
                 continue
-            self._apply(info, states, model, optimizer, extras)
+            if prepared is not None:
+                prepared.apply()
+                self._mark_restored(info, prepared.values)
+            else:
+                self._apply(info, states, model, optimizer, extras)
             return info.step
         raise RestoreError(
             f"job {self.project}/{self.job} has {len(candidates)} snapshot(s) but none could be "
             "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
             f"{self.project}/{self.job}` for details; refusing to start from scratch."
         )
+
+    def _candidates(self, snapshot: str | None) -> list[SnapshotInfo]:
+        """The snapshots to try, newest first. Multi-rank: rank 0 decides, every rank follows."""
+        found: list[SnapshotInfo] = []
+        error = None
+        if self.coll.coordinator:
+            if self.interrupted and self.previous_run is not None:
+                step = self.previous_run.last_step
+                log.info("Detected training interruption at step %s (%s)",
+                         step if step is not None else "unknown",
+                         runs.describe_end(self.previous_run))
+            log.info("Searching for latest snapshot...")
+            try:
+                if snapshot is not None:
+                    found = [self.repo.resolve(snapshot)]
+                else:
+                    self.repo.sync_job(self.project, self.job)
+                    found = self.repo.catalog.snapshots(self.project, self.job,
+                                                        newest_first=True)
+            except Exception as e:
+                if not self.coll.enabled:
+                    raise
+                error = f"{type(e).__name__}: {e}"
+        if not self.coll.enabled:
+            return found
+        refs = self.coll.broadcast({"error": error, "refs": [[i.project, i.job, i.id]
+                                                             for i in found]})
+        if refs["error"]:
+            raise RestoreError(f"rank 0 could not list the snapshots: {refs['error']}")
+        if self.coll.coordinator:
+            return found
+        return [SnapshotInfo.from_manifest(self.repo.read_manifest(p, j, sid), sid)
+                for p, j, sid in refs["refs"]]
+
+    def _agree_restore(self, outcome: str, detail: str) -> tuple[str, str]:
+        """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
+        every rank; damage anywhere moves every rank to the previous snapshot)."""
+        if not self.coll.enabled:
+            return outcome, detail
+        everyone = self.coll.all_gather([outcome, detail])
+        for worst in ("mismatch", "damaged"):
+            ranks: dict[str, list[int]] = {}  # one line per distinct message
+            for r, (o, d) in enumerate(everyone):
+                if o == worst:
+                    ranks.setdefault(d, []).append(r)
+            if ranks:
+                return worst, "\n".join(
+                    f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}"
+                    for d, rs in ranks.items())
+        return "ok", ""
 
     def _restore_buffers(self, model: Any) -> Callable[[str, int], torch.Tensor | None] | None:
         """Lend the staging buffers to the model's tensors: ``load_state_dict`` copies out of
@@ -549,14 +690,19 @@ class SnapshotManager:
             optimizer.load_state_dict(states["optimizer"])
         if "rng" in states:
             set_rng_state(states["rng"])
-        self.restored_values = {k: v for k, v in states.items()
-                                if k not in ("model", "optimizer", "rng") and k not in extras}
+        self._mark_restored(info, {k: v for k, v in states.items()
+                                   if k not in ("model", "optimizer", "rng") and k not in extras})
+
+    def _mark_restored(self, info: SnapshotInfo, values: dict[str, Any]) -> None:
+        self.restored_values = values
         self.restored = info
         same_job = (info.project, info.job) == (self.project, self.job)
         self._parent = info.id if same_job else ""
         self._last_save_step = self._last_committed_step = info.step
         self._last_save_time = time.monotonic()
-        self.repo.catalog.event(self.run_id, self.project, self.job, "restore", info.step, info.id)
+        if self.coll.coordinator:
+            self.repo.catalog.event(self.run_id, self.project, self.job, "restore", info.step,
+                                    info.id)
         log.info("Resuming training at step %d", info.step + 1)
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
@@ -615,6 +761,9 @@ class SnapshotManager:
         self._prev_handlers.clear()
 
     def _record_end(self, kind: str, step: int | None = None) -> None:
+        if not self.coll.coordinator:
+            runs.untrack(self)
+            return
         try:
             self.repo.catalog.end_run(self.run_id, kind, step)
         except Exception as e:  # the catalog may be gone at interpreter exit
@@ -638,6 +787,7 @@ class SnapshotManager:
         self._record_end("clean")
         self._restore_handlers()
         self._closed = True
+        self.coll.close()
         self.repo.close()
 
     def __enter__(self) -> SnapshotManager:

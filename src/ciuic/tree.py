@@ -78,6 +78,9 @@ class Leaf:
     path: str
     value: torch.Tensor | np.ndarray
     descriptor: dict[str, Json]
+    #: For one shard of a distributed tensor (DTensor): its (global shape, offsets); ``value``
+    #: is then the local shard.
+    shard: tuple[list[int], list[int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -115,9 +118,12 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     if isinstance(value, float):
         return {"$float": float.__repr__(value)}
     if isinstance(value, torch.Tensor):
+        shard = _dtensor_shard(value, path)
+        if shard is not None:
+            value = value.to_local()  # type: ignore[attr-defined]
         _check_tensor(value, path)
         desc = {}
-        leaves.append(Leaf(path, value, desc))
+        leaves.append(Leaf(path, value, desc, shard))
         return {"$tensor": desc}
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.names is not None:
@@ -149,6 +155,22 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         "str, int, float, bool, None, bytes); convert it, or give the object "
         "state_dict()/load_state_dict() methods that return such values."
     )
+
+
+def _dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
+    """(global shape, offsets) of a DTensor's local shard, from the chunk list DCP itself
+    saves (``__create_chunk_list__``); None for a plain tensor."""
+    if type(t).__name__ != "DTensor" or not hasattr(t, "__create_chunk_list__"):
+        return None
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise CaptureError(f"{path}: a DTensor whose local part is {len(chunks)} boxes of the "
+                           "global tensor (strided sharding) is not supported yet")
+    box = chunks[0]
+    if list(box.sizes) != list(t.to_local().shape):  # type: ignore[attr-defined]
+        raise CaptureError(f"{path}: the DTensor's local shard {list(t.to_local().shape)} "  # type: ignore[attr-defined]
+                           f"is not the box {list(box.sizes)} it reports")
+    return [int(x) for x in t.shape], [int(x) for x in box.offsets]
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

@@ -169,29 +169,43 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
         total, new, _stored = write_leaves(repo, captured.leaves, cache, codec, compression)
         failpoint("chunks.sync")
         store.sync()  # every chunk durable before anything refers to it
-        body = mf.encode_body(captured.states)
-        body_digest = codec.name(body)
-        failpoint("body.put")
-        bkey = mf.body_key(project, job, body_digest)
-        store.put(bkey, codec.meta(bkey, body))
-        m = mf.Manifest(
-            project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
-            body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
-            tensors=len(captured.leaves), world_size=world_size, metrics=captured.metrics,
-        )
-        data = m.encode()
-        sid = codec.name(data)
-        # commit only after every chunk and the body are durable
-        failpoint("manifest.create")
-        key = mf.manifest_key(project, job, sid)
-        with store.lock(commit_lock_name(project, job)):
-            if lease is not None:
-                check_lease(store, lease)  # a process that was taken over never commits
-            # An existing manifest with our exact bytes (salted body, microsecond time) can
-            # only be ours: a create that succeeded but whose reply was lost, then retried.
-            if not store.create(key, codec.meta(key, data)) and repo.open_meta(
-                    key, store.get(key))[0] != data:
-                raise StoreError(f"{store.location(key)} exists with other content")
-        failpoint("catalog.insert")
-        repo.catalog.add_snapshot(m, sid)
+        return commit_snapshot(repo, project, job, step, parent, captured.states,
+                               captured.metrics, len(captured.leaves), total, new,
+                               world_size=world_size, lease=lease, codec=codec)
+
+
+def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
+                    states: dict[str, Any], metrics: dict[str, Any], tensors: int, total: int,
+                    new: int, *, world_size: int = 1, lease: Lease | None = None,
+                    codec: ObjectCodec | None = None,
+                    distributed: bool = False) -> tuple[mf.Manifest, str]:
+    """Write the body, then the manifest (the commit point), then the catalog row. Every chunk
+    the states reference must already be durable."""
+    store = repo.store
+    codec = codec or ObjectCodec()
+    body = mf.encode_body(states, distributed=distributed)
+    body_digest = codec.name(body)
+    failpoint("body.put")
+    bkey = mf.body_key(project, job, body_digest)
+    store.put(bkey, codec.meta(bkey, body))
+    m = mf.Manifest(
+        project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
+        body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
+        tensors=tensors, world_size=world_size, metrics=metrics,
+    )
+    data = m.encode()
+    sid = codec.name(data)
+    # commit only after every chunk and the body are durable
+    failpoint("manifest.create")
+    key = mf.manifest_key(project, job, sid)
+    with store.lock(commit_lock_name(project, job)):
+        if lease is not None:
+            check_lease(store, lease)  # a process that was taken over never commits
+        # An existing manifest with our exact bytes (salted body, microsecond time) can
+        # only be ours: a create that succeeded but whose reply was lost, then retried.
+        if not store.create(key, codec.meta(key, data)) and repo.open_meta(
+                key, store.get(key))[0] != data:
+            raise StoreError(f"{store.location(key)} exists with other content")
+    failpoint("catalog.insert")
+    repo.catalog.add_snapshot(m, sid)
     return m, sid

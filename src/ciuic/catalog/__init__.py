@@ -29,11 +29,20 @@ from .models import SCHEMA_VERSION, Base, Job, Meta, Project, Run, RunEvent, Sna
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL must wait, not fail
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=30000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+_SCHEMA_ATTEMPTS = 20
+
+
+def _is_damage(e: DatabaseError) -> bool:
+    """Whether SQLite says the file itself is bad (as opposed to busy or racing)."""
+    text = str(getattr(e, "orig", None) or e).lower()
+    return any(m in text for m in ("not a database", "malformed", "encrypted", "disk i/o"))
 
 
 def _json_metrics(metrics: dict[str, Any]) -> str:
@@ -64,19 +73,29 @@ class Catalog:
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         #: set when a damaged SQLite file was moved aside: the caller rebuilds from the store
         self.recreated_from: Path | None = None
-        try:
-            self._init_schema()
-        except DatabaseError as e:
-            db = Path(url.split("///", 1)[1]) if url.startswith("sqlite:///") else None
-            if db is None or not db.exists():
-                raise ConfigurationError(f"catalog {url} cannot be opened: {e}") from e
-            self.engine.dispose()
-            aside = db.with_name(f"{db.name}.damaged-{int(time.time())}")
-            db.rename(aside)
-            for extra in ("-wal", "-shm"):
-                Path(str(db) + extra).unlink(missing_ok=True)
-            self.recreated_from = aside
-            self._init_schema()
+        for attempt in range(_SCHEMA_ATTEMPTS):
+            try:
+                self._init_schema()
+                return
+            except DatabaseError as e:
+                db = Path(url.split("///", 1)[1]) if url.startswith("sqlite:///") else None
+                if db is None or not db.exists():
+                    raise ConfigurationError(f"catalog {url} cannot be opened: {e}") from e
+                if _is_damage(e):
+                    break
+                # another process is creating the same catalog right now ("database is
+                # locked", "table ... already exists"): that is a race, not damage
+                if attempt == _SCHEMA_ATTEMPTS - 1:
+                    raise ConfigurationError(f"catalog {url} cannot be opened: {e}") from e
+                time.sleep(0.05 * (attempt + 1))
+        db = Path(url.split("///", 1)[1])  # reached only when SQLite said the file is damaged
+        self.engine.dispose()
+        aside = db.with_name(f"{db.name}.damaged-{int(time.time())}")
+        db.rename(aside)
+        for extra in ("-wal", "-shm"):
+            Path(str(db) + extra).unlink(missing_ok=True)
+        self.recreated_from = aside
+        self._init_schema()
 
     def _init_schema(self) -> None:
         Base.metadata.create_all(self.engine)

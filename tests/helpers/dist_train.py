@@ -1,0 +1,140 @@
+"""A deterministic multi-rank training job for the torchrun tests (gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/helpers/dist_train.py \
+        --store DIR --out DIR --mode ddp|fsdp --steps 12 [--save-every 4] [--kill-rank 1 ...]
+
+Each rank writes ``OUT/rank<r>.json``: where it started, its manager's stats, and the full
+(unsharded) model and optimizer state's digest plus (``--dump``) the full tensors in
+``OUT/full.pt`` (rank 0). Rank-specific failpoints: ``CIUIC_FAILPOINTS_RANK<r>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+from ciuic import ResumableSampler, SnapshotManager, faults
+
+
+def build(mode: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model: nn.Module = nn.Sequential(nn.Linear(16, 37), nn.ReLU(), nn.Dropout(0.2),
+                                     nn.Linear(37, 5))
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, optimizer
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the unsharded model and optimizer state, by name (rank 0 has them)."""
+    msd, osd = get_state_dict(model, optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {f"model/{k}": v for k, v in msd.items()}
+    for fqn, st in osd.get("state", {}).items():
+        for k, v in st.items():
+            out[f"optimizer/{fqn}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return out
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = blake3.blake3()
+    for k, v in sorted(state.items()):
+        h.update(k.encode() + v.detach().contiguous().view(-1).view(torch.uint8).numpy()
+                 .tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--job", default="dist")
+    p.add_argument("--mode", default="ddp", choices=["ddp", "fsdp"])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--no-snapshots", action="store_true")
+    p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--signal-rank", type=int, default=None)
+    p.add_argument("--signal-at", type=int, default=None)
+    p.add_argument("--dump", action="store_true", help="rank 0 writes the full state to full.pt")
+    p.add_argument("--overlap", action="store_true", help="SnapshotManager(overlap=True)")
+    p.add_argument("--store-per-rank", action="store_true",
+                   help="a misconfiguration: each rank its own directory")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = os.environ.get(f"CIUIC_FAILPOINTS_RANK{rank}")
+    if spec:
+        faults.reload(spec)
+    model, optimizer = build(a.mode, world)
+    g = torch.Generator().manual_seed(1234)
+    data = TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 5, (256,),
+                                                                          generator=g))
+    sampler = ResumableSampler(data, shuffle=True, seed=100 + rank)  # each rank its own order
+    loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
+    torch.manual_seed(1000 + rank)  # per-rank dropout masks: the per-rank RNG must come back
+    manager = None
+    start = 0
+    store = f"{a.store}-{rank}" if a.store_per_rank else a.store
+    if not a.no_snapshots:
+        manager = SnapshotManager("tests", job=a.job, store=store, save_interval=a.save_every,
+                                  overlap=a.overlap)
+        last = manager.restore(model, optimizer, sampler=sampler)
+        start = 0 if last is None else last + 1
+    batches = iter(loader)
+    for step in range(start, a.steps):
+        x, y = next(batches)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if rank == a.signal_rank and step == a.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # only this rank gets it
+        if manager is not None:
+            manager.step(step, model, optimizer, sampler=sampler, loss=loss.item())
+        if rank == a.kill_rank and step == a.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if manager is not None:
+        manager.wait()
+    state = full_state(model, optimizer)
+    report: dict[str, Any] = {"rank": rank, "world": world, "start": start,
+                              "digest": digest(state) if rank == 0 else None}
+    if manager is not None:
+        s = manager.stats
+        report |= {"snapshots": s.snapshots, "failures": s.failures, "last_error": s.last_error,
+                   "restored_step": manager.restored.step if manager.restored else None}
+        manager.close()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.dump and rank == 0:
+        torch.save(state, out / "full.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

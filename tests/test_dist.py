@@ -1,0 +1,184 @@
+"""Multi-rank snapshots under torchrun (gloo on CPU, 2 and 4 ranks): the two-phase commit, kills,
+failures, signals, DDP and FSDP2, and restores onto another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import ResumableSampler, SnapshotManager
+from ciuic.repo import Repository
+
+HELPER = Path(__file__).parent / "helpers" / "dist_train.py"
+
+
+def torchrun(n: int, store: Path, out: Path, *args: str, env: dict[str, str] | None = None,
+             timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n}", str(HELPER), "--store", str(store), "--out", str(out),
+           *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def ok(run: subprocess.CompletedProcess[str]) -> None:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+
+
+def report(out: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((out / f"rank{rank}.json").read_text())  # type: ignore[no-any-return]
+
+
+def latest(store: Path, job: str = "dist") -> Any:
+    repo = Repository.open(store)
+    try:
+        repo.sync_job("tests", job)
+        return repo.catalog.latest("tests", job)
+    finally:
+        repo.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final digest of the uninterrupted 2-rank DDP run (14 steps, no snapshots)."""
+    base = tmp_path_factory.mktemp("ref")
+    ok(torchrun(2, base / "store", base / "out", "--steps", "14", "--no-snapshots"))
+    return str(report(base / "out")["digest"])
+
+
+def test_ddp_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path, reference: str) -> None:
+    store = tmp_path / "store"
+    killed = torchrun(2, store, tmp_path / "o1", "--steps", "14", "--kill-rank", "1",
+                      "--kill-at", "9")
+    assert killed.returncode != 0
+    committed = latest(store)
+    assert committed is not None and committed.world_size == 2 and committed.step in (4, 8)
+    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14"))
+    again = report(tmp_path / "o2")
+    assert again["restored_step"] == committed.step and again["start"] == committed.step + 1
+    assert again["digest"] == reference  # weights, optimizer, per-rank RNG and data order
+
+
+def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Path,
+                                                                   reference: str) -> None:
+    store = tmp_path / "store"
+    # rank 1 dies after its part of the second snapshot (step 4) is durable, before the commit
+    run = torchrun(2, store, tmp_path / "o1", "--steps", "14",
+                   env={"CIUIC_FAILPOINTS_RANK1": "dist.prepared=kill@2"})
+    assert run.returncode != 0
+    committed = latest(store)
+    assert committed is not None and committed.step == 0
+    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14"))
+    assert report(tmp_path / "o2")["digest"] == reference
+
+
+def test_a_rank_error_fails_the_snapshot_on_every_rank_and_training_goes_on(
+        tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "out", "--steps", "12",
+                env={"CIUIC_FAILPOINTS_RANK1": "chunk.put=raise@1"}))
+    for rank in (0, 1):
+        r = report(tmp_path / "out", rank)
+        assert r["failures"] == 1 and r["snapshots"] == 2, r  # step 0 failed; 4 and 8 landed
+        assert "rank 1" in r["last_error"] and "failpoint chunk.put" in r["last_error"], r
+    repo = Repository.open(store)
+    repo.sync_job("tests", "dist")
+    steps = sorted(s.step for s in repo.catalog.snapshots("tests", "dist"))
+    repo.close()
+    assert steps == [4, 8]
+
+
+def full(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 2)])
+def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before: int,
+                                                         after: int) -> None:
+    store = tmp_path / "store"
+    # 9 steps, a snapshot every 4: the last one (step 8) is the final state, dumped unsharded;
+    # the 2-rank run copies in the background while the next step runs (overlap=True)
+    overlap = ["--overlap"] if before == 2 else []
+    ok(torchrun(before, store, tmp_path / "saved", "--mode", "fsdp", "--steps", "9", "--dump",
+                *overlap))
+    snap = latest(store)
+    assert snap is not None and snap.step == 8 and snap.world_size == before
+    ok(torchrun(after, store, tmp_path / "restored", "--mode", "fsdp", "--steps", "9",
+                "--dump"))
+    assert report(tmp_path / "restored")["restored_step"] == 8
+    same(full(tmp_path / "saved" / "full.pt"), full(tmp_path / "restored" / "full.pt"))
+
+
+def test_ddp_snapshot_restores_into_a_plain_single_process_model_and_exports(
+        tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "saved", "--steps", "9", "--dump"))
+    want = full(tmp_path / "saved" / "full.pt")
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(16, 37), nn.ReLU(), nn.Dropout(0.2), nn.Linear(37, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    with SnapshotManager("tests", job="dist", store=store, handle_signals=False) as m:
+        assert m.restore(model, opt) == 8
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[f"model/{k}"]), k
+    names = [n for n, _ in model.named_parameters()]
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, want[f"optimizer/{names[i]}/{k}"]), (names[i], k)
+    dest = tmp_path / "model.safetensors"
+    run = subprocess.run([sys.executable, "-m", "ciuic", "restore", "tests/dist@latest",
+                          "--to", str(dest)], capture_output=True, text=True,
+                         env={**os.environ, "CIUIC_HOME": str(store)})
+    assert run.returncode == 0, run.stderr
+    from safetensors.torch import load_file
+
+    exported = load_file(str(dest))
+    same(exported, {k[len("model/"):]: v for k, v in want.items() if k.startswith("model/")})
+
+
+def test_sigterm_on_one_rank_snapshots_every_rank_at_one_step(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run = torchrun(2, store, tmp_path / "out", "--steps", "14", "--save-every", "100",
+                   "--signal-rank", "1", "--signal-at", "6")
+    assert run.returncode != 0  # both ranks exit 143 after the emergency snapshot
+    assert "Emergency snapshot at step 6 saved" in run.stderr
+    snap = latest(store)
+    assert snap is not None and snap.step == 6 and snap.world_size == 2
+    ok(torchrun(2, store, tmp_path / "again", "--steps", "14", "--save-every", "100"))
+    assert report(tmp_path / "again")["restored_step"] == 6
+
+
+def test_ranks_that_do_not_share_one_store_are_refused_at_start(tmp_path: Path) -> None:
+    run = torchrun(2, tmp_path / "store", tmp_path / "out", "--steps", "2", "--store-per-rank")
+    assert run.returncode != 0
+    assert "rank(s) [1] cannot see the objects rank 0 writes" in run.stderr
+    assert "one shared store" in run.stderr
+
+
+def test_a_single_process_snapshot_resumes_under_ddp(tmp_path: Path) -> None:
+    """Scale out: a job trained in one process continues on two DDP ranks."""
+    store = tmp_path / "store"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 37), nn.ReLU(), nn.Dropout(0.2), nn.Linear(37, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    with SnapshotManager("tests", job="dist", store=store, handle_signals=False) as m:
+        m.save(3, model, opt, sampler=ResumableSampler(256, seed=100))
+    ok(torchrun(2, store, tmp_path / "out", "--steps", "6", "--dump"))
+    r = report(tmp_path / "out")
+    assert r["restored_step"] == 3 and r["start"] == 4 and r["snapshots"] == 1

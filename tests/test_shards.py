@@ -1,0 +1,113 @@
+"""Sharded descriptors and box reads, in one process: the resharding arithmetic of multi-rank
+restores (docs/format.md, "Distributed snapshots"), without a process group."""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from ciuic import knobs
+from ciuic.boxread import read_box
+from ciuic.crypto import ObjectCodec
+from ciuic.errors import CaptureError, IntegrityError
+from ciuic.repo import Repository
+from ciuic.shards import assemble, meta_of, plan
+from ciuic.tree import Leaf
+from ciuic.writer import ChunkCache, write_leaves
+
+
+def boxes(shape: list[int], grid: list[int]) -> list[tuple[list[int], list[int]]]:
+    """torch.chunk-style boxes of a grid over ``shape`` (uneven last pieces, like FSDP's)."""
+    per_dim = []
+    for n, k in zip(shape, grid, strict=True):
+        step = -(-n // k)
+        per_dim.append([(o, min(step, n - o)) for o in range(0, n, step)])
+    return [([o for o, _ in combo], [s for _, s in combo])
+            for combo in itertools.product(*per_dim)]
+
+
+def sharded_leaf(repo: Repository, full: torch.Tensor, grid: list[int]) -> Leaf:
+    """Write ``full`` as shards and return the assembled global leaf (descriptor filled)."""
+    shape = list(full.shape)
+    pieces = []
+    for off, size in boxes(shape, grid):
+        local = full[tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))].contiguous()
+        pieces.append(Leaf("model/w", local, {}, (shape, off)))
+    write_leaves(repo, pieces, ChunkCache(), ObjectCodec())
+    glob = Leaf("model/w", torch.empty(0), {}, (shape, [0] * len(shape)))
+    assemble([glob], [{"path": "model/w", "offsets": p.shard[1], "desc": dict(p.descriptor)}
+                      for p in pieces if p.shard is not None])
+    return glob
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_any_box_of_a_sharded_tensor_reads_back_exactly(tmp_path: Path,
+                                                        dtype: torch.dtype) -> None:
+    repo = Repository.open(tmp_path / "s")
+    full = (torch.arange(37 * 23) * 7 % 1009).reshape(37, 23).to(dtype)
+    with knobs.override(chunk_bytes=96, inline_max_bytes=16):  # many chunks, some inline
+        leaf = sharded_leaf(repo, full, [3, 2])
+    assert len(leaf.descriptor["shards"]) == 6
+    with ThreadPoolExecutor(4) as pool:
+        assert torch.equal(read_box(repo, "model/w", leaf.descriptor, None, None, pool), full)
+        for grid in ([2, 1], [4, 1], [1, 3], [5, 4], [37, 1]):  # other world sizes and layouts
+            for off, size in boxes([37, 23], grid):
+                got = read_box(repo, "model/w", leaf.descriptor, off, size, pool)
+                want = full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
+                assert torch.equal(got, want), (grid, off, size)
+    repo.close()
+
+
+def test_a_box_reads_only_the_chunks_that_hold_it(tmp_path: Path) -> None:
+    repo = Repository.open(tmp_path / "s")
+    full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    with knobs.override(chunk_bytes=256):
+        leaf = sharded_leaf(repo, full, [1, 1])  # one piece: 16 chunks of 4 rows
+    reads: list[str] = []
+    get_into = repo.store.get_into
+
+    def counting(key: str, buffers: list[memoryview]) -> int:
+        reads.append(key)
+        return get_into(key, buffers)
+
+    repo.store.get_into = counting  # type: ignore[method-assign]
+    with ThreadPoolExecutor(2) as pool:
+        got = read_box(repo, "model/w", leaf.descriptor, [8, 0], [8, 16], pool)
+    assert torch.equal(got, full[8:16])
+    assert len(reads) == 2  # rows 8-15: chunks 2 and 3 of 16
+    repo.close()
+
+
+def test_shards_that_do_not_tile_the_tensor_are_refused(tmp_path: Path) -> None:
+    repo = Repository.open(tmp_path / "s")
+    full = torch.ones(8, 4)
+    pieces = [Leaf("model/w", full[:4].contiguous(), {}, ([8, 4], [0, 0]))]
+    write_leaves(repo, pieces, ChunkCache(), ObjectCodec())
+    glob = Leaf("model/w", torch.empty(0), {}, ([8, 4], [0, 0]))
+    with pytest.raises(IntegrityError, match="cover 16 of 32"):
+        assemble([glob], [{"path": "model/w", "offsets": [0, 0],
+                           "desc": dict(pieces[0].descriptor)}])
+    repo.close()
+
+
+def test_plan_writes_each_replica_once_and_spreads_the_bytes() -> None:
+    leaves = [Leaf(f"model/w{i}", torch.zeros(100 * (i + 1)), {}) for i in range(8)]
+    metas = [meta_of(leaf) for leaf in leaves]
+    owners = plan([metas, metas, metas])  # three DDP ranks holding the same tensors
+    assert sorted(owners) == sorted(f"model/w{i}" for i in range(8))
+    load = [0, 0, 0]
+    for key, rank in owners.items():
+        load[rank] += next(m["nbytes"] for m in metas if m["path"] == key)
+    assert max(load) - min(load) <= 800 * 4  # within the largest tensor
+    assert all(load)
+
+
+def test_plan_refuses_ranks_that_disagree_about_a_tensor() -> None:
+    a = [meta_of(Leaf("model/w", torch.zeros(4), {}))]
+    b = [meta_of(Leaf("model/w", torch.zeros(5), {}))]
+    with pytest.raises(CaptureError, match="model/w: shape"):
+        plan([a, b])
