@@ -1,10 +1,12 @@
 """One rank of the multi-rank benchmark (run by ``bench/dist.py`` under torchrun; gloo, CPU).
 
-Builds an FSDP2-sharded transformer-like MLP stack with Adam state (about ``--mib`` MiB of state
-in total, split across the ranks), then per round, interleaved and in alternating order:
-``dcp.save`` (+ fsync of its files), ciuic ``save()`` (committed), ``dcp.load`` into the live
-state dict (+ ``set_state_dict``), and ciuic ``restore()`` with a fresh manager. Every timing is
-the slowest rank's (a barrier before and after). Rank 0 writes the result as JSON.
+Builds an FSDP2-sharded stack of d=1024 MLP blocks with Adam state (``--mib`` MiB of state in
+total, rounded to whole blocks of 96 MiB, split across the ranks), then per round, interleaved
+and in alternating order: ``dcp.save`` (+ fsync of its files) and ciuic ``save()`` (synchronous,
+into a fresh store: a full snapshot, committed); then ``dcp.load`` into the live state dict (+
+``set_state_dict``) and ciuic ``restore()`` (a new manager, as a restarted job; created outside
+the timed part, as is the manager that saves). Every timing is the slowest rank's (a barrier
+before and after). Rank 0 writes the result as JSON.
 """
 
 from __future__ import annotations
@@ -84,28 +86,45 @@ def main() -> None:
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 
-    def ciuic_save(r: int) -> None:
-        with SnapshotManager("bench", job=f"r{r}", store=a.dir / "ciuic",
-                             handle_signals=False) as m:
-            m.save(1, model, opt)
+    managers: dict[int, SnapshotManager] = {}
+
+    def ciuic_save(r: int) -> None:  # a fresh store per round: a full snapshot, no dedup
+        managers[r].save(1, model, opt)
 
     def ciuic_restore(r: int) -> None:
-        with SnapshotManager("bench", job=f"r{r}", store=a.dir / "ciuic",
-                             handle_signals=False) as m:
-            m.restore(model, opt)
+        managers[r].restore(model, opt)
+
+    def open_manager(r: int) -> None:  # outside the timed part, as a training job does it
+        if r in managers:
+            managers.pop(r).close()
+        managers[r] = SnapshotManager("bench", job="dist", store=a.dir / f"ciuic-{r}",
+                                      handle_signals=False, asynchronous=False)
 
     for r in range(a.rounds):
+        open_manager(r)
         saves = [("dcp.save", dcp_save), ("ciuic.save", ciuic_save)]
         loads = [("dcp.load", dcp_load), ("ciuic.restore", ciuic_restore)]
         for name, fn in (saves if r % 2 == 0 else saves[::-1]):
             times[name].append(timed(fn, r))
+        open_manager(r)  # a restarted job: a new manager restores
         if rank == 0:
             drop_caches()
         for name, fn in (loads if r % 2 == 0 else loads[::-1]):
             times[name].append(timed(fn, r))
+    for m in managers.values():
+        m.close()
+    # the per-step agreement: step() when no snapshot is due (one all-reduce on ciuic's group)
+    with SnapshotManager("bench", job="steps", store=a.dir / "steps", save_interval=10**9,
+                         handle_signals=False) as m:
+        m.step(1, model, opt)  # the first step() checks for an unrestored job; not timed
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(2, 1002):
+            m.step(i, model, opt)
+        step_us = (time.perf_counter() - t0) / 1000 * 1e6
     if rank == 0:
         a.out.write_text(json.dumps({"world": world, "state_bytes": int(total.item()),
-                                     "times": times}))
+                                     "times": times, "step_us": step_us}))
         shutil.rmtree(a.dir, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -117,6 +117,11 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
                 *overlap))
     snap = latest(store)
     assert snap is not None and snap.step == 8 and snap.world_size == before
+    shown = subprocess.run([sys.executable, "-m", "ciuic", "show", "tests/dist@latest"],
+                           capture_output=True, text=True,
+                           env={**os.environ, "CIUIC_HOME": str(store), "COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    assert f"ranks    {before}" in shown.stdout and f"{before} shards" in shown.stdout
     ok(torchrun(after, store, tmp_path / "restored", "--mode", "fsdp", "--steps", "9",
                 "--dump"))
     assert report(tmp_path / "restored")["restored_step"] == 8

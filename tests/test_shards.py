@@ -54,7 +54,7 @@ def test_any_box_of_a_sharded_tensor_reads_back_exactly(tmp_path: Path,
     assert len(leaf.descriptor["shards"]) == 6
     with ThreadPoolExecutor(4) as pool:
         assert torch.equal(read_box(repo, "model/w", leaf.descriptor, None, None, pool), full)
-        for grid in ([2, 1], [4, 1], [1, 3], [5, 4], [37, 1]):  # other world sizes and layouts
+        for grid in ([3, 2], [2, 1], [4, 1], [1, 3], [5, 4], [37, 1]):  # same and other layouts
             for off, size in boxes([37, 23], grid):
                 got = read_box(repo, "model/w", leaf.descriptor, off, size, pool)
                 want = full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
@@ -111,3 +111,42 @@ def test_plan_refuses_ranks_that_disagree_about_a_tensor() -> None:
     b = [meta_of(Leaf("model/w", torch.zeros(5), {}))]
     with pytest.raises(CaptureError, match="model/w: shape"):
         plan([a, b])
+
+
+def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) -> None:
+    """A world of one with DTensor parameters takes the multi-rank layout without any peer."""
+    import os
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ciuic import SnapshotManager
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29733")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 5), nn.Linear(5, 3))
+            fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+        model, opt = build()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        with SnapshotManager("p", job="fsdp1", store=tmp_path / "s",
+                             handle_signals=False) as m:
+            info = m.save(1, model, opt)
+        assert info.world_size == 1
+        fresh, fresh_opt = build()
+        with SnapshotManager("p", job="fsdp1", store=tmp_path / "s",
+                             handle_signals=False) as m:
+            assert m.restore(fresh, fresh_opt) == 1
+        for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
+                             strict=True):
+            assert torch.equal(a.full_tensor(), b.full_tensor()), k
+    finally:
+        dist.destroy_process_group()

@@ -74,7 +74,6 @@ def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[in
     if len(box_off) != len(shape) or len(box_shape) != len(shape):
         raise IntegrityError(f"{path}: a box of rank {len(box_shape)} asked of a tensor of rank "
                              f"{len(shape)}")
-    out = torch.empty(box_shape, dtype=dtype)
     parts: list[_Piece] = []
     futures: list[Future[None]] = []
     covered = 0
@@ -92,6 +91,11 @@ def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[in
     if covered != math.prod(box_shape):
         raise IntegrityError(f"{path}: the stored shards cover {covered} of the "
                              f"{math.prod(box_shape)} elements asked for")
+    if len(parts) == 1 and parts[0].shape == box_shape and parts[0].base == 0:
+        # the box is exactly one stored piece (a restore on the same world size): its buffer
+        # already holds the box in C order
+        return parts[0].buf[:math.prod(box_shape) * item].view(dtype).reshape(box_shape)
+    out = torch.empty(box_shape, dtype=dtype)
     for part in parts:
         first = _flat(part.local, part.shape) * item - part.base
         typed = part.buf.view(dtype)

@@ -143,8 +143,8 @@ def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JO
     for label, value in (("job", f"{m.project}/{m.job}"), ("step", m.step),
                          ("created", m.created), ("parent", m.parent or "(root)"),
                          ("size", f"{_size(m.total_bytes)} ({_size(m.new_bytes)} new)"),
-                         ("tensors", m.tensors), ("status", info.status),
-                         ("metrics", m.metrics or "-")):
+                         ("tensors", m.tensors), ("ranks", m.world_size),
+                         ("status", info.status), ("metrics", m.metrics or "-")):
         console.print(f"  {label:8} {value}")
     if info.status != "committed":
         return
@@ -152,8 +152,16 @@ def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JO
     t = Table("tensor", "dtype", "shape", "bytes", "chunks")
     for path, _kind, desc in walk_leaves(states):
         t.add_row(path, str(desc["dtype"]), str(tuple(desc["shape"])), _size(int(desc["nbytes"])),
-                  "inline" if "inline" in desc else str(len(desc["chunks"])))
+                  _pieces(desc))
     console.print(t)
+
+
+def _pieces(desc: dict[str, Any]) -> str:
+    """How a tensor is stored: inline, N chunks, or S shards of N chunks in all."""
+    if "shards" in desc:
+        n = sum(len(s.get("chunks", [])) for s in desc["shards"])
+        return f"{len(desc['shards'])} shards, {n} chunks"
+    return "inline" if "inline" in desc else str(len(desc["chunks"]))
 
 
 @app.command("verify")

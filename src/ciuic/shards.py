@@ -93,7 +93,7 @@ def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
     sharded: dict[str, list[dict[str, Any]]] = {}
     for w in written:
         if w["offsets"] is None:
-            plain[w["path"]] = w["desc"]
+            plain[w["path"]] = dict(w["desc"])  # a copy: it may be the leaf's own descriptor
         else:
             d = w["desc"]
             shard = {k: v for k, v in d.items() if k in ("nbytes", "chunks", "inline")}
