@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for tool, save, load in (("dcp", "dcp.save", "dcp.load"),
                                  ("ciuic", "ciuic.save", "ciuic.restore")):
             print(f"{n:>5} {tool:<14} {summary(t[save]):>24} {summary(t[load]):>24}")
-    print("step() with no snapshot due (the per-step agreement), microseconds: " + ", ".join(
+    print("time inside step() with no snapshot due, 10 ms apart (the per-step agreement), "
+          "microseconds: " + ", ".join(
         f"{n} rank(s) {res['step_us']:.0f}" for n, res in results.items()))
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

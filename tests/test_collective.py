@@ -14,7 +14,7 @@ def test_a_single_process_collective_is_local() -> None:
     assert c.all_gather({"a": [1, 2]}) == [{"a": [1, 2]}]
     assert c.gather("x") == ["x"]
     assert c.broadcast([1, "two"]) == [1, "two"]
-    assert c.max_ints([3, -1]) == [3, -1]
+    assert c.start_max([3, -1])() == [3, -1]
     assert c.run("answer", lambda: 42) == 42
     c.agree("nothing wrong", None)
     c.close()

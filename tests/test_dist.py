@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import ResumableSampler, SnapshotManager
+from ciuic import ResumableSampler, SnapshotManager, knobs
 from ciuic.repo import Repository
 
 HELPER = Path(__file__).parent / "helpers" / "dist_train.py"
@@ -65,6 +65,11 @@ def test_ddp_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path, reference: 
     again = report(tmp_path / "o2")
     assert again["restored_step"] == committed.step and again["start"] == committed.step + 1
     assert again["digest"] == reference  # weights, optimizer, per-rank RNG and data order
+    # replicas were written once, the writing shared by both ranks
+    other = report(tmp_path / "o2", 1)
+    assert again["bytes_new"] == other["bytes_new"] > 0
+    assert again["bytes_written"] > 0 and other["bytes_written"] > 0
+    assert again["bytes_written"] + other["bytes_written"] == again["bytes_new"]
 
 
 def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Path,
@@ -160,11 +165,15 @@ def test_sigterm_on_one_rank_snapshots_every_rank_at_one_step(tmp_path: Path) ->
     run = torchrun(2, store, tmp_path / "out", "--steps", "14", "--save-every", "100",
                    "--signal-rank", "1", "--signal-at", "6")
     assert run.returncode != 0  # both ranks exit 143 after the emergency snapshot
-    assert "Emergency snapshot at step 6 saved" in run.stderr
+    # ranks share signals every knobs.dist_agree_every_steps (10) step() calls: the one started
+    # at step 10 is read at step 11, where every rank takes the emergency snapshot
+    every = knobs.get().dist_agree_every_steps
+    at = (6 // every + 1) * every + 1
+    assert run.stderr.count(f"Emergency snapshot at step {at} saved") == 2, run.stderr[-3000:]
     snap = latest(store)
-    assert snap is not None and snap.step == 6 and snap.world_size == 2
+    assert snap is not None and snap.step == at and snap.world_size == 2
     ok(torchrun(2, store, tmp_path / "again", "--steps", "14", "--save-every", "100"))
-    assert report(tmp_path / "again")["restored_step"] == 6
+    assert report(tmp_path / "again")["restored_step"] == at
 
 
 def test_ranks_that_do_not_share_one_store_are_refused_at_start(tmp_path: Path) -> None:
@@ -187,3 +196,18 @@ def test_a_single_process_snapshot_resumes_under_ddp(tmp_path: Path) -> None:
     ok(torchrun(2, store, tmp_path / "out", "--steps", "6", "--dump"))
     r = report(tmp_path / "out")
     assert r["restored_step"] == 3 and r["start"] == 4 and r["snapshots"] == 1
+
+
+def test_a_time_interval_fires_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "out", "--steps", "14", "--save-every", "100",
+                "--time-interval", "0.001"))
+    a, b = report(tmp_path / "out", 0), report(tmp_path / "out", 1)
+    assert a["snapshots"] == b["snapshots"] and a["failures"] == b["failures"] == 0
+    repo = Repository.open(store)
+    repo.sync_job("tests", "dist")
+    steps = sorted(s.step for s in repo.catalog.snapshots("tests", "dist"))
+    repo.close()
+    # step 0 by the step count; the elapsed interval, shared at step 10, fires at step 11
+    every = knobs.get().dist_agree_every_steps
+    assert steps[0] == 0 and every + 1 in steps and len(steps) == a["snapshots"]

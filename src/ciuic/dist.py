@@ -122,13 +122,19 @@ class Collective:
         tdist.broadcast(payload, src=0, group=group)
         return _decode(payload)
 
-    def max_ints(self, values: list[int]) -> list[int]:
-        """Element-wise maximum over ranks (the per-step agreement: one small all-reduce)."""
+    def start_max(self, values: list[int]) -> Callable[[], list[int]]:
+        """Start an element-wise maximum over ranks on the control group without waiting;
+        the returned function waits and gives the result."""
         if not self.enabled:
-            return list(values)
+            return lambda: list(values)
         t = torch.tensor(values, dtype=torch.int64)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self._control)
-        return [int(v) for v in t.tolist()]
+        work = tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=self._control, async_op=True)
+
+        def result() -> list[int]:
+            work.wait()
+            return [int(v) for v in t.tolist()]
+
+        return result
 
     # -- error-propagating steps -------------------------------------------------------------
 

@@ -120,8 +120,9 @@ def _error(e: BaseException) -> str:
 def write_dist(coll: Collective, repo: Repository, project: str, job: str, step: int,
                parent: str, captured: DistCaptured, cache: ChunkCache, *,
                lease: Lease | None, codec: ObjectCodec,
-               compression: CompressionPolicy) -> tuple[mf.Manifest, str]:
-    """The two-phase commit of one multi-rank snapshot (every rank calls it, same order)."""
+               compression: CompressionPolicy) -> tuple[mf.Manifest, str, int]:
+    """The two-phase commit of one multi-rank snapshot (every rank calls it, same order).
+    Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote."""
     what = f"snapshot at step {step}"
     # 1. plan
     try:
@@ -149,6 +150,7 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
         cache.sync(inflight.epoch)
         # 2. prepare: our pieces and our per-rank states, durable
         report: dict[str, Any]
+        new = 0
         try:
             glob = {id(leaf) for leaf in captured.global_leaves}
             owned = [leaf for leaf in captured.global_leaves
@@ -179,7 +181,7 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
     if outcome["failures"]:
         raise RankError(what, {int(r): str(msg) for r, msg in outcome["failures"].items()})
     m = mf.Manifest.decode(str(outcome["manifest"]).encode())
-    return m, str(outcome["sid"])
+    return m, str(outcome["sid"]), new
 
 
 def _commit(repo: Repository, project: str, job: str, step: int, parent: str,

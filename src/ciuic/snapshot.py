@@ -98,7 +98,8 @@ class ManagerStats:
     last_stall_s: float = 0.0  # how long the last step()/save_async() blocked training
     consecutive_failures: int = 0
     bytes_total: int = 0
-    bytes_new: int = 0
+    bytes_new: int = 0  # new chunk bytes of the committed snapshots (every rank's)
+    bytes_written: int = 0  # of those, the bytes this process wrote (multi-rank: its share)
     last_save_s: float = 0.0  # from the call until committed
     last_error: str = ""
     overlap_wait_s: float = 0.0  # optimizer steps held back until an overlapped copy finished
@@ -213,6 +214,10 @@ class SnapshotManager:
         self._warned_budget = False
         self._warned_busy = False
         self._warned_steps = False
+        self._agreement: Callable[[], list[int]] | None = None
+        self._agreed_signal = False
+        self._step_calls = 0
+        self._steps_disagree = False
         self.save_interval = save_interval or None
         self.time_interval_s = time_interval_s
         self.keep_last = keep_last
@@ -235,6 +240,10 @@ class SnapshotManager:
             self._catch_up_mirror()
         if self.coll.enabled:
             self.run_id, self.interrupted = self.coll.broadcast([self.run_id, self.interrupted])
+            if on_busy == "skip" and self.coll.coordinator:
+                log.warning("on_busy='skip' is not used under torchrun: skipping would have to "
+                            "be agreed by every rank, so a due snapshot waits for the previous "
+                            "one on every rank instead")
             check_shared_store(self.coll, self.repo.store, self.run_id)
         if runs.may_still_run(self.previous_run):
             log.warning(
@@ -298,23 +307,32 @@ class SnapshotManager:
             self._warn_if_not_resuming(step)
         now = time.monotonic()
         if self.coll.enabled:
-            if not self._agree_step(step, now):  # every rank decides the same, together
-                return False
-            if self._signal is not None:
-                self._emergency(step, model, optimizer, extras)
-        else:
-            if self._signal is not None:
-                self._emergency(step, model, optimizer, extras)
-            if not self._due(step, now):
-                self._heartbeat(step, now)
-                return False
+            try:
+                if not self._agree_step(step, now):  # every rank decides the same, together
+                    return False
+                if self._agreed_signal:  # not a local signal alone: every rank stops here
+                    self._emergency(step, model, optimizer, extras)
+                return self._take(step, now, model, optimizer, extras)
+            finally:
+                if not self._closed:
+                    self._post_agreement(step)
+        if self._signal is not None:
+            self._emergency(step, model, optimizer, extras)
+        if not self._due(step, now):
+            self._heartbeat(step, now)
+            return False
+        return self._take(step, now, model, optimizer, extras)
+
+    def _take(self, step: int, now: float, model: Any, optimizer: Any,
+              extras: dict[str, Any]) -> bool:
+        """A snapshot is due: take it (the rest of :meth:`step`)."""
         self._heartbeat(step, now)
         if model is None and optimizer is None and not extras:
             log.warning("step(%d): a snapshot is due but step() was given no state to save "
                         "(pass the model and optimizer)", step)
             return False
         if self._busy():
-            if self.on_busy == "skip":
+            if self.on_busy == "skip" and not self.coll.enabled:
                 self.stats.skipped += 1
                 if not self._warned_busy:
                     self._warned_busy = True
@@ -351,35 +369,48 @@ class SnapshotManager:
             self._quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
 
     def _agree_step(self, step: int, now: float) -> bool:
-        """Multi-rank: one small all-reduce on ciuic's control group per ``step()``, so that
-        every rank takes (or skips) the same snapshots and an emergency snapshot at the same
-        step. Returns whether a snapshot (or the emergency one) is due on every rank."""
-        time_due = bool(self.time_interval_s and now - self._last_save_time
-                        >= self.time_interval_s)
-        sig, due_t, busy, hi, neg_lo = self.coll.max_ints(
-            [self._signal or 0, int(time_due), int(self._busy()), step, -step])
-        if hi != -neg_lo:
-            if not self._warned_steps:
-                self._warned_steps = True
-                log.error("ranks called step() with different steps (%d to %d): no snapshot is "
-                          "taken until they agree; call manager.step(step, ...) with the same "
-                          "step on every rank", -neg_lo, hi)
+        """Multi-rank: whether a snapshot (or the emergency one) is due, decided identically on
+        every rank.
+
+        A step count makes a snapshot due on every rank at once. What one rank alone can see (a
+        signal, the elapsed time interval) is shared by a small all-reduce that every rank
+        starts at the end of every ``dist_agree_every_steps``-th ``step()`` without waiting for
+        it (:meth:`_post_agreement`) and reads at the next ``step()``: its latency hides behind
+        a training step, and every rank acts on the same values at the same step.
+        """
+        self._step_calls += 1
+        sig = due_t = 0
+        pending, self._agreement = self._agreement, None
+        if pending is not None:
+            sig, due_t, hi, neg_lo = pending()
+            if hi != -neg_lo:
+                if not self._warned_steps:
+                    self._warned_steps = True
+                    log.error("ranks called step() with different steps (%d to %d): no snapshot "
+                              "is taken until they agree; call manager.step(step, ...) with the "
+                              "same step on every rank", -neg_lo, hi)
+                self._steps_disagree = True
+                return False
+            self._steps_disagree = False
+        if self._steps_disagree:
             return False
         if sig:
             self._signal = self._signal or sig  # a signal on any rank stops every rank here
+            self._agreed_signal = True
             return True
         if step == self._last_save_step or not (
                 (self.save_interval and step % self.save_interval == 0) or due_t):
             self._heartbeat(step, now)
             return False
-        if busy and self.on_busy == "skip":
-            self.stats.skipped += 1
-            if not self._warned_busy:
-                self._warned_busy = True
-                log.warning("snapshot at step %d skipped: a rank is still writing the previous "
-                            "one; see stats.skipped, or pass on_busy='wait'", step)
-            return False
         return True
+
+    def _post_agreement(self, step: int) -> None:
+        """Start the all-reduce that the next ``step()`` reads (see :meth:`_agree_step`)."""
+        if (self._step_calls - 1) % knobs.get().dist_agree_every_steps:
+            return
+        time_due = bool(self.time_interval_s and time.monotonic() - self._last_save_time
+                        >= self.time_interval_s)
+        self._agreement = self.coll.start_max([self._signal or 0, int(time_due), step, -step])
 
     def _failed(self, step: int, e: BaseException) -> None:
         self.stats.failures += 1
@@ -478,13 +509,14 @@ class SnapshotManager:
             if pending is not None:
                 pending.wait()
             if isinstance(captured, DistCaptured):
-                m, sid = write_dist(self.coll, self.repo, self.project, self.job, step,
+                m, sid, written = write_dist(self.coll, self.repo, self.project, self.job, step,
                                     self._parent, captured, self._cache, lease=self.lease,
                                     codec=self._codec, compression=self._compression)
             else:
                 m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
                                         captured, self._cache, lease=self.lease,
                                         codec=self._codec, compression=self._compression)
+                written = m.new_bytes
         except BaseException as e:
             self._failed(step, e)
             raise
@@ -494,6 +526,7 @@ class SnapshotManager:
         self.stats.consecutive_failures = 0
         self.stats.bytes_total += m.total_bytes
         self.stats.bytes_new += m.new_bytes
+        self.stats.bytes_written += written
         self.stats.last_save_s = time.perf_counter() - t0
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
         if not self.coll.coordinator:
@@ -780,6 +813,10 @@ class SnapshotManager:
             return
         self.wait()
         self._executor.shutdown(wait=True)
+        if self._agreement is not None:  # every rank started it; let it finish before the
+            with contextlib.suppress(Exception):  # groups go (a dead peer fails it: ignore)
+                self._agreement()
+            self._agreement = None
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()

@@ -80,6 +80,7 @@ def main() -> int:
     p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--dump", action="store_true", help="rank 0 writes the full state to full.pt")
     p.add_argument("--overlap", action="store_true", help="SnapshotManager(overlap=True)")
+    p.add_argument("--time-interval", type=float, default=None)
     p.add_argument("--store-per-rank", action="store_true",
                    help="a misconfiguration: each rank its own directory")
     a = p.parse_args()
@@ -101,7 +102,7 @@ def main() -> int:
     store = f"{a.store}-{rank}" if a.store_per_rank else a.store
     if not a.no_snapshots:
         manager = SnapshotManager("tests", job=a.job, store=store, save_interval=a.save_every,
-                                  overlap=a.overlap)
+                                  overlap=a.overlap, time_interval_s=a.time_interval)
         last = manager.restore(model, optimizer, sampler=sampler)
         start = 0 if last is None else last + 1
     batches = iter(loader)
@@ -125,6 +126,7 @@ def main() -> int:
     if manager is not None:
         s = manager.stats
         report |= {"snapshots": s.snapshots, "failures": s.failures, "last_error": s.last_error,
+                   "bytes_new": s.bytes_new, "bytes_written": s.bytes_written,
                    "restored_step": manager.restored.step if manager.restored else None}
         manager.close()
     out = Path(a.out)
