@@ -1,5 +1,5 @@
 # The two set-up commands (README): `make demo` and `make test`. Both create .venv as needed.
-.PHONY: demo test test-slow lint venv
+.PHONY: demo test test-slow lint venv services
 
 venv:
 	@scripts/bootstrap.sh
@@ -11,7 +11,10 @@ lint: venv
 	.venv/bin/ruff check src tests bench
 	.venv/bin/mypy
 
-test: lint
+services:
+	@scripts/services.sh
+
+test: lint services
 	.venv/bin/python -m pytest -q
 
 test-slow: venv

@@ -112,3 +112,22 @@ def s3_url(s3_endpoint: str) -> str:
 
     bucket = make_bucket(s3_endpoint)
     return f"s3://{bucket}/ciuic?endpoint={s3_endpoint}"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """A real PostgreSQL server on 127.0.0.1 for the whole session (Debian's package)."""
+    from tests.pgserver import start_postgres
+
+    with start_postgres() as url:
+        yield url
+
+
+@pytest.fixture()
+def pg_url(pg_server: str, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on that server: a catalog URL."""
+    import uuid
+
+    from tests.pgserver import fresh_database
+
+    return fresh_database(pg_server, f"t_{uuid.uuid4().hex[:12]}")

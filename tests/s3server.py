@@ -25,31 +25,43 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def start_moto(log: Path) -> Iterator[str]:
-    """Run ``moto.server`` on a free loopback port; yield its endpoint URL."""
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+def http_process(cmd: list[str], probe: str, log: Path, what: str) -> Iterator[None]:
+    """Run ``cmd`` (a server), wait until ``probe`` answers, stop it afterwards."""
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+                    urllib.request.urlopen(probe, timeout=2).close()
                     break
                 except OSError:
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(
-                            f"moto server did not start: {log.read_text()[-2000:]}") from None
+                            f"{what} did not start: {log.read_text()[-3000:]}") from None
                     time.sleep(0.2)
-            yield endpoint
+            yield
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process; kill it if it does not exit within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@contextlib.contextmanager
+def start_moto(log: Path) -> Iterator[str]:
+    """Run ``moto.server`` on a free loopback port; yield its endpoint URL."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with http_process(cmd, f"{endpoint}/moto-api/", log, "moto server"):
+        yield endpoint
 
 
 def client(endpoint: str) -> Any:

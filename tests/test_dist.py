@@ -211,3 +211,36 @@ def test_a_time_interval_fires_on_every_rank_at_the_same_step(tmp_path: Path) ->
     # step 0 by the step count; the elapsed interval, shared at step 10, fires at step 11
     every = knobs.get().dist_agree_every_steps
     assert steps[0] == 0 and every + 1 in steps and len(steps) == a["snapshots"]
+
+
+def test_a_local_failure_before_the_commit_never_puts_ranks_out_of_step(
+        tmp_path: Path, reference: str) -> None:
+    """Rank 1's background copy fails once (overlap=True): that snapshot fails on both ranks,
+    the next ones commit with both ranks at the same step (a resume from the latest is
+    bit-exact), and a damaged old manifest does not disturb any rank's restore."""
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "o1", "--steps", "14", "--overlap",
+                env={"CIUIC_FAILPOINTS_RANK1": "stage.copy=raise@1"}))
+    for rank in (0, 1):
+        r = report(tmp_path / "o1", rank)
+        assert r["failures"] == 1 and r["snapshots"] == 3, r  # 0 failed; 4, 8, 12 landed
+        assert "rank 1" in r["last_error"] and "stage.copy" in r["last_error"], r
+    repo = Repository.open(store)
+    repo.sync_job("tests", "dist")
+    snaps = {s.step: s for s in repo.catalog.snapshots("tests", "dist")}
+    repo.close()
+    assert sorted(snaps) == [4, 8, 12]
+    old = store / "objects" / "jobs" / "tests" / "dist" / "manifests" / f"{snaps[4].id}.json"
+    old.write_bytes(old.read_bytes()[:-5] + b"XXXXX")
+    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14"))
+    assert report(tmp_path / "o2")["restored_step"] == 12
+    assert report(tmp_path / "o2")["digest"] == reference
+
+
+def test_ranks_whose_optimizer_settings_differ_fail_every_snapshot_loudly(
+        tmp_path: Path) -> None:
+    ok(torchrun(2, tmp_path / "store", tmp_path / "out", "--steps", "6", "--odd-lr"))
+    for rank in (0, 1):
+        r = report(tmp_path / "out", rank)
+        assert r["snapshots"] == 0 and r["failures"] == 2, r  # steps 0 and 4
+        assert "rank(s) [1] differs from rank 0's" in r["last_error"], r

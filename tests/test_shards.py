@@ -106,6 +106,17 @@ def test_plan_writes_each_replica_once_and_spreads_the_bytes() -> None:
     assert all(load)
 
 
+def test_replicas_that_may_differ_between_ranks_are_written_by_the_lowest_rank() -> None:
+    """BatchNorm statistics under DDP differ between ranks until the next forward: rank 0's
+    are the ones DDP keeps, so rank 0 writes them, however the load is spread."""
+    big = {**meta_of(Leaf("model/w", torch.zeros(1000), {})), "spread": True}
+    stats = [{**meta_of(Leaf(f"model/bn{i}.running_mean", torch.zeros(10), {})),
+              "spread": False} for i in range(5)]
+    owners = plan([[big, *stats], [big, *stats]])
+    assert owners["model/w"] == 0  # the largest piece goes first, to rank 0
+    assert all(owners[f"model/bn{i}.running_mean"] == 0 for i in range(5))
+
+
 def test_plan_refuses_ranks_that_disagree_about_a_tensor() -> None:
     a = [meta_of(Leaf("model/w", torch.zeros(4), {}))]
     b = [meta_of(Leaf("model/w", torch.zeros(5), {}))]

@@ -115,7 +115,8 @@ def _plan_piece(repo: Repository, path: str, piece: dict[str, Any], item: int,
         nbytes = int(piece["nbytes"])
     except (KeyError, TypeError, ValueError) as e:
         raise IntegrityError(f"{path}: malformed shard: {e}") from e
-    if math.prod(pshape) * item != nbytes or len(off) != len(box_off):
+    if (math.prod(pshape) * item != nbytes or len(off) != len(box_off)
+            or len(pshape) != len(box_off)):
         raise IntegrityError(f"{path}: shard at {off} of shape {pshape} does not hold "
                              f"{nbytes} bytes")
     ov = overlap(off, pshape, box_off, box_shape)

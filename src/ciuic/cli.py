@@ -384,6 +384,8 @@ def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
 
 
 def main() -> None:
+    from . import cli_server  # noqa: F401 - registers `serve` and `apikey`
+
     try:
         app()
     except CiuicError as e:

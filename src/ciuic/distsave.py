@@ -43,6 +43,7 @@ from . import canonical
 from . import manifest as mf
 from .capture import (
     _mismatch_message,
+    _normalize,
     capture,
     check_loadable,
     load_object,
@@ -74,6 +75,13 @@ class DistCaptured(Captured):
 
     global_leaves: list[Leaf] = field(default_factory=list)
     rank_names: list[str] = field(default_factory=list)
+    #: set when this rank failed before the commit protocol (capture, staging): the rank still
+    #: takes part, reporting the error, so every rank fails the snapshot together
+    error: str | None = None
+    #: paths of replicated tensors any holder may write (parameters and optimizer state, equal
+    #: on every rank by construction); other replicas (buffers such as BatchNorm statistics,
+    #: which DDP only re-broadcasts at the next forward) are written by the lowest rank
+    spread: set[str] = field(default_factory=set)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -105,12 +113,18 @@ def capture_dist(model: Any, optimizer: Any, extras: Mapping[str, Any]) -> DistC
     msd, osd = state_dicts(model, optimizer)
     leaves: list[Leaf] = []
     states: dict[str, Any] = {}
+    spread: set[str] = set()
     if msd is not None:
         states["model"] = encode(msd, "model", leaves)
+        params = {_normalize(n) for n, _ in model.named_parameters()} if isinstance(
+            model, torch.nn.Module) else set()
+        spread = {join("model", k) for k in msd if _normalize(k) in params}
     if osd is not None:
         states["optimizer"] = encode(osd, "optimizer", leaves)
+        spread |= {leaf.path for leaf in leaves if leaf.path.startswith("optimizer/")}
     return DistCaptured(states={**states, **own.states}, leaves=leaves + own.leaves,
-                        metrics=own.metrics, global_leaves=leaves, rank_names=list(own.states))
+                        metrics=own.metrics, global_leaves=leaves, rank_names=list(own.states),
+                        spread=spread)
 
 
 def _error(e: BaseException) -> str:
@@ -120,38 +134,49 @@ def _error(e: BaseException) -> str:
 def write_dist(coll: Collective, repo: Repository, project: str, job: str, step: int,
                parent: str, captured: DistCaptured, cache: ChunkCache, *,
                lease: Lease | None, codec: ObjectCodec,
-               compression: CompressionPolicy) -> tuple[mf.Manifest, str, int]:
+               compression: CompressionPolicy, seq: int = 0) -> tuple[mf.Manifest, str, int]:
     """The two-phase commit of one multi-rank snapshot (every rank calls it, same order).
     Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote."""
     what = f"snapshot at step {step}"
-    # 1. plan
-    try:
-        names = [n for n in GLOBAL if n in captured.states]
-        shape = canonical.dumps({n: captured.states[n] for n in names})
-        mine = {"error": None, "metas": [meta_of(leaf) for leaf in captured.global_leaves],
-                "skeleton": digest(shape)}
-    except Exception as e:
-        mine = {"error": _error(e)}
+    # 1. plan (every rank comes here for every agreed snapshot, even one that already failed
+    # locally: it then reports its error instead of its metas)
+    mine: dict[str, Any] = {"error": captured.error, "step": step, "seq": seq}
+    if captured.error is None:
+        try:
+            names = [n for n in GLOBAL if n in captured.states]
+            shape = canonical.dumps({n: captured.states[n] for n in names})
+            mine |= {"metas": [meta_of(leaf) | {"spread": leaf.path in captured.spread}
+                               for leaf in captured.global_leaves],
+                     "skeleton": digest(shape)}
+        except Exception as e:
+            mine["error"] = _error(e)
     everyone = coll.all_gather(mine, data=True)
     failures = {r: str(x["error"]) for r, x in enumerate(everyone) if x["error"]}
     if failures:
         raise RankError(what, failures)
+    if len({(x["seq"], x["step"]) for x in everyone}) > 1:  # a safety net: never mix steps
+        raise RankError(f"{what}: the ranks are out of step", {
+            r: f"at snapshot #{x['seq']}, step {x['step']}" for r, x in enumerate(everyone)})
     odd = [r for r, x in enumerate(everyone) if x["skeleton"] != everyone[0]["skeleton"]]
     if odd:
         raise CaptureError(
-            f"the model/optimizer state of rank(s) {odd} differs in structure from rank 0's "
-            "(different parameter names or optimizer settings): ciuic supports replicated "
-            "(DDP) and DTensor-sharded (FSDP2, tensor parallel) state; save state that only "
-            "some ranks hold (pipeline stages) as a per-rank extra")
+            f"the model/optimizer state of rank(s) {odd} differs from rank 0's in structure or "
+            "in a non-tensor value (parameter names, optimizer settings such as lr): ciuic "
+            "supports replicated (DDP) and DTensor-sharded (FSDP2, tensor parallel) state; "
+            "save state that only some ranks hold (pipeline stages) as a per-rank extra")
     owners = plan([x["metas"] for x in everyone])
 
     store = repo.store
-    with InflightSave(store) as inflight:  # gc keeps our chunks until the commit is decided
-        cache.sync(inflight.epoch)
+    inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided
+    entered = False
+    try:
         # 2. prepare: our pieces and our per-rank states, durable
         report: dict[str, Any]
         new = 0
         try:
+            inflight.__enter__()
+            entered = True
+            cache.sync(inflight.epoch)
             glob = {id(leaf) for leaf in captured.global_leaves}
             owned = [leaf for leaf in captured.global_leaves
                      if owners[piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)]
@@ -177,6 +202,9 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
             outcome = _commit(repo, project, job, step, parent, captured, reports,
                               coll.world_size, lease, codec)
         outcome = coll.broadcast(outcome, data=True)
+    finally:
+        if entered:
+            inflight.__exit__(None, None, None)
     assert outcome is not None
     if outcome["failures"]:
         raise RankError(what, {int(r): str(msg) for r, msg in outcome["failures"].items()})
@@ -378,11 +406,18 @@ def check_shared_store(coll: Collective, store: Store, run_id: str) -> None:
         except Exception as e:
             error = _error(e)
     coll.agree("writing the store probe", error)
-    seen = coll.all_gather(store.has(key))
+    try:
+        here: list[Any] = [store.has(key), None]
+    except Exception as e:
+        here = [False, _error(e)]
+    seen = coll.all_gather(here)
     if coll.coordinator:
         with contextlib.suppress(Exception):
             store.delete(key)
-    blind = [r for r, ok in enumerate(seen) if not ok]
+    failed = {r: str(err) for r, (_, err) in enumerate(seen) if err}
+    if failed:
+        raise RankError("looking for the store probe", failed)
+    blind = [r for r, (ok, _) in enumerate(seen) if not ok]
     if blind:
         raise ConfigurationError(
             f"rank(s) {blind} cannot see the objects rank 0 writes to {store.url}: every rank "

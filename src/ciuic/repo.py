@@ -44,6 +44,14 @@ def default_location() -> str:
     return os.environ.get("CIUIC_HOME") or DEFAULT_HOME
 
 
+def cached_catalog_url(store_url: str) -> str:
+    """The local SQLite catalog (an index, rebuilt from the store when lost) of a remote store:
+    ``$XDG_CACHE_HOME/ciuic/<hash of the URL>.db``."""
+    tag = hashlib.sha256(store_url.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
+    return f"sqlite:///{cache / (tag + '.db')}"
+
+
 class Repository:
     def __init__(self, store: Store, catalog: Catalog) -> None:
         self.store = store
@@ -94,9 +102,7 @@ class Repository:
             return cls._shared(open_store(text), catalog_url, mirror, durability)
         else:
             store = open_store(text)
-            tag = hashlib.sha256(store.url.encode()).hexdigest()[:16]
-            cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
-            url = catalog_url or f"sqlite:///{cache / (tag + '.db')}"
+            url = catalog_url or cached_catalog_url(store.url)
         repo = cls(_tiers(store, mirror, durability), Catalog(url))
         if repo.catalog.recreated_from is not None:
             counts = repo.reindex()

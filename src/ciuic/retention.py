@@ -76,6 +76,12 @@ def prune(repo: Repository, project: str, job: str, keep_last: int | None,
     if dry_run:
         return doomed
     for s in doomed:
-        repo.catalog.set_status(s.id, "pruned")  # reverse order: index first, then data
-        repo.store.delete(mf.body_key(project, job, s.body))
+        prune_one(repo, s)
     return doomed
+
+
+def prune_one(repo: Repository, snapshot: SnapshotInfo) -> None:
+    """Prune one snapshot: its body goes (its manifest stays, as a link of the chain); the
+    chunks only it used go at the next gc."""
+    repo.catalog.set_status(snapshot.id, "pruned")  # reverse order: index first, then data
+    repo.store.delete(mf.body_key(snapshot.project, snapshot.job, snapshot.body))

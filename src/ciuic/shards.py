@@ -6,7 +6,9 @@ dtype, global shape, and for a DTensor shard its offsets and local shape. From e
 :func:`plan` decides, identically on every rank, who writes each piece:
 
 - a plain tensor at a path that several ranks hold is a replica (DDP, or a replicated module): it
-  is written once, by one of its holders;
+  is written once, by one of its holders; a replica marked not ``spread`` (a buffer, such as
+  BatchNorm's running statistics, which ranks may hold differently until DDP re-broadcasts rank
+  0's) is written by the lowest rank that holds it;
 - a DTensor shard is written by one of the ranks holding that same box (replicated shards, as in
   HSDP, are written once too).
 
@@ -56,6 +58,7 @@ def plan(metas: list[list[Meta]]) -> dict[str, int]:
     """
     seen: dict[str, Meta] = {}
     holders: dict[str, list[int]] = {}
+    pinned: set[str] = set()  # replicas that may differ between ranks: the lowest rank's
     sizes: dict[str, int] = {}
     for rank, rank_metas in enumerate(metas):
         for meta in rank_metas:
@@ -73,10 +76,13 @@ def plan(metas: list[list[Meta]]) -> dict[str, int]:
             key = piece_key(path, meta["offsets"])
             holders.setdefault(key, []).append(rank)
             sizes[key] = int(meta["nbytes"])
+            if not meta.get("spread", True):
+                pinned.add(key)
     load = [0] * len(metas)
     owners: dict[str, int] = {}
     for key in sorted(holders, key=lambda k: (-sizes[k], k)):
-        rank = min(holders[key], key=lambda r: (load[r], r))
+        rank = (min(holders[key]) if key in pinned
+                else min(holders[key], key=lambda r: (load[r], r)))
         owners[key] = rank
         load[rank] += sizes[key]
     return owners

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
@@ -60,6 +60,7 @@ from .errors import (
     ConfigurationError,
     IntegrityError,
     ObjectNotFound,
+    RankError,
     RestoreError,
     StateMismatch,
 )
@@ -68,7 +69,7 @@ from .info import SnapshotInfo
 from .lease import FencedOut, Lease
 from .lease import acquire as acquire_lease
 from .reader import load_trees, read_body
-from .repo import Repository
+from .repo import Repository, cached_catalog_url
 from .retention import prune
 from .store import Store
 from .store.mirror import MirrorStore
@@ -135,7 +136,8 @@ class SnapshotManager:
 
     Args:
         project_id: the project (a name: letters, digits, ``.``, ``_``, ``-``).
-        api_key: the key for a ciuic server; unused with the embedded store.
+        api_key: the key for a ciuic server (or ``CIUIC_API_KEY``); unused with the embedded
+            store.
         save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
         encryption: seal every object with AES-256-GCM on the client, with the key from
             ``CIUIC_ENCRYPTION_KEY`` or ``CIUIC_ENCRYPTION_KEY_FILE`` (``ciuic keygen``).
@@ -167,6 +169,13 @@ class SnapshotManager:
             ``step()`` waits for the copy to finish (a step pre-hook). Only the optimizer may
             change parameters or optimizer state between ``manager.step()`` and the next
             ``optimizer.step()``; buffers, RNG and extras are still copied inside ``step()``.
+        endpoint: a ciuic server (``ciuic serve``), e.g. ``"https://ciuic.example.com"``; or
+            ``CIUIC_ENDPOINT``. The project's snapshots then live on the server; everything
+            else (encryption, incremental uploads, restore) works as with a local store.
+        distributed: under ``torchrun`` (an initialized process group of two or more ranks)
+            snapshots are multi-rank and every rank must build its manager at the same point
+            (default: detected). ``False``: this process snapshots alone, as if it were the only
+            one (e.g. a manager built on rank 0 only, for rank 0's own state).
         compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
             ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
             ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
@@ -181,7 +190,8 @@ class SnapshotManager:
                  handle_signals: bool = True, asynchronous: bool = True,
                  on_busy: str = "wait", staging_budget_bytes: int | None = None,
                  mirror: str | Store | None = None, durability: str | None = None,
-                 compression: str = "auto", overlap: bool = False) -> None:
+                 compression: str = "auto", overlap: bool = False,
+                 endpoint: str | None = None, distributed: bool | None = None) -> None:
         self.project = mf.check_name("project", project_id)
         self.job = mf.check_name("job", job or "default")
         _positive("time_interval_s", time_interval_s)
@@ -191,11 +201,10 @@ class SnapshotManager:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        if os.environ.get("CIUIC_ENDPOINT"):
-            raise ConfigurationError(
-                "CIUIC_ENDPOINT is set, but this version of ciuic has no server client yet; "
-                "unset CIUIC_ENDPOINT to use the embedded store (a local directory)"
-            )
+        endpoint = endpoint or os.environ.get("CIUIC_ENDPOINT") or None
+        if endpoint is not None and store is not None:
+            raise ConfigurationError("pass either store= or a server endpoint (endpoint= or "
+                                     "CIUIC_ENDPOINT), not both")
         if compression not in COMPRESSION_MODES:
             raise ConfigurationError(f"compression must be one of {COMPRESSION_MODES}, got "
                                      f"{compression!r}")
@@ -217,6 +226,7 @@ class SnapshotManager:
         self._agreement: Callable[[], list[int]] | None = None
         self._agreed_signal = False
         self._step_calls = 0
+        self._dist_seq = 0  # multi-rank snapshots attempted: every rank counts the same
         self._steps_disagree = False
         self.save_interval = save_interval or None
         self.time_interval_s = time_interval_s
@@ -224,35 +234,37 @@ class SnapshotManager:
         self.keep_every = keep_every
         _ensure_log_handler()
 
-        self.coll = Collective()  # ciuic's own gloo groups under torchrun; trivial otherwise
-        self.repo = Repository.open(store, mirror=mirror, durability=durability)
+        # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
+        # single process or with distributed=False
+        self.coll = Collective(None if distributed is None else bool(distributed))
+        self.coll.run("opening the store", lambda: self._open_repo(
+            store, endpoint, api_key, mirror, durability))
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
         self._compression = CompressionPolicy(compression, self.repo.store.write_bytes_per_s)
         self.run_id = secrets.token_hex(8)
         self.previous_run: Run | None = None
         self.interrupted = False
         self.lease: Lease | None = None
-        if self.coll.coordinator:  # rank 0 alone keeps the catalog, the lease and the mirror
-            self.repo.sync_job(self.project, self.job)
-            self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
-            self.interrupted = runs.was_interrupted(self.previous_run)
-            self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
-            self._catch_up_mirror()
-        if self.coll.enabled:
-            self.run_id, self.interrupted = self.coll.broadcast([self.run_id, self.interrupted])
+        # rank 0 alone keeps the catalog, the lease and the mirror; its failure stops every rank
+        if not self.coll.enabled:
+            self._start_run()
+        else:
+            error = None
+            if self.coll.coordinator:
+                try:
+                    self._start_run()
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+            shared = self.coll.broadcast([self.run_id, self.interrupted, error])
+            self.run_id, self.interrupted = shared[0], shared[1]
+            if shared[2]:
+                raise RankError("starting the run", {0: str(shared[2])})
             if on_busy == "skip" and self.coll.coordinator:
                 log.warning("on_busy='skip' is not used under torchrun: skipping would have to "
                             "be agreed by every rank, so a due snapshot waits for the previous "
                             "one on every rank instead")
             check_shared_store(self.coll, self.repo.store, self.run_id)
-        if runs.may_still_run(self.previous_run):
-            log.warning(
-                "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
-                "seen %s). This process takes the job over (lease %d): the other one can no "
-                "longer commit snapshots and will say so. Stop it if it is still running.",
-                self.project, self.job, self.previous_run.pid,  # type: ignore[union-attr]
-                self.previous_run.host, self.previous_run.id,  # type: ignore[union-attr]
-                self.previous_run.last_seen, self.lease.token)  # type: ignore[union-attr]
+        self._warn_if_taken_over()
         self.stats = ManagerStats()
         self.restored: SnapshotInfo | None = None
         self.restored_values: dict[str, Any] = {}
@@ -271,6 +283,37 @@ class SnapshotManager:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._prev_handlers[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._on_signal)
+
+    def _open_repo(self, store: str | os.PathLike[str] | Store | None, endpoint: str | None,
+                   api_key: str | None, mirror: str | Store | None,
+                   durability: str | None) -> None:
+        if endpoint is not None:  # a ciuic server: this project's objects over HTTP
+            from .store.http import HttpStore
+
+            server = HttpStore(endpoint, self.project, api_key)
+            self.repo = Repository.open(server, cached_catalog_url(server.url), mirror=mirror,
+                                        durability=durability)
+        else:
+            self.repo = Repository.open(store, mirror=mirror, durability=durability)
+
+    def _start_run(self) -> None:
+        """Rank 0 (or the single process): index the job, record the run, take the lease,
+        catch the mirror up."""
+        self.repo.sync_job(self.project, self.job)
+        self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
+        self.interrupted = runs.was_interrupted(self.previous_run)
+        self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
+        self._catch_up_mirror()
+
+    def _warn_if_taken_over(self) -> None:
+        prev, lease = self.previous_run, self.lease
+        if prev is not None and lease is not None and runs.may_still_run(prev):
+            log.warning(
+                "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
+                "seen %s). This process takes the job over (lease %d): the other one can no "
+                "longer commit snapshots and will say so. Stop it if it is still running.",
+                self.project, self.job, prev.pid, prev.host, prev.id, prev.last_seen,
+                lease.token)
 
     def _catch_up_mirror(self) -> None:
         """On a mirror, send in the background what an earlier run left unmirrored."""
@@ -383,6 +426,10 @@ class SnapshotManager:
         pending, self._agreement = self._agreement, None
         if pending is not None:
             sig, due_t, hi, neg_lo = pending()
+            if sig:  # a signal on any rank stops every rank here, agreeing steps or not
+                self._signal = self._signal or sig
+                self._agreed_signal = True
+                return True
             if hi != -neg_lo:
                 if not self._warned_steps:
                     self._warned_steps = True
@@ -394,10 +441,6 @@ class SnapshotManager:
             self._steps_disagree = False
         if self._steps_disagree:
             return False
-        if sig:
-            self._signal = self._signal or sig  # a signal on any rank stops every rank here
-            self._agreed_signal = True
-            return True
         if step == self._last_save_step or not (
                 (self.save_interval and step % self.save_interval == 0) or due_t):
             self._heartbeat(step, now)
@@ -455,21 +498,29 @@ class SnapshotManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         t0 = time.perf_counter()
-        captured = (capture_dist(model, optimizer, extras)
-                    if self.coll.enabled or _sharded(model) else capture(model, optimizer, extras))
         staged = False
         pending: PendingCopy | None = None
-        if self.asynchronous:
-            try:
-                if self.overlap and optimizer is not None:
-                    pending = self._stage_overlapped(captured, model, optimizer)
-                else:
-                    self._staging.stage(captured.leaves)  # the only part that blocks training
-                staged = True
-            except StagingBudgetExceeded as e:
-                if not self._warned_budget:
-                    self._warned_budget = True
-                    log.warning("%s", e)
+        try:
+            captured = (capture_dist(model, optimizer, extras) if self.coll.enabled
+                        or _sharded(model) else capture(model, optimizer, extras))
+            if self.asynchronous:
+                try:
+                    if self.overlap and optimizer is not None:
+                        pending = self._stage_overlapped(captured, model, optimizer)
+                    else:
+                        self._staging.stage(captured.leaves)  # the only part that blocks
+                    staged = True
+                except StagingBudgetExceeded as e:
+                    if not self._warned_budget:
+                        self._warned_budget = True
+                        log.warning("%s", e)
+        except Exception as e:
+            if not self.coll.enabled:
+                raise
+            # multi-rank: every rank must still take part in this snapshot's collectives;
+            # the failure travels in the plan, and every rank fails the snapshot together
+            captured = DistCaptured(states={}, leaves=[], error=f"{type(e).__name__}: {e}")
+            staged = True
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         future = self._executor.submit(self._write, step, captured, t0, pending)
@@ -507,11 +558,19 @@ class SnapshotManager:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         try:
             if pending is not None:
-                pending.wait()
+                try:
+                    pending.wait()
+                except Exception as e:
+                    if not isinstance(captured, DistCaptured):
+                        raise
+                    captured.error = f"{type(e).__name__}: {e}"  # goes into the plan
             if isinstance(captured, DistCaptured):
+                self._dist_seq += 1
                 m, sid, written = write_dist(self.coll, self.repo, self.project, self.job, step,
-                                    self._parent, captured, self._cache, lease=self.lease,
-                                    codec=self._codec, compression=self._compression)
+                                             self._parent, captured, self._cache,
+                                             lease=self.lease, codec=self._codec,
+                                             compression=self._compression,
+                                             seq=self._dist_seq)
             else:
                 m, sid = write_snapshot(self.repo, self.project, self.job, step, self._parent,
                                         captured, self._cache, lease=self.lease,
@@ -602,9 +661,15 @@ class SnapshotManager:
                 outcome, detail = "damaged", str(e)
             except (StateMismatch, ConfigurationError) as e:
                 outcome, detail = "mismatch", str(e)
+            except Exception as e:
+                if not self.coll.enabled:
+                    raise
+                outcome, detail = "error", f"{type(e).__name__}: {e}"  # every rank stops
             outcome, detail = self._agree_restore(outcome, detail)
             if outcome == "mismatch":
                 raise StateMismatch(detail)
+            if outcome == "error":
+                raise RestoreError(f"restoring snapshot {info.short_id} failed:\n{detail}")
             if outcome == "damaged":
                 problems.append(f"step {info.step} ({info.short_id}): {detail}")
                 if snapshot is not None:
@@ -648,14 +713,12 @@ class SnapshotManager:
                 error = f"{type(e).__name__}: {e}"
         if not self.coll.enabled:
             return found
-        refs = self.coll.broadcast({"error": error, "refs": [[i.project, i.job, i.id]
-                                                             for i in found]})
-        if refs["error"]:
-            raise RestoreError(f"rank 0 could not list the snapshots: {refs['error']}")
+        shared = self.coll.broadcast({"error": error, "found": [asdict(i) for i in found]})
+        if shared["error"]:
+            raise RestoreError(f"rank 0 could not list the snapshots: {shared['error']}")
         if self.coll.coordinator:
             return found
-        return [SnapshotInfo.from_manifest(self.repo.read_manifest(p, j, sid), sid)
-                for p, j, sid in refs["refs"]]
+        return [SnapshotInfo(**info) for info in shared["found"]]  # what rank 0's catalog says
 
     def _agree_restore(self, outcome: str, detail: str) -> tuple[str, str]:
         """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
@@ -663,7 +726,7 @@ class SnapshotManager:
         if not self.coll.enabled:
             return outcome, detail
         everyone = self.coll.all_gather([outcome, detail])
-        for worst in ("mismatch", "damaged"):
+        for worst in ("error", "mismatch", "damaged"):
             ranks: dict[str, list[int]] = {}  # one line per distinct message
             for r, (o, d) in enumerate(everyone):
                 if o == worst:

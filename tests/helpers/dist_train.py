@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--dump", action="store_true", help="rank 0 writes the full state to full.pt")
     p.add_argument("--overlap", action="store_true", help="SnapshotManager(overlap=True)")
     p.add_argument("--time-interval", type=float, default=None)
+    p.add_argument("--odd-lr", action="store_true", help="rank 1 uses another learning rate")
     p.add_argument("--store-per-rank", action="store_true",
                    help="a misconfiguration: each rank its own directory")
     a = p.parse_args()
@@ -91,6 +92,8 @@ def main() -> int:
     if spec:
         faults.reload(spec)
     model, optimizer = build(a.mode, world)
+    if a.odd_lr and rank == 1:
+        optimizer.param_groups[0]["lr"] = 2e-2
     g = torch.Generator().manual_seed(1234)
     data = TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 5, (256,),
                                                                           generator=g))

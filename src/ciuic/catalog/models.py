@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 1
@@ -40,12 +40,12 @@ class Snapshot(Base):
                       Index("ix_snapshots_job_created", "job_id", "created"))
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
     parent: Mapped[str] = mapped_column(String(64))
     created: Mapped[str] = mapped_column(String(32))
     body: Mapped[str] = mapped_column(String(64))
-    total_bytes: Mapped[int] = mapped_column(Integer)
-    new_bytes: Mapped[int] = mapped_column(Integer)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)  # 64-bit: states pass 2 GiB
+    new_bytes: Mapped[int] = mapped_column(BigInteger)
     tensors: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[str] = mapped_column(Text)  # JSON (not hashed: floats allowed here)
@@ -63,7 +63,7 @@ class Run(Base):
     started: Mapped[str] = mapped_column(String(32))
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
-    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     last_seen: Mapped[str] = mapped_column(String(32))
     ended: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # clean | exit | exception:<Type> | signal:<NAME> ; NULL while running (or after a kill)
@@ -77,5 +77,33 @@ class RunEvent(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
     at: Mapped[str] = mapped_column(String(32))
     kind: Mapped[str] = mapped_column(String(32))
-    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class ApiKey(Base):
+    """A server API key: shown once, stored as a hash, bound to one project and one role."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)  # public part of the key
+    secret_hash: Mapped[str] = mapped_column(String(64))  # SHA-256 of the whole key, hex
+    project: Mapped[str] = mapped_column(String(128), index=True)
+    role: Mapped[str] = mapped_column(String(16))  # admin | writer | reader
+    name: Mapped[str] = mapped_column(String(128), default="")
+    created: Mapped[str] = mapped_column(String(32))
+    expires: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    revoked: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    last_used: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class AuditEvent(Base):
+    """Who did what: saves, restores, deletions, key management."""
+
+    __tablename__ = "audit_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[str] = mapped_column(String(32), index=True)
+    actor: Mapped[str] = mapped_column(String(64))  # "key:<id>" or "cli:<user>@<host>"
+    project: Mapped[str] = mapped_column(String(128), index=True)
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(Text, default="")
+    remote: Mapped[str] = mapped_column(String(64), default="")

@@ -4,6 +4,7 @@
 ``/path``, ``file:///path``   :class:`LocalStore` (the embedded default)
 ``memory://NAME``             :class:`MemoryStore` (tests, throw-away runs)
 ``s3://BUCKET/PREFIX``        :class:`~ciuic.store.s3.S3Store` (AWS S3, MinIO, Ceph; boto3)
+``https://HOST/v1/projects/P`` :class:`~ciuic.store.http.HttpStore` (a ``ciuic serve`` server)
 ==================  ==========================================================
 
 Backends register in ``_REGISTRY`` with a lazy import, so optional dependencies are only imported
@@ -26,6 +27,8 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "file": ("ciuic.store.local", "LocalStore", None),
     "memory": ("ciuic.store.memory", "MemoryStore", None),
     "s3": ("ciuic.store.s3", "S3Store", "s3"),
+    "http": ("ciuic.store.http", "HttpStore", "client"),
+    "https": ("ciuic.store.http", "HttpStore", "client"),
 }
 
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install the real services the tests start (PostgreSQL, from Debian's packages) when they are
+# missing. The tests start and stop their own servers; this only makes the binaries present.
+# Idempotent and quick when everything is installed.
+set -euo pipefail
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing PostgreSQL (Debian package postgresql) for the catalog tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -q postgresql >/dev/null; }
+  else
+    echo "PostgreSQL is not installed and cannot be installed here (need root and apt-get):" \
+         "the PostgreSQL tests will fail; install the 'postgresql' package" >&2
+  fi
+fi

@@ -1,0 +1,303 @@
+"""The ciuic server: a FastAPI app over any ciuic store (docs/server.md).
+
+Each project is its own ciuic store, ``projects/<name>/`` inside the server's storage (so keys,
+objects and deduplication never cross projects), indexed by the server's catalog, which also
+holds the API keys and the audit log. Clients write exactly what the embedded default writes
+(chunks, then the body, then the manifest create: the commit), through the object API; the
+server checks every key and name, authorizes every call by the key's project and role, indexes
+each committed manifest it can read, and records who saved, read and deleted what.
+"""
+
+
+import logging
+import re
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from .. import __version__
+from .. import manifest as mf
+from ..catalog.keys import KeyInfo, audit, authenticate
+from ..errors import (
+    CiuicError,
+    ConfigurationError,
+    InvalidKey,
+    ObjectNotFound,
+    SnapshotNotFound,
+    StoreError,
+)
+from ..faults import failpoint
+from ..repo import Repository
+from ..retention import prune_one
+from ..store.base import check_key, check_prefix
+from ..store.prefix import PrefixStore
+
+log = logging.getLogger("ciuic.server")
+_MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
+_BODY = re.compile(r"^jobs/([^/]+)/([^/]+)/bodies/[0-9a-f]{64}\.json$")
+DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
+LIST_PAGE = 1000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class MissingRequest(BaseModel):
+    keys: list[str] = Field(max_length=100_000, description="object keys to look for")
+
+
+class MissingResponse(BaseModel):
+    missing: list[str]
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def create_app(location: str | None = None, catalog_url: str | None = None, *,
+               max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> FastAPI:
+    """The app serving the store at ``location`` (a directory or URL; default ``$CIUIC_HOME``
+    or ``./.ciuic``) with the catalog at ``catalog_url`` (default: the store's)."""
+    root = Repository.open(location, catalog_url)
+    catalog = root.catalog
+    repos: dict[str, Repository] = {}
+
+    def repo_of(project: str) -> Repository:
+        if project not in repos:
+            repos[project] = Repository(PrefixStore(root.store, f"projects/{project}/"),
+                                        catalog)
+        return repos[project]
+
+    app = FastAPI(title="ciuic", version=__version__,
+                  description="The ciuic snapshot server: projects, jobs, snapshot chains and "
+                              "their content-addressed objects. Authenticate with "
+                              "`Authorization: Bearer <API key>`.")
+    app.state.root = root
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, e.code, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return _error(400, "invalid_request", f"{where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(CiuicError)
+    async def ciuic_error(_: Request, e: CiuicError) -> JSONResponse:
+        if isinstance(e, (InvalidKey, ConfigurationError)):
+            return _error(400, "invalid_name", str(e))
+        if isinstance(e, (ObjectNotFound, SnapshotNotFound)):
+            return _error(404, "not_found", str(e))
+        if isinstance(e, StoreError):
+            log.error("storage error: %s", e)
+            return _error(503, "storage_unavailable", f"the server's storage failed: {e}")
+        return _error(500, "internal", str(e))
+
+    def caller(request: Request) -> KeyInfo:
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get(
+            "x-api-key", "")
+        if not key:
+            raise ApiError(401, "missing_key", "send an API key: 'Authorization: Bearer <key>' "
+                           "(`ciuic apikey create --project P --role R` makes one)")
+        info = authenticate(catalog, key)
+        if info is None:
+            raise ApiError(401, "invalid_key", "the API key is unknown, revoked or expired")
+        return info
+
+    Caller = Annotated[KeyInfo, Depends(caller)]
+
+    def allow(info: KeyInfo, project: str, role: str) -> None:
+        mf.check_name("project", project)
+        if info.project != project:
+            raise ApiError(403, "wrong_project", f"this key belongs to project "
+                           f"{info.project!r}, not {project!r}")
+        if not info.allows(role):
+            raise ApiError(403, "forbidden", f"this needs the {role} role; the key is a "
+                           f"{info.role}")
+
+    def object_key(project: str, key: str) -> str:
+        check_key(key)
+        if key.startswith("jobs/") and not key.startswith(f"jobs/{project}/"):
+            raise ApiError(400, "invalid_name", f"{key}: a project's job objects live under "
+                           f"jobs/{project}/")
+        return key
+
+    # -- health and identity ------------------------------------------------------------------
+
+    @app.get("/health", tags=["operations"])
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/v1/whoami", tags=["auth"])
+    def whoami(info: Caller) -> dict[str, Any]:
+        return {"key": info.id, "project": info.project, "role": info.role}
+
+    # -- projects, jobs, snapshots ------------------------------------------------------------
+
+    @app.get("/v1/projects", tags=["snapshots"])
+    def projects(info: Caller) -> dict[str, Any]:
+        return {"projects": [info.project]}
+
+    @app.get("/v1/projects/{project}/jobs", tags=["snapshots"])
+    def jobs(info: Caller, project: str) -> dict[str, Any]:
+        allow(info, project, "reader")
+        names = sorted({k.split("/")[2] for k in repo_of(project).store.list(f"jobs/{project}/")})
+        for job in names:
+            repo_of(project).sync_job(project, job)
+        return {"jobs": [j for j in catalog.jobs() if j["project"] == project]}
+
+    @app.get("/v1/projects/{project}/jobs/{job}/snapshots", tags=["snapshots"])
+    def snapshots(info: Caller, project: str, job: str,
+                  limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+                  offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+        allow(info, project, "reader")
+        mf.check_name("job", job)
+        repo_of(project).sync_job(project, job)
+        found = catalog.snapshots(project, job, newest_first=True)
+        return {"total": len(found), "offset": offset, "limit": limit,
+                "snapshots": [asdict(s) for s in found[offset:offset + limit]]}
+
+    @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
+    def latest(info: Caller, project: str, job: str) -> dict[str, Any]:
+        allow(info, project, "reader")
+        mf.check_name("job", job)
+        repo_of(project).sync_job(project, job)
+        found = catalog.latest(project, job)
+        if found is None:
+            raise ApiError(404, "not_found", f"job {project}/{job} has no snapshot")
+        return asdict(found)
+
+    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
+    def snapshot(info: Caller, project: str, snapshot_id: str
+                 ) -> dict[str, Any]:
+        allow(info, project, "reader")
+        return asdict(_resolve(project, snapshot_id))
+
+    @app.delete("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
+    def delete_snapshot(info: Caller, project: str, snapshot_id: str,
+                        request: Request) -> dict[str, Any]:
+        allow(info, project, "admin")
+        found = _resolve(project, snapshot_id)
+        prune_one(repo_of(project), found)
+        audit(catalog, f"key:{info.id}", project, "snapshot.delete",
+              f"{found.job}@{found.step} {found.id}", _remote(request))
+        return {"deleted": found.id, "status": "pruned"}
+
+    def _resolve(project: str, snapshot_id: str) -> Any:
+        if not re.fullmatch(r"[0-9a-f]{4,64}", snapshot_id):
+            raise ApiError(400, "invalid_name", f"{snapshot_id!r} is not a snapshot ID (hex)")
+        found = repo_of(project).resolve(snapshot_id)
+        if found.project != project:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} in project {project}")
+        return found
+
+    # -- objects ------------------------------------------------------------------------------
+
+    @app.post("/v1/projects/{project}/objects/missing", tags=["objects"],
+              response_model=MissingResponse)
+    def missing(info: Caller, project: str, req: MissingRequest
+                ) -> MissingResponse:
+        allow(info, project, "writer")
+        store = repo_of(project).store
+        return MissingResponse(missing=[k for k in req.keys
+                                        if not store.has(object_key(project, k))])
+
+    @app.get("/v1/projects/{project}/objects", tags=["objects"])
+    def list_objects(info: Caller, project: str, prefix: str = "", after: str = "",
+                     limit: Annotated[int, Query(ge=1, le=LIST_PAGE)] = LIST_PAGE
+                     ) -> dict[str, Any]:
+        allow(info, project, "reader")
+        check_prefix(prefix)
+        keys: list[str] = []
+        for k in repo_of(project).store.list(prefix):
+            if k > after:
+                keys.append(k)
+                if len(keys) == limit:
+                    break
+        return {"keys": keys, "more": len(keys) == limit}
+
+    @app.put("/v1/projects/{project}/objects/{key:path}", tags=["objects"], status_code=200)
+    async def put_object(info: Caller, project: str, key: str, request: Request, response: Response,
+                         create: bool = False
+                         ) -> dict[str, Any]:
+        allow(info, project, "writer")
+        key = object_key(project, key)
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > max_object_bytes:
+            raise ApiError(413, "too_large", f"objects are limited to {max_object_bytes} bytes")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > max_object_bytes:
+                raise ApiError(413, "too_large",
+                               f"objects are limited to {max_object_bytes} bytes")
+        store = repo_of(project).store
+        await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
+        if not create:
+            await run_in_threadpool(store.put, key, bytes(body))
+            return {"key": key, "stored": True}
+        created = await run_in_threadpool(store.create, key, bytes(body))
+        if not created:
+            response.status_code = 409
+            return {"key": key, "created": False}
+        response.status_code = 201
+        m = _MANIFEST.match(key)
+        if m is not None:  # a commit: index it and record who saved it
+            await run_in_threadpool(_index, project, m.group(2))
+            audit(catalog, f"key:{info.id}", project, "snapshot.save",
+                  f"{m.group(2)} {m.group(3)}", _remote(request))
+        return {"key": key, "created": True}
+
+    def _index(project: str, job: str) -> None:
+        try:
+            repo_of(project).sync_job(project, job)
+        except CiuicError as e:  # a sealed manifest the server cannot read: index stays lazy
+            log.info("not indexing %s/%s: %s", project, job, e)
+
+    @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    def get_object(info: Caller, project: str, key: str, request: Request) -> Response:
+        allow(info, project, "reader")
+        key = object_key(project, key)
+        data = repo_of(project).store.get(key)
+        m = _MANIFEST.match(key)
+        if m is not None:
+            audit(catalog, f"key:{info.id}", project, "snapshot.read",
+                  f"{m.group(2)} {m.group(3)}", _remote(request))
+        return Response(data, media_type="application/octet-stream")
+
+    @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    def head_object(info: Caller, project: str, key: str) -> Response:
+        allow(info, project, "reader")
+        key = object_key(project, key)
+        if not repo_of(project).store.has(key):
+            return Response(status_code=404)
+        return Response(status_code=200)
+
+    @app.delete("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    def delete_object(info: Caller, project: str, key: str, request: Request) -> dict[str, Any]:
+        allow(info, project, "writer")
+        key = object_key(project, key)
+        if _MANIFEST.match(key):
+            raise ApiError(403, "forbidden", "manifests are kept forever (they are the chain); "
+                           "delete a snapshot with DELETE /v1/projects/P/snapshots/ID")
+        repo_of(project).store.delete(key)
+        if _BODY.match(key):
+            audit(catalog, f"key:{info.id}", project, "snapshot.prune", key, _remote(request))
+        return {"key": key, "deleted": True}
+
+    return app
+
+
+def _remote(request: Request) -> str:
+    return request.client.host if request.client else ""

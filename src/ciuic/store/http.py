@@ -1,0 +1,150 @@
+"""A project on a ciuic server (``ciuic serve``), as a store: ``https://host/v1/projects/NAME``.
+
+Every call is one HTTP request to the server's object API with the project's API key
+(``Authorization: Bearer``), over a pooled keep-alive connection (``httpx``; ``pip install
+'ciuic[client]'``). What the client writes is exactly what it writes to any store (chunks, then
+the body, then the manifest create: the commit), so encryption stays on the client and only
+missing chunks are sent. The key comes from the constructor or ``CIUIC_API_KEY``.
+
+Errors: 401/403 raise :class:`~ciuic.errors.StoreAccessError` at once (a wrong key does not get
+better by retrying); 404 is :class:`~ciuic.errors.ObjectNotFound`; anything else, including a
+server that cannot be reached, is a :class:`~ciuic.errors.StoreError` that
+:class:`~ciuic.store.retry.RetryingStore` retries within bounds.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote, urlparse
+
+from .. import knobs
+from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from .base import Data, Store, check_key, check_prefix, joined
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(endpoint, project) of ``https://host[:port]/v1/projects/NAME``."""
+    parsed = urlparse(url)
+    parts = parsed.path.rstrip("/").split("/")
+    if len(parts) < 4 or parts[-3:-1] != ["v1", "projects"] or not parts[-1]:
+        raise ConfigurationError(f"{url!r} is not a ciuic server project URL; use "
+                                 "https://HOST/v1/projects/PROJECT")
+    base = "/".join(parts[:-3])
+    return f"{parsed.scheme}://{parsed.netloc}{base}", parts[-1]
+
+
+class HttpStore(Store):
+    """The objects of one project on a ciuic server."""
+
+    write_bytes_per_s = 5e7  # a network: compression pays
+
+    def __init__(self, url_or_endpoint: str, project: str | None = None,
+                 api_key: str | None = None, *, timeout_s: float | None = None) -> None:
+        try:
+            import httpx
+        except ImportError as e:  # pragma: no cover - depends on optional packages
+            raise ConfigurationError("talking to a ciuic server needs httpx: pip install "
+                                     "'ciuic[client]'") from e
+        if project is None:
+            endpoint, project = split_url(url_or_endpoint)
+        else:
+            endpoint = url_or_endpoint.rstrip("/")
+        if urlparse(endpoint).scheme not in ("http", "https"):
+            raise ConfigurationError(f"the server endpoint must be an http(s) URL, got "
+                                     f"{endpoint!r}")
+        key = api_key or os.environ.get("CIUIC_API_KEY")
+        if not key:
+            raise ConfigurationError("no API key: pass api_key=... or set CIUIC_API_KEY (an "
+                                     "admin makes one with `ciuic apikey create`)")
+        self.endpoint, self.project = endpoint, project
+        self.url = f"{endpoint}/v1/projects/{project}"
+        timeout = timeout_s if timeout_s is not None else knobs.get().s3_read_timeout_s
+        self._httpx = httpx
+        self._client = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"},
+            timeout=httpx.Timeout(timeout, connect=knobs.get().s3_connect_timeout_s),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self._client.request(method, path, **kw)
+        except self._httpx.HTTPError as e:
+            raise StoreError(f"cannot reach the ciuic server at {self.endpoint}: {e}") from e
+        if r.status_code in (401, 403):
+            raise StoreAccessError(f"the ciuic server at {self.endpoint} refused the request "
+                                   f"({r.status_code}): {_message(r)}")
+        if r.status_code == 404:
+            raise ObjectNotFound(f"{self.url}{path} does not exist")
+        if r.status_code >= 400 and not (r.status_code == 409 and method == "PUT"):
+            raise StoreError(f"the ciuic server answered {r.status_code} to {method} {path}: "
+                             f"{_message(r)}")
+        return r
+
+    @staticmethod
+    def _obj(key: str) -> str:
+        return "/objects/" + quote(check_key(key))
+
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        self._call("PUT", self._obj(key), content=joined(data))
+
+    def create(self, key: str, data: Data) -> bool:
+        r = self._call("PUT", self._obj(key), content=joined(data), params={"create": "true"})
+        return bool(r.status_code == 201)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call("GET", self._obj(key)).content)
+
+    def has(self, key: str) -> bool:
+        try:
+            self._call("HEAD", self._obj(key))
+        except ObjectNotFound:
+            return False
+        return True
+
+    def missing(self, keys: builtins.list[str]) -> builtins.list[str]:
+        """Which of ``keys`` the server lacks (one request)."""
+        for k in keys:
+            check_key(k)
+        r = self._call("POST", "/objects/missing", json={"keys": keys})
+        return [str(k) for k in r.json()["missing"]]
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        check_prefix(prefix)
+        after = ""
+        while True:
+            page = self._call("GET", "/objects", params={"prefix": prefix, "after": after}).json()
+            yield from page["keys"]
+            if not page["more"] or not page["keys"]:
+                return
+            after = page["keys"][-1]
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(ObjectNotFound):  # deleting a missing key is not an error
+            self._call("DELETE", self._obj(key))
+
+    def whoami(self) -> dict[str, Any]:
+        """The key's project and role, as the server sees them."""
+        try:
+            r = self._client.get(f"{self.endpoint}/v1/whoami")
+        except self._httpx.HTTPError as e:
+            raise StoreError(f"cannot reach the ciuic server at {self.endpoint}: {e}") from e
+        if r.status_code in (401, 403):
+            raise StoreAccessError(f"the ciuic server at {self.endpoint} refused the key: "
+                                   f"{_message(r)}")
+        if r.status_code >= 400:
+            raise StoreError(f"the ciuic server answered {r.status_code}: {_message(r)}")
+        return dict(r.json())
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _message(r: Any) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except Exception:
+        return str(r.text[:200])

@@ -1,0 +1,55 @@
+"""A store inside another: every key under a fixed prefix (the server keeps one store per
+project, ``projects/<name>/``, inside its storage)."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+
+from .base import Data, Store, check_key, check_prefix
+
+
+class PrefixStore(Store):
+    """``inner``'s keys that start with ``prefix`` (which ends with "/"), seen without it."""
+
+    def __init__(self, inner: Store, prefix: str) -> None:
+        if not prefix.endswith("/"):
+            raise ValueError(f"a store prefix ends with '/', got {prefix!r}")
+        check_key(prefix.rstrip("/"))
+        self.inner, self.prefix = inner, prefix
+        self.url = f"{inner.url.rstrip('/')}/{prefix}"
+        self.write_bytes_per_s = inner.write_bytes_per_s
+
+    def _k(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        self.inner.put(self._k(key), data, durable=durable)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def create(self, key: str, data: Data) -> bool:
+        return self.inner.create(self._k(key), data)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(self._k(key))
+
+    def get_into(self, key: str, buffers: builtins.list[memoryview]) -> int:
+        return self.inner.get_into(self._k(key), buffers)
+
+    def has(self, key: str) -> bool:
+        return self.inner.has(self._k(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        check_prefix(prefix)
+        n = len(self.prefix)
+        for key in self.inner.list(self.prefix + prefix):
+            yield key[n:]
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(self._k(key))
+
+    def lock(self, name: str) -> AbstractContextManager[None]:
+        return self.inner.lock(self._k(name))

@@ -1,0 +1,377 @@
+"""The server (`ciuic serve`), its keys and roles, the seed-2 client, and SnapshotManager over
+HTTP. End-to-end tests run a real `ciuic serve` process (uvicorn) on a free loopback port; the
+role matrix and input validation use FastAPI's in-process client on the same app factory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from torch import nn
+
+from ciuic import SnapshotManager
+from ciuic.catalog.keys import audit_log, create_key, revoke_key
+from ciuic.repo import Repository
+from ciuic.server import create_app
+from tests.s3server import free_port, http_process
+
+KEY = re.compile(r"^ciuic_[0-9a-f]{12}_[A-Za-z0-9_-]{20,64}$")
+
+
+def cli(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store), *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def new_key(store: Path, project: str, role: str) -> str:
+    run = cli(store, "apikey", "create", "--project", project, "--role", role)
+    assert run.returncode == 0, run.stderr
+    key = run.stdout.strip().splitlines()[-1]
+    assert KEY.match(key), run.stdout
+    return key
+
+
+@contextlib.contextmanager
+def serve(store: Path, log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
+    with http_process(cmd, f"{url}/health", log, "ciuic serve"):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    store = tmp_path_factory.mktemp("server") / "store"
+    new_key(store, "bootstrap", "reader")  # creates the store before the server opens it
+    with serve(store, store.parent / "server.log") as url:
+        yield url, store
+
+
+def test_apikey_cli_shows_the_key_once_and_stores_only_its_hash(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    key = new_key(store, "vision", "writer")
+    listed = cli(store, "apikey", "list")
+    assert listed.returncode == 0 and key.split("_")[1] in listed.stdout
+    assert key not in listed.stdout and key.split("_", 2)[2] not in listed.stdout
+    assert key.split("_", 2)[2].encode() not in (store / "catalog.db").read_bytes()
+    revoked = cli(store, "apikey", "revoke", key.split("_")[1])
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout
+    bad = cli(store, "apikey", "create", "--project", "vision", "--role", "owner")
+    assert bad.returncode != 0 and "role must be one of reader, writer, admin" in bad.stderr
+    repo = Repository.open(store)
+    actions = [e["action"] for e in audit_log(repo.catalog, "vision")]
+    repo.close()
+    assert actions == ["apikey.revoke", "apikey.create"]
+
+
+def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_the_seed_2_client_code_runs_as_written(server: tuple[str, Path]) -> None:
+    url, store = server
+    key = new_key(store, "deepseek", "writer")
+    from ciuic_client import CiuicClient
+
+    client = CiuicClient(api_key=key, endpoint=url)
+    assert client.project == "deepseek" and client.job == "default"
+    model, optimizer = mlp()
+    for epoch in range(2):
+        snapshot_data = {
+            'model_state_dict': model.state_dict(),
+            'optimizer_state_dict': optimizer.state_dict(),
+            'epoch': epoch + 1,
+            'loss': 0.5 / (epoch + 1),
+        }
+        saved = client.save_snapshot(snapshot_data)
+        assert saved["step"] == epoch + 1
+    latest = client.get_latest_snapshot()
+    assert set(latest) == {"id", "step", "created", "data"} and latest["step"] == 2
+    data = latest["data"]
+    fresh, fresh_opt = mlp()
+    fresh.load_state_dict(data["model_state_dict"])
+    fresh_opt.load_state_dict(data["optimizer_state_dict"])
+    assert data["epoch"] == 2 and data["loss"] == 0.25
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+    # the second snapshot sent only what changed: nothing (same tensors)
+    listed = client.list_snapshots()
+    assert [s["step"] for s in listed] == [2, 1]
+    client.close()
+    with TestClient(create_app(str(store))) as http:
+        body = http.get("/v1/projects/deepseek/jobs/default/snapshots",
+                        headers={"Authorization": f"Bearer {key}"}).json()
+    assert body["total"] == 2
+    first, second = body["snapshots"][1], body["snapshots"][0]
+    assert first["new_bytes"] > 0 and second["new_bytes"] == 0
+
+
+def test_snapshot_manager_over_http_restores_and_keeps_encryption_on_the_client(
+        server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, store = server
+    key = new_key(store, "llm", "writer")
+    from ciuic.crypto import generate_key_text
+
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
+    model, opt = mlp()
+    with SnapshotManager("llm", api_key=key, endpoint=url, encryption=True,
+                         handle_signals=False) as m:
+        m.save(7, model, opt, epoch=3)
+        with torch.no_grad():  # 1 of 4 tensors changes: only its chunks go up again
+            model[0].bias.add_(1.0)
+        second = m.save(8, model, opt)
+        assert 0 < second.new_bytes < second.total_bytes // 2
+    fresh, fresh_opt = mlp()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    monkeypatch.setenv("CIUIC_ENDPOINT", url)
+    monkeypatch.setenv("CIUIC_API_KEY", key)
+    with SnapshotManager("llm", encryption=True, handle_signals=False) as m:
+        assert m.restore(fresh, fresh_opt) == 8
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    # the server's storage holds ciphertext only: no tensor bytes, no state names
+    raw = model[2].weight.detach().numpy().tobytes()[:64]
+    for path in (store / "objects" / "projects" / "llm").rglob("*"):
+        if path.is_file():
+            blob = path.read_bytes()
+            assert raw not in blob and b"exp_avg" not in blob and b"epoch" not in blob, path
+
+
+# -- roles, projects and validation (in-process) --------------------------------------------
+
+ROUTES: list[tuple[str, str, str]] = [  # method, path (project p), the least role it needs
+    ("GET", "/v1/projects/p/jobs", "reader"),
+    ("GET", "/v1/projects/p/jobs/default/snapshots", "reader"),
+    ("GET", "/v1/projects/p/jobs/default/snapshots/latest", "reader"),
+    ("GET", "/v1/projects/p/snapshots/{sid}", "reader"),
+    ("GET", "/v1/projects/p/objects?prefix=jobs/", "reader"),
+    ("GET", "/v1/projects/p/objects/jobs/p/default/manifests/{sid}.json", "reader"),
+    ("HEAD", "/v1/projects/p/objects/jobs/p/default/manifests/{sid}.json", "reader"),
+    ("POST", "/v1/projects/p/objects/missing", "writer"),
+    ("PUT", "/v1/projects/p/objects/chunks/aa/test-object", "writer"),
+    ("DELETE", "/v1/projects/p/objects/chunks/aa/test-object", "writer"),
+    ("DELETE", "/v1/projects/p/snapshots/{sid}", "admin"),
+]
+
+
+@pytest.fixture()
+def app_with_keys(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    store = tmp_path / "store"
+    repo = Repository.open(store)
+    keys = {role: create_key(repo.catalog, "p", role)[0] for role in ("reader", "writer",
+                                                                         "admin")}
+    keys["foreign"] = create_key(repo.catalog, "q", "admin")[0]
+    revoked, info = create_key(repo.catalog, "p", "admin")
+    revoke_key(repo.catalog, info.id)
+    keys["revoked"] = revoked
+    expired, info = create_key(repo.catalog, "p", "admin", expires_days=1)
+    from ciuic.catalog.models import ApiKey
+
+    with repo.catalog.session() as s:
+        s.get(ApiKey, info.id).expires = "2020-01-01T00:00:00.000000Z"  # type: ignore[union-attr]
+    keys["expired"] = expired
+    repo.close()
+    with TestClient(create_app(str(store))) as http:
+        yield http, keys, str(store)
+
+
+def _call(http: TestClient, method: str, path: str, key: str | None) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if method == "POST":
+        return http.post(path, headers=headers, json={"keys": ["chunks/aa/x"]})
+    if method == "PUT":
+        return http.put(path, headers=headers, content=b"hello")
+    return http.request(method, path, headers=headers)
+
+
+def test_every_endpoint_times_every_role_and_a_foreign_project(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    http, keys, store = app_with_keys
+    # one real snapshot in project p, saved by a writer through the API
+    model, _ = mlp()
+    sid = _save_through(http, keys["writer"], store, model)
+    order = ["reader", "writer", "admin"]
+    checked = 0
+    for method, template, needs in ROUTES:
+        path = template.format(sid=sid)
+        for who in ("none", "garbage", "revoked", "expired"):
+            key = {"none": None, "garbage": "ciuic_000000000000_nope-nope-nope-nope-nope"}.get(
+                who, keys.get(who))
+            r = _call(http, method, path, key)
+            assert r.status_code == 401, (method, path, who, r.status_code)
+            checked += 1
+        r = _call(http, method, path, keys["foreign"])
+        assert r.status_code == 403, (method, path, "foreign", r.status_code)
+        if method != "HEAD":
+            assert "belongs to project 'q'" in r.json()["error"]["message"]
+        for role in order:
+            r = _call(http, method, path, keys[role])
+            if order.index(role) < order.index(needs):
+                assert r.status_code == 403, (method, path, role, r.status_code)
+            else:
+                assert r.status_code in (200, 201, 404), (method, path, role, r.status_code,
+                                                          r.text)
+            checked += 1
+    assert checked == len(ROUTES) * 7
+
+
+def _save_through(http: TestClient, key: str, store: str, model: nn.Module) -> str:
+    """Save one snapshot of ``model`` into project p through the in-process app."""
+    from ciuic.store.http import HttpStore
+
+    class Local(HttpStore):  # the same client, its transport the in-process app
+        def __init__(self) -> None:
+            self.endpoint, self.project = "http://testserver", "p"
+            self.url = "http://testserver/v1/projects/p"
+            import httpx
+
+            self._httpx = httpx
+            self._client = http  # type: ignore[assignment]
+
+        def _call(self, method: str, path: str, **kw: Any) -> Any:
+            kw.setdefault("headers", {})["Authorization"] = f"Bearer {key}"
+            return super()._call(method, "/v1/projects/p" + path, **kw)
+
+        def close(self) -> None:  # the test owns the client
+            pass
+
+    with SnapshotManager("p", store=Local(), handle_signals=False) as m:
+        return m.save(1, model).id
+
+
+def test_names_keys_and_sizes_are_checked_with_clear_json_errors(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    http, keys, _ = app_with_keys
+    h = {"Authorization": f"Bearer {keys['admin']}"}
+    for path in ("/v1/projects/p/objects/..%2F..%2Fetc%2Fpasswd",
+                 "/v1/projects/p/objects/chunks/../../x",
+                 "/v1/projects/p/objects/jobs/q/default/manifests/x.json",
+                 "/v1/projects/p/objects/a//b"):
+        r = http.put(path, headers=h, content=b"x")
+        assert r.status_code in (400, 404), (path, r.status_code)
+        if r.status_code == 400:
+            assert r.json()["error"]["code"] in ("invalid_name", "invalid_request"), r.text
+    r = http.get("/v1/projects/bad name!/jobs", headers=h)
+    assert r.status_code in (400, 403, 404)
+    r = http.get("/v1/projects/p/jobs/default/snapshots?limit=0", headers=h)
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
+    r = http.get("/v1/projects/p/snapshots/not-hex", headers=h)
+    assert r.status_code == 400
+    r = http.delete("/v1/projects/p/objects/jobs/p/default/manifests/" + "0" * 64 + ".json",
+                    headers=h)
+    assert r.status_code == 403 and "kept forever" in r.json()["error"]["message"]
+
+
+def test_uploads_over_the_limit_are_refused(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    repo = Repository.open(store)
+    key = create_key(repo.catalog, "p", "writer")[0]
+    repo.close()
+    with TestClient(create_app(str(store), max_object_bytes=1000)) as http:
+        h = {"Authorization": f"Bearer {key}"}
+        assert http.put("/v1/projects/p/objects/chunks/aa/ok", headers=h,
+                        content=b"x" * 1000).status_code == 200
+        r = http.put("/v1/projects/p/objects/chunks/aa/big", headers=h, content=b"x" * 1001)
+        assert r.status_code == 413 and "limited to 1000 bytes" in r.json()["error"]["message"]
+        assert http.head("/v1/projects/p/objects/chunks/aa/big", headers=h).status_code == 404
+
+
+def test_the_api_is_described_by_its_openapi_schema(tmp_path: Path) -> None:
+    with TestClient(create_app(str(tmp_path / "store"))) as http:
+        schema = http.get("/openapi.json").json()
+    paths = schema["paths"]
+    for p in ("/health", "/v1/whoami", "/v1/projects/{project}/jobs/{job}/snapshots",
+              "/v1/projects/{project}/objects/missing", "/v1/projects/{project}/objects/{key}"):
+        assert p in paths, sorted(paths)
+
+
+def test_the_audit_log_records_saves_reads_and_deletes(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    http, keys, store = app_with_keys
+    model, _ = mlp()
+    sid = _save_through(http, keys["writer"], store, model)
+    h = {"Authorization": f"Bearer {keys['reader']}"}
+    assert http.get(f"/v1/projects/p/objects/jobs/p/default/manifests/{sid}.json",
+                    headers=h).status_code == 200
+    r = http.delete(f"/v1/projects/p/snapshots/{sid}",
+                    headers={"Authorization": f"Bearer {keys['admin']}"})
+    assert r.status_code == 200 and r.json()["status"] == "pruned"
+    repo = Repository.open(store)
+    events = audit_log(repo.catalog, "p")
+    repo.close()
+    actions = [e["action"] for e in events]
+    for action in ("snapshot.save", "snapshot.read", "snapshot.delete", "apikey.create",
+                   "apikey.revoke"):
+        assert action in actions, actions
+    save = next(e for e in events if e["action"] == "snapshot.save")
+    writer_id = keys["writer"].split("_")[1]
+    assert save["actor"] == f"key:{writer_id}" and sid in save["target"]
+    assert os.path.exists(store)
+
+
+def test_a_shutdown_during_a_commit_finishes_the_commit(tmp_path: Path) -> None:
+    """SIGTERM while a commit is being written: the server finishes it (the client gets its
+    201), then exits cleanly; the object is in the store."""
+    import signal
+    import threading
+
+    import httpx
+
+    store = tmp_path / "store"
+    key = new_key(store, "p", "writer")
+    port = free_port()
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "ciuic", "--store", str(store), "serve",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "CIUIC_FAILPOINTS": "server.put=sleep:2"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        result: dict[str, Any] = {}
+        key_path = "jobs/p/default/manifests/" + "ab" * 32 + ".json"
+
+        def commit() -> None:
+            r = httpx.put(f"{url}/v1/projects/p/objects/{key_path}?create=true",
+                          content=b"{}", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30)
+            result["status"] = r.status_code
+
+        t = threading.Thread(target=commit)
+        t.start()
+        time.sleep(0.8)  # the request is inside the slowed store write
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        # uvicorn finishes the requests in flight, then re-raises the signal (exit by SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert result.get("status") == 201, (result, (tmp_path / "server.log").read_text()[-2000:])
+    assert (store / "objects" / "projects" / "p" / key_path).exists()
+    assert "Finished server process" in (tmp_path / "server.log").read_text()
