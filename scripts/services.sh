@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the real services the tests start (PostgreSQL, from Debian's packages) when they are
-# missing. The tests start and stop their own servers; this only makes the binaries present.
+# Install the real services the tests start (PostgreSQL; headless Chromium and its driver for
+# the dashboard tests; all from Debian's packages) when they are missing. The tests start and stop their own servers; this only makes the binaries present.
 # Idempotent and quick when everything is installed.
 set -euo pipefail
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
@@ -12,5 +12,16 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb 
   else
     echo "PostgreSQL is not installed and cannot be installed here (need root and apt-get):" \
          "the PostgreSQL tests will fail; install the 'postgresql' package" >&2
+  fi
+fi
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing Chromium and ChromeDriver (Debian packages) for the dashboard tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -q chromium chromium-driver >/dev/null; }
+  else
+    echo "Chromium is not installed and cannot be installed here (need root and apt-get):" \
+         "the dashboard tests will fail; install 'chromium' and 'chromium-driver'" >&2
   fi
 fi

@@ -368,3 +368,36 @@ def test_processes_opening_a_fresh_catalog_at_once_never_call_it_damaged(
         assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
         assert [o.strip() for o, _ in outs] == ["None"] * 6
         assert not list(db.parent.glob("*.damaged-*"))
+
+
+def test_writers_creating_one_project_at_once_all_succeed(tmp_path: Path) -> None:
+    """Many catalog connections (server threads, ranks, clients) creating the same project and
+    jobs at the same moment: a unique-constraint race, not an error."""
+    import threading
+
+    from ciuic.catalog import Catalog
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    Catalog(url).close()
+    errors: list[str] = []
+    barrier = threading.Barrier(16)
+
+    def writer(i: int) -> None:
+        c = Catalog(url)
+        barrier.wait()
+        try:
+            c.ensure_job("proj", f"job{i % 3}")
+        except Exception as e:
+            errors.append(repr(e))
+        finally:
+            c.close()
+
+    for _ in range(3):
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    c = Catalog(url)
+    assert errors == [] and sorted(j["job"] for j in c.jobs()) == ["job0", "job1", "job2"]
+    c.close()

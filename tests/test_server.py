@@ -375,3 +375,32 @@ def test_a_shutdown_during_a_commit_finishes_the_commit(tmp_path: Path) -> None:
     assert result.get("status") == 201, (result, (tmp_path / "server.log").read_text()[-2000:])
     assert (store / "objects" / "projects" / "p" / key_path).exists()
     assert "Finished server process" in (tmp_path / "server.log").read_text()
+
+
+def test_metrics_and_structured_access_logs(
+        app_with_keys: tuple[TestClient, dict[str, str], str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    http, keys, _ = app_with_keys
+    h = {"Authorization": f"Bearer {keys['writer']}"}
+    with caplog.at_level(logging.INFO, logger="ciuic.server.access"):
+        assert http.get("/v1/whoami", headers=h).status_code == 200
+        assert http.get("/v1/whoami").status_code == 401
+        manifest = "jobs/p/default/manifests/" + "cd" * 32 + ".json"
+        assert http.put(f"/v1/projects/p/objects/{manifest}?create=true", headers=h,
+                        content=b"x" * 100).status_code == 201
+    text = http.get("/metrics").text
+    assert 'ciuic_requests_total{method="GET",route="/v1/whoami",status="200"} 1.0' in text
+    assert 'ciuic_requests_total{method="GET",route="/v1/whoami",status="401"} 1.0' in text
+    assert 'ciuic_snapshots_total{project="p"} 1.0' in text
+    assert 'ciuic_object_bytes_total{direction="in"} 100.0' in text
+    assert 'ciuic_request_seconds_count{method="PUT",route="/v1/projects/{project}/objects/' \
+           '{key:path}"} 1.0' in text
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "ciuic.server.access"]
+    assert [(x["route"], x["status"]) for x in lines] == [
+        ("/v1/whoami", 200), ("/v1/whoami", 401),
+        ("/v1/projects/{project}/objects/{key:path}", 201)]
+    assert lines[0]["key"] == keys["writer"].split("_")[1] and lines[1]["key"] is None

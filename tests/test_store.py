@@ -90,7 +90,8 @@ def test_delete_is_idempotent(store: Store) -> None:
 
 
 @pytest.mark.parametrize("key", ["", "../etc/passwd", "a/../b", "/abs", "a//b", "a/./b",
-                                 "sp ace", "a\\b", "back\x00slash"])
+                                 "sp ace", "a\\b", "back\x00slash", "x" * 300,
+                                 "/".join(["abcdefgh"] * 120)])
 def test_bad_keys_are_rejected(store: Store, key: str) -> None:
     with pytest.raises(InvalidKey):
         store.put(key, b"x")

@@ -14,17 +14,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from ..errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
 from ..info import SnapshotInfo
 from ..manifest import Manifest, utc_now
-from .models import SCHEMA_VERSION, Base, Job, Meta, Project, Run, RunEvent, Snapshot
+from .models import SCHEMA_VERSION, Job, Meta, Project, Run, RunEvent, Snapshot
+from .schema import bring_to_head
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -37,6 +38,22 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 
 
 _SCHEMA_ATTEMPTS = 20
+_Row = TypeVar("_Row", Project, Job)
+
+
+def _insert_or_get(s: Session, row: _Row, query: Any) -> _Row:
+    """Insert ``row``, or, when another process or thread inserted the same one first (a
+    unique-constraint race: two writers creating one project), return that one."""
+    try:
+        with s.begin_nested():
+            s.add(row)
+            s.flush()
+        return row
+    except IntegrityError:
+        found = s.scalar(query)
+        if found is None:
+            raise
+        return found  # type: ignore[no-any-return]
 
 
 def _is_damage(e: DatabaseError) -> bool:
@@ -98,7 +115,7 @@ class Catalog:
         self._init_schema()
 
     def _init_schema(self) -> None:
-        Base.metadata.create_all(self.engine)
+        bring_to_head(self.engine, self.url)
         url = self.url
         with self.session() as s:
             row = s.get(Meta, "schema_version")
@@ -125,16 +142,14 @@ class Catalog:
         if p is None:
             if not create:
                 return None
-            p = Project(name=project, created=utc_now())
-            s.add(p)
-            s.flush()
+            p = _insert_or_get(s, Project(name=project, created=utc_now()),
+                               select(Project).where(Project.name == project))
         j = s.scalar(select(Job).where(Job.project_id == p.id, Job.name == job))
         if j is None:
             if not create:
                 return None
-            j = Job(project_id=p.id, name=job, created=utc_now())
-            s.add(j)
-            s.flush()
+            j = _insert_or_get(s, Job(project_id=p.id, name=job, created=utc_now()),
+                               select(Job).where(Job.project_id == p.id, Job.name == job))
         return j.id
 
     def ensure_job(self, project: str, job: str) -> int:

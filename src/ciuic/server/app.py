@@ -12,17 +12,20 @@ each committed manifest it can read, and records who saved, read and deleted wha
 import logging
 import re
 from dataclasses import asdict
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from .. import manifest as mf
 from ..catalog.keys import KeyInfo, audit, authenticate
+from ..crypto import MissingKey
 from ..errors import (
     CiuicError,
     ConfigurationError,
@@ -36,6 +39,8 @@ from ..repo import Repository
 from ..retention import prune_one
 from ..store.base import check_key, check_prefix
 from ..store.prefix import PrefixStore
+from . import inspect
+from .observe import install
 
 log = logging.getLogger("ciuic.server")
 _MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
@@ -81,10 +86,16 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                               "their content-addressed objects. Authenticate with "
                               "`Authorization: Bearer <API key>`.")
     app.state.root = root
+    metrics = install(app)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return _error(e.status, e.code, e.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return _error(e.status_code, code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -113,6 +124,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         info = authenticate(catalog, key)
         if info is None:
             raise ApiError(401, "invalid_key", "the API key is unknown, revoked or expired")
+        request.state.key_id = info.id
         return info
 
     Caller = Annotated[KeyInfo, Depends(caller)]
@@ -134,6 +146,13 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return key
 
     # -- health and identity ------------------------------------------------------------------
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> HTMLResponse:
+        """The dashboard: projects -> jobs -> the chain -> a snapshot (static page, API calls
+        with the key the user enters; it never leaves the browser tab)."""
+        page = resources.files("ciuic.server").joinpath("dashboard.html").read_text("utf-8")
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.get("/health", tags=["operations"])
     def health() -> dict[str, Any]:
@@ -194,6 +213,25 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
               f"{found.job}@{found.step} {found.id}", _remote(request))
         return {"deleted": found.id, "status": "pruned"}
 
+    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}/tensors", tags=["snapshots"])
+    def snapshot_tensors(info: Caller, project: str, snapshot_id: str) -> dict[str, Any]:
+        allow(info, project, "reader")
+        found = _resolve(project, snapshot_id)
+        if found.status != "committed":
+            raise ApiError(410, "pruned", f"snapshot {found.short_id} was pruned: its tensors "
+                           "are gone (the manifest stays in the chain)")
+        try:
+            return inspect.tensors(repo_of(project), found)
+        except MissingKey as e:
+            raise ApiError(422, "encrypted", f"snapshot {found.short_id} is encrypted; only "
+                           f"clients holding the key can read it ({e})") from e
+
+    @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"])
+    def snapshot_verify(info: Caller, project: str, snapshot_id: str,
+                        deep: bool = False) -> dict[str, Any]:
+        allow(info, project, "reader")
+        return inspect.verify(repo_of(project), _resolve(project, snapshot_id), deep)
+
     def _resolve(project: str, snapshot_id: str) -> Any:
         if not re.fullmatch(r"[0-9a-f]{4,64}", snapshot_id):
             raise ApiError(400, "invalid_name", f"{snapshot_id!r} is not a snapshot ID (hex)")
@@ -243,6 +281,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                 raise ApiError(413, "too_large",
                                f"objects are limited to {max_object_bytes} bytes")
         store = repo_of(project).store
+        metrics.bytes.labels("in").inc(len(body))
         await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
         if not create:
             await run_in_threadpool(store.put, key, bytes(body))
@@ -254,6 +293,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         response.status_code = 201
         m = _MANIFEST.match(key)
         if m is not None:  # a commit: index it and record who saved it
+            metrics.snapshots.labels(project).inc()
             await run_in_threadpool(_index, project, m.group(2))
             audit(catalog, f"key:{info.id}", project, "snapshot.save",
                   f"{m.group(2)} {m.group(3)}", _remote(request))
@@ -270,6 +310,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         allow(info, project, "reader")
         key = object_key(project, key)
         data = repo_of(project).store.get(key)
+        metrics.bytes.labels("out").inc(len(data))
         m = _MANIFEST.match(key)
         if m is not None:
             audit(catalog, f"key:{info.id}", project, "snapshot.read",

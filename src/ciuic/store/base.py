@@ -37,11 +37,23 @@ def joined(data: Data) -> bytes:
     return b"".join(parts(data)) if isinstance(data, list) else bytes(data)
 
 
+#: the longest key and '/'-separated part a store accepts: every backend can hold them (a local
+#: file name may have 255 bytes; S3 keys 1024)
+MAX_KEY_CHARS = 1024
+MAX_PART_CHARS = 200
+
+
 def check_key(key: str) -> str:
     """Return ``key`` if it is well formed, else raise :class:`InvalidKey`."""
     if not isinstance(key, str) or not key:
         raise InvalidKey(f"invalid store key {key!r}: must be a non-empty string")
+    if len(key) > MAX_KEY_CHARS:
+        raise InvalidKey(f"invalid store key {key[:60]!r}...: longer than {MAX_KEY_CHARS} "
+                         "characters")
     for part in key.split("/"):
+        if len(part) > MAX_PART_CHARS:
+            raise InvalidKey(f"invalid store key {key[:60]!r}...: a part is longer than "
+                             f"{MAX_PART_CHARS} characters (file systems refuse such names)")
         if part in ("", ".", "..") or not _COMPONENT.match(part):
             raise InvalidKey(
                 f"invalid store key {key!r}: each '/'-separated part must match "

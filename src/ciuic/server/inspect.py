@@ -1,0 +1,80 @@
+"""What the dashboard shows of one snapshot: its tensors and their statistics, and a check."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..chain import verify_job
+from ..info import SnapshotInfo
+from ..reader import load_states
+from ..repo import Repository
+from ..tree import walk_leaves
+
+#: statistics are computed for snapshots up to this size (they read every byte)
+STATS_MAX_BYTES = 512 * 1024 * 1024
+
+
+def _stats(value: Any) -> dict[str, Any]:
+    t = torch.as_tensor(value) if isinstance(value, np.ndarray) else value
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return {}
+    if t.is_complex() or t.dtype == torch.bool or not (t.is_floating_point()
+                                                        or t.dtype in (torch.int8, torch.int16,
+                                                                       torch.int32, torch.int64,
+                                                                       torch.uint8)):
+        return {}
+    f = t.detach().to(torch.float64).reshape(-1)
+    finite = f[torch.isfinite(f)]
+    out: dict[str, Any] = {"nan": int(torch.isnan(f).sum()), "inf": int(torch.isinf(f).sum())}
+    if finite.numel():
+        out |= {"min": float(finite.min()), "max": float(finite.max()),
+                "mean": float(finite.mean()),
+                "std": float(finite.std()) if finite.numel() > 1 else 0.0,
+                "norm": float(finite.norm())}
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in out.items()}
+
+
+def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
+    """Every tensor of a snapshot (path, dtype, shape, bytes) with statistics when the snapshot
+    is at most ``STATS_MAX_BYTES``."""
+    from ..reader import read_body
+
+    _, trees = read_body(repo, info)
+    rows: list[dict[str, Any]] = [
+        {"path": p, "dtype": str(d["dtype"]), "shape": list(d["shape"]), "bytes": int(d["nbytes"])}
+        for p, _k, d in walk_leaves(trees)]
+    with_stats = info.total_bytes <= STATS_MAX_BYTES
+    if with_stats:
+        _, states = load_states(repo, info)
+        values: dict[str, Any] = {}
+
+        def collect(value: Any, path: str) -> None:
+            if isinstance(value, (torch.Tensor, np.ndarray)):
+                values[path] = value
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    collect(v, f"{path}/{str(k).replace('%', '%25').replace('/', '%2F')}")
+            elif isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    collect(v, f"{path}/{i}")
+
+        for name, value in states.items():
+            collect(value, name)
+        for row in rows:
+            row["stats"] = _stats(values.get(row["path"]))
+    return {"id": info.id, "step": info.step, "tensors": rows, "stats": with_stats,
+            "stats_limit_bytes": STATS_MAX_BYTES}
+
+
+def verify(repo: Repository, info: SnapshotInfo, deep: bool) -> dict[str, Any]:
+    """Check one snapshot: its manifest, its chain link, its body and its chunks (``deep``:
+    re-read and re-hash every chunk)."""
+    report = verify_job(repo, info.project, info.job, deep=deep, only=info.id)
+    return {"id": info.id, "ok": report.ok, "deep": deep,
+            "chunks_checked": report.chunks_checked,
+            "problems": [{"key": p.key, "reason": p.reason} for p in report.problems or []]}

@@ -1,0 +1,124 @@
+"""The dashboard in a real headless Chromium (Debian's chromium + chromedriver, through
+Selenium) against a real `ciuic serve` process: load, navigate projects -> jobs -> the chain ->
+a snapshot, verify a snapshot, screenshot every page."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager
+from tests.test_server import new_key, serve
+
+
+def chrome(profile: Path) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not binary or not driver:
+        raise RuntimeError("Chromium is not installed: run scripts/services.sh (as root), or "
+                           "install Debian's chromium and chromium-driver")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1280,900",
+                f"--user-data-dir={profile}"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(options=opts, service=Service(executable_path=driver))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """A server holding job dash/train with four snapshots (loss recorded); a reader key."""
+    base = tmp_path_factory.mktemp("dash")
+    store = base / "store"
+    writer = new_key(store, "dash", "writer")
+    reader = new_key(store, "dash", "reader")
+    with serve(store, base / "server.log") as url:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 4))
+        with SnapshotManager("dash", job="train", api_key=writer, endpoint=url,
+                             save_interval=10, handle_signals=False) as m:
+            for step in range(40):
+                with torch.no_grad():
+                    model[0].weight.mul_(0.99)
+                m.step(step, model, loss=2.0 / (step + 1))
+        yield url, reader, base
+
+
+def wait_ready(driver: Any, route: str) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, 30).until(
+        lambda d: d.execute_script("return document.body.dataset.ready") == route)
+
+
+def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
+                                             tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key, _ = site
+    driver = chrome(tmp_path / "profile")
+    shots: list[Path] = []
+
+    def shot(name: str) -> None:
+        path = tmp_path / f"{name}.png"
+        driver.save_screenshot(str(path))
+        shots.append(path)
+
+    try:
+        driver.get(f"{url}/#key={key}")
+        wait_ready(driver, "/")
+        assert "dash" in driver.find_element(By.ID, "projects").text
+        assert "reader of dash" in driver.find_element(By.ID, "who").text
+        shot("projects")
+        driver.find_element(By.LINK_TEXT, "dash").click()
+        wait_ready(driver, "/p/dash")
+        jobs = driver.find_element(By.ID, "jobs").text
+        assert "train" in jobs and "4" in jobs
+        shot("jobs")
+        driver.find_element(By.LINK_TEXT, "train").click()
+        wait_ready(driver, "/p/dash/j/train")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step]")
+        assert [r.get_attribute("data-step") for r in rows] == ["30", "20", "10", "0"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#chart circle")) == 4
+        assert "loss" in driver.find_element(By.ID, "chart").text
+        rows[0].find_element(By.CSS_SELECTOR, "button[data-verify]").click()
+        WebDriverWait(driver, 30).until(lambda d: "verified" in rows[0].text)
+        shot("chain")
+        rows[0].find_elements(By.TAG_NAME, "a")[0].click()
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_elements(By.ID, "tensors") or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        table = driver.find_element(By.ID, "tensors").text
+        assert "model/0.weight" in table and "float32" in table and "(64, 32)" in table
+        assert "step 30" in driver.find_element(By.TAG_NAME, "h2").text
+        shot("snapshot")
+    finally:
+        driver.quit()
+    for path in shots:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_a_refused_key_says_so_and_asks_for_another(site: tuple[str, str, Path],
+                                                    tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    url, _, _ = site
+    driver = chrome(tmp_path / "profile")
+    try:
+        driver.get(f"{url}/#key=ciuic_000000000000_not-a-real-key-not-a-real")
+        wait_ready(driver, "/")
+        assert "refused" in driver.find_element(By.ID, "error").text
+        assert driver.find_element(By.ID, "login").is_displayed()
+    finally:
+        driver.quit()

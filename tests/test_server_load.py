@@ -1,0 +1,31 @@
+"""32 concurrent clients save and restore against a real `ciuic serve` for a bounded time:
+nothing lost, nothing corrupted, no error (bench/server_load.py; figures in docs/server.md)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_server import new_key, serve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from server_load import run
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    store = tmp_path / "store"
+    key = new_key(store, "load", "writer")
+    with serve(store, tmp_path / "server.log") as url:
+        yield url, key
+
+
+def test_32_clients_lose_and_corrupt_nothing(server: tuple[str, str]) -> None:
+    url, key = server
+    out = run(url, key, clients=32, seconds=6.0)
+    assert out["error_count"] == 0, out["errors"]
+    assert out["lost"] == 0 and out["corrupted"] == 0, out
+    assert out["saves"] >= 32 and out["restores"] > 0, out
