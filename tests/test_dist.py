@@ -130,7 +130,18 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
     ok(torchrun(after, store, tmp_path / "restored", "--mode", "fsdp", "--steps", "9",
                 "--dump"))
     assert report(tmp_path / "restored")["restored_step"] == 8
-    same(full(tmp_path / "saved" / "full.pt"), full(tmp_path / "restored" / "full.pt"))
+    saved = full(tmp_path / "saved" / "full.pt")
+    same(saved, full(tmp_path / "restored" / "full.pt"))
+    # the sharded snapshot consolidated into one file
+    dest = tmp_path / "model.safetensors"
+    run = subprocess.run([sys.executable, "-m", "ciuic", "restore", "tests/dist@latest",
+                          "--to", str(dest)], capture_output=True, text=True,
+                         env={**os.environ, "CIUIC_HOME": str(store)})
+    assert run.returncode == 0, run.stderr
+    from safetensors.torch import load_file
+
+    same(load_file(str(dest)), {k[len("model/"):]: v for k, v in saved.items()
+                                if k.startswith("model/")})
 
 
 def test_ddp_snapshot_restores_into_a_plain_single_process_model_and_exports(

@@ -404,3 +404,21 @@ def test_metrics_and_structured_access_logs(
         ("/v1/whoami", 200), ("/v1/whoami", 401),
         ("/v1/projects/{project}/objects/{key:path}", 201)]
     assert lines[0]["key"] == keys["writer"].split("_")[1] and lines[1]["key"] is None
+
+
+def test_the_batch_missing_call_and_the_commit_semantics(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    http, keys, _ = app_with_keys
+    h = {"Authorization": f"Bearer {keys['writer']}"}
+    assert http.put("/v1/projects/p/objects/chunks/aa/have", headers=h,
+                    content=b"1").status_code == 200
+    r = http.post("/v1/projects/p/objects/missing", headers=h,
+                  json={"keys": ["chunks/aa/have", "chunks/bb/lack", "chunks/cc/lack2"]})
+    assert r.status_code == 200 and r.json() == {"missing": ["chunks/bb/lack", "chunks/cc/lack2"]}
+    bad = http.post("/v1/projects/p/objects/missing", headers=h, json={"keys": ["../x"]})
+    assert bad.status_code == 400
+    commit = "/v1/projects/p/objects/jobs/p/default/manifests/" + "ef" * 32 + ".json"
+    assert http.put(commit + "?create=true", headers=h, content=b"first").status_code == 201
+    again = http.put(commit + "?create=true", headers=h, content=b"second")
+    assert again.status_code == 409 and again.json()["created"] is False
+    assert http.get(commit, headers=h).content == b"first"  # the first commit stands
