@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,50 @@ def reference_state(scale: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
         state[f"adam.exp_avg.{name}"] = torch.randn(shape, generator=g) * 1e-3
         state[f"adam.exp_avg_sq.{name}"] = torch.rand(shape, generator=g) * 1e-6
     return state
+
+
+def h200_state(scale: int = 1, seed: int = 0, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """The H200 reference state of PERFORMANCE.md, about 5.6 GB at scale 1: a GPT-like model
+    (d=3072, 3 layers, 24k vocabulary; 420 M parameters) as bf16 weights, fp32 master weights
+    and Adam's two fp32 moments, 14 bytes per parameter, built on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d, vocab, layers = 3072 // scale, 24_000 // scale, 3
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, d), "pos_emb": (2048 // scale, d)}
+    for i in range(layers):
+        shapes |= {f"h{i}.attn.qkv": (3 * d, d), f"h{i}.attn.proj": (d, d),
+                   f"h{i}.mlp.fc": (4 * d, d), f"h{i}.mlp.proj": (d, 4 * d),
+                   f"h{i}.ln1.weight": (d,), f"h{i}.ln2.weight": (d,)}
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        master = torch.randn(shape, generator=g, device=device) * 0.02
+        state[f"model.{name}"] = master.to(torch.bfloat16)
+        state[f"master.{name}"] = master
+        state[f"adam.exp_avg.{name}"] = torch.randn(shape, generator=g, device=device) * 1e-3
+        state[f"adam.exp_avg_sq.{name}"] = torch.rand(shape, generator=g, device=device) * 1e-6
+    return state
+
+
+def sync(state: dict[str, torch.Tensor]) -> None:
+    """Wait for the device (timings on a GPU end when its work has)."""
+    if any(t.is_cuda for t in state.values()):
+        torch.cuda.synchronize()
+
+
+def disk_floor(base: Path, size: int) -> float:
+    """The disk's raw write floor: ``size`` bytes in 64 MiB writes, then fsync (as dd does)."""
+    path = base / "disk-floor.bin"
+    block = b"\1" * (64 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = size
+        while left > 0:
+            f.write(block[:min(left, len(block))])
+            left -= len(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return elapsed
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -121,6 +166,7 @@ class System:
 
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         self.name, self.state = name, state
+        self.device = next(iter(state.values())).device
         self.dir = base / name.replace(" ", "_").replace(".", "_")
 
     def fresh(self) -> None:
@@ -151,7 +197,8 @@ class TorchSave(System):
             os.fsync(f.fileno())
 
     def load(self) -> None:
-        torch.load(self.dir / "state.pt", weights_only=True)
+        out = torch.load(self.dir / "state.pt", weights_only=True, map_location=self.device)
+        sync(out)
 
 
 class Safetensors(System):
@@ -164,9 +211,10 @@ class Safetensors(System):
     def load(self) -> None:
         from safetensors.torch import load_file
 
-        out = load_file(str(self.dir / "state.safetensors"))
+        out = load_file(str(self.dir / "state.safetensors"), device=str(self.device))
         for t in out.values():  # load_file maps lazily: touch every byte
             t.sum()
+        sync(out)
 
 
 class DCP(System):
@@ -181,6 +229,7 @@ class DCP(System):
 
         target = {k: torch.empty_like(v) for k, v in self.state.items()}
         dcp.load(target, checkpoint_id=str(self.dir / "ckpt"))
+        sync(target)
 
 
 class DCPAsync(DCP):
@@ -248,14 +297,26 @@ class Ciuic(System):
         from ciuic import SnapshotManager
 
         self.close()  # a restarted job: the writer is gone (else the reader would take over)
-        holder = StateHolder({})
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
-            m.restore(state=holder)
+            if self.device.type == "cpu":
+                m.restore(state=StateHolder({}))  # fresh CPU tensors, as torch.load makes
+            else:  # into the live device tensors, through pinned (reused) staging buffers
+                target = {k: torch.empty_like(v) for k, v in self.state.items()}
+                m.restore(state=DeviceHolder(target))
+                sync(target)
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()  # type: ignore[attr-defined]
             self.manager = None
+
+
+class DeviceHolder(StateHolder):
+    """Restores by copying into tensors that already live on the device (a GPU job's state)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            self.state[k].copy_(v, non_blocking=True)
 
 
 class CiuicEncrypted(Ciuic):
@@ -279,12 +340,15 @@ def release_freed_memory() -> None:
 
 def staging_floor(state: dict[str, torch.Tensor]) -> float:
     """The stall's floor: copying the state into buffers allocated beforehand."""
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    cuda = any(v.is_cuda for v in state.values())  # device -> pinned host, as ciuic stages
+    buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state.items()}
     for k, v in state.items():  # touch once, as reused buffers are
         buffers[k].copy_(v)
+    sync(state)
     t0 = time.perf_counter()
     for k, v in state.items():
-        buffers[k].copy_(v)
+        buffers[k].copy_(v, non_blocking=cuda)
+    sync(state)
     return time.perf_counter() - t0
 
 
@@ -304,17 +368,28 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="1/16-size state, 1 round")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
+    p.add_argument("--state", choices=["gpt1g", "h200"], default="gpt1g",
+                   help="the CPU reference state (1 GiB fp32) or the H200 one (5.6 GB: bf16 "
+                        "weights, fp32 master, Adam), built on --device")
+    p.add_argument("--device", default=None,
+                   help="where the state lives (default: cuda for h200, else cpu)")
+    p.add_argument("--scale", type=int, default=None, help="divide the state's dimensions")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)  # keep the recovery log out of the table
     if not os.environ.get("CIUIC_ENCRYPTION_KEY"):
         from ciuic.crypto import generate_key_text
 
         os.environ["CIUIC_ENCRYPTION_KEY"] = generate_key_text()  # for the ciuic+aes system
-    scale = 4 if a.quick else 1
+    scale = a.scale or (4 if a.quick else 1)
     rounds = 1 if a.quick else a.rounds
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-bench-"))
-    state = reference_state(scale)
+    device = a.device or ("cuda" if a.state == "h200" else "cpu")
+    state = (h200_state(scale, device=device) if a.state == "h200"
+             else {k: v.to(device) for k, v in reference_state(scale).items()})
     size = nbytes(state)
+    base.mkdir(parents=True, exist_ok=True)
+    write_floor = disk_floor(base, size)
+    print(f"disk write floor (64 MiB writes + fsync of the state's size): {write_floor:.3f} s")
     print(f"state: {len(state)} tensors, {size / 2**30:.3f} GiB; machine: {platform.node()} "
           f"{os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}")
     systems: list[System] = [TorchSave("torch.save", base, state),
@@ -357,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"{summary(ciuic.steady['stall'])} s, durable {summary(ciuic.steady['durable'])} s, "
           f"new bytes {statistics.median(ciuic.steady['new_bytes']) / size:.3f} of the state")
     out: dict[str, object] = {"state_bytes": size, "rounds": rounds, "results": results,
+                              "state": a.state, "device": device, "disk_write_floor": write_floor,
                               "staging_floor": floor, "ciuic_incremental": ciuic.steady,
                               "machine": {"node": platform.node(), "cpus": os.cpu_count()}}
     if a.json:
