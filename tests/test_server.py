@@ -374,7 +374,13 @@ def test_a_shutdown_during_a_commit_finishes_the_commit(tmp_path: Path) -> None:
         log.close()
     assert result.get("status") == 201, (result, (tmp_path / "server.log").read_text()[-2000:])
     assert (store / "objects" / "projects" / "p" / key_path).exists()
-    assert "Finished server process" in (tmp_path / "server.log").read_text()
+    logged = (tmp_path / "server.log").read_text()
+    assert "Finished server process" in logged
+    import json
+
+    lines = [json.loads(x) for x in logged.splitlines() if x.startswith('{"method"')]
+    assert {"method": "PUT", "status": 201} in [{k: x[k] for k in ("method", "status")}
+                                                for x in lines]  # the JSON access log
 
 
 def test_metrics_and_structured_access_logs(
@@ -422,3 +428,27 @@ def test_the_batch_missing_call_and_the_commit_semantics(
     again = http.put(commit + "?create=true", headers=h, content=b"second")
     assert again.status_code == 409 and again.json()["created"] is False
     assert http.get(commit, headers=h).content == b"first"  # the first commit stands
+
+
+def test_a_save_asks_the_server_once_which_chunks_it_lacks(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    from ciuic import knobs
+
+    http, keys, store = app_with_keys
+    model, _ = mlp()
+    with knobs.override(chunk_bytes=4096):  # the model's weights: 20+ chunks
+        _save_through(http, keys["writer"], store, model)
+        with torch.no_grad():
+            model[0].bias.add_(1)
+        _save_through(http, keys["writer"], store, model)
+    text = http.get("/metrics").text
+    route = 'route="/v1/projects/{project}/objects/{key:path}"'
+    heads = sum(int(float(n)) for n in re.findall(
+        r'ciuic_requests_total\{method="HEAD",' + re.escape(route) + r',status="\d+"\} ([\d.]+)',
+        text))
+    assert heads <= 2  # per snapshot (the gc lock), never per chunk (20+ of them)
+    assert ('ciuic_requests_total{method="POST",route="/v1/projects/{project}/objects/missing",'
+            'status="200"} 2.0') in text  # one per snapshot
+    puts = re.findall(r'ciuic_requests_total\{method="PUT",' + re.escape(route)
+                      + r',status="(\d+)"\} (\d+)', text)
+    assert puts  # chunks went up, and the second snapshot sent only what changed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import logging
 import socket
 from typing import Annotated
 
@@ -44,8 +45,16 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on")] = "127
                                  "'ciuic[server]'") from e
     location = _state.get("store") or default_location()
     console.print(f"serving {location} on http://{host}:{port} (API schema: /docs)")
+    # one JSON line per request on stderr (ciuic.server.observe), instead of uvicorn's own
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("ciuic.server.access", "ciuic.server"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
     uvicorn.run(create_app(location, catalog), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=30)
+                access_log=False, timeout_graceful_shutdown=30)
 
 
 @apikey_app.command("create")

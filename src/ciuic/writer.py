@@ -95,15 +95,31 @@ class _ChunkWriter:
         self.lock = threading.Lock()
         self.stored_bytes = 0  # what the new chunks take in the store (after compression)
 
+        #: digest of each piece, when hashed ahead (batch mode), and the chunks the store lacks
+        self.named: dict[int, str] = {}
+        self.lacking: set[str] | None = None
+
+    def ask_in_one_batch(self, pieces: list[memoryview], pool: ThreadPoolExecutor) -> None:
+        """Hash every piece now and ask the store once which chunks it lacks (a server: one
+        round trip per snapshot instead of one per chunk)."""
+        digests = list(pool.map(self.codec.name, pieces))
+        self.named = {id(p): d for p, d in zip(pieces, digests, strict=True)}
+        with self.lock:
+            candidates = sorted({ck.chunk_key(d) for d in digests
+                                 if d not in self.cache.digests})
+        self.lacking = set(self.store.missing(candidates))
+
     def __call__(self, piece: memoryview, kind: tuple[str, int] | None) -> tuple[str, int]:
-        d = self.codec.name(piece)
+        d = self.named.get(id(piece)) or self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
                 return d, 0
             self.cache.digests.add(d)  # claimed: a twin piece in this snapshot skips the write
         try:
             key = ck.chunk_key(d)
-            if self.store.has(key):
+            present = (key not in self.lacking if self.lacking is not None
+                       else self.store.has(key))
+            if present:
                 return d, 0
             encoded = self.compression.encode(kind, piece)
             failpoint("chunk.put")
@@ -147,6 +163,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
         leaf.descriptor.update(desc)
     writer = _ChunkWriter(repo, cache, codec, compression)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
+        if repo.store.batch_missing and pieces:
+            writer.ask_in_one_batch(pieces, pool)
         for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces, kinds),
                                            strict=True):
             desc["chunks"].append([d, len(piece)])

@@ -136,6 +136,14 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``. Idempotent: a missing key is not an error."""
 
+    #: whether :meth:`missing` answers many keys in one round trip (a server): the writer then
+    #: asks once per snapshot instead of once per chunk
+    batch_missing: bool = False
+
+    def missing(self, keys: builtins.list[str]) -> builtins.list[str]:
+        """Which of ``keys`` the store lacks, in their order."""
+        return [k for k in keys if not self.has(k)]
+
     def lock(self, name: str) -> AbstractContextManager[None]:
         """A lock named ``name`` (a key-like string), exclusive across every process that uses
         this store, held for the ``with`` block. Used to make a fencing check and a commit

@@ -42,6 +42,14 @@ class PrefixStore(Store):
     def has(self, key: str) -> bool:
         return self.inner.has(self._k(key))
 
+    @property
+    def batch_missing(self) -> bool:  # type: ignore[override]
+        return self.inner.batch_missing
+
+    def missing(self, keys: builtins.list[str]) -> builtins.list[str]:
+        n = len(self.prefix)
+        return [k[n:] for k in self.inner.missing([self._k(k) for k in keys])]
+
     def list(self, prefix: str = "") -> Iterator[str]:
         check_prefix(prefix)
         n = len(self.prefix)

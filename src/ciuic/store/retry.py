@@ -91,6 +91,13 @@ class RetryingStore(Store):
     def has(self, key: str) -> bool:
         return self._call("checking", key, lambda: self.inner.has(key))
 
+    @property
+    def batch_missing(self) -> bool:  # type: ignore[override]
+        return self.inner.batch_missing
+
+    def missing(self, keys: list[str]) -> list[str]:
+        return self._call("checking", f"{len(keys)} keys", lambda: self.inner.missing(keys))
+
     def list(self, prefix: str = "") -> Iterator[str]:
         return iter(self._call("listing", prefix, lambda: list(self.inner.list(prefix))))
 
