@@ -103,6 +103,11 @@ def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
         assert "model/0.weight" in table and "float32" in table and "(64, 32)" in table
         assert "step 30" in driver.find_element(By.TAG_NAME, "h2").text
         shot("snapshot")
+        # names from the URL are text, never markup (a crafted link cannot run script)
+        driver.get(f"{url}/#/p/%22%3E%3Cimg%20id%3Dpwned%20src%3Dx%3E")
+        wait_ready(driver, '/p/%22%3E%3Cimg%20id%3Dpwned%20src%3Dx%3E')
+        assert not driver.find_elements(By.ID, "pwned")
+        assert '"><img' in driver.find_element(By.ID, "crumbs").text
     finally:
         driver.quit()
     for path in shots:

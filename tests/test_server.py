@@ -452,3 +452,45 @@ def test_a_save_asks_the_server_once_which_chunks_it_lacks(
     puts = re.findall(r'ciuic_requests_total\{method="PUT",' + re.escape(route)
                       + r',status="(\d+)"\} (\d+)', text)
     assert puts  # chunks went up, and the second snapshot sent only what changed
+
+
+def test_committed_and_content_addressed_objects_are_never_replaced(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    """Found by review: a writer could replace a committed manifest or a chunk with a plain
+    PUT, breaking the chain or poisoning deduplication."""
+    http, keys, _ = app_with_keys
+    h = {"Authorization": f"Bearer {keys['writer']}"}
+    manifest = "/v1/projects/p/objects/jobs/p/default/manifests/" + "ab" * 32 + ".json"
+    assert http.put(manifest + "?create=true", headers=h, content=b"first").status_code == 201
+    r = http.put(manifest, headers=h, content=b"evil")
+    assert r.status_code == 403 and "never replaced" in r.json()["error"]["message"]
+    chunk = "/v1/projects/p/objects/chunks/cd/" + "cd" * 32
+    assert http.put(chunk, headers=h, content=b"real").status_code == 200
+    assert http.put(chunk, headers=h, content=b"fake").status_code == 200
+    assert http.get(manifest, headers=h).content == b"first"
+    assert http.get(chunk, headers=h).content == b"real"
+
+
+def test_snapshot_ids_of_other_projects_stay_invisible(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    """Found by review: an ID prefix was looked up across every project, and an ambiguous one
+    listed other projects' IDs."""
+    from ciuic.catalog import Catalog
+    from ciuic.manifest import Manifest, utc_now
+
+    http, keys, store = app_with_keys
+    catalog = Catalog(f"sqlite:///{Path(store).resolve() / 'catalog.db'}")
+    for i, project in enumerate(("q", "q")):
+        m = Manifest(project=project, job="j", step=i, parent="", created=utc_now(),
+                     body="a" * 64, body_bytes=1, total_bytes=1, new_bytes=1, tensors=1)
+        catalog.add_snapshot(m, f"beef{i}" + "0" * 59)
+    catalog.close()
+    h = {"Authorization": f"Bearer {keys['admin']}"}
+    for ref in ("beef", "beef0", "beef1" + "0" * 59):
+        r = http.get(f"/v1/projects/p/snapshots/{ref}", headers=h)
+        assert r.status_code == 404, r.text
+        if len(ref) < 64:  # a short reference never reveals the IDs it would have matched
+            assert "beef0000" not in r.text and "beef1000" not in r.text, r.text
+    r = http.post("/v1/projects/p/snapshots/" + "0" * 64 + "/verify?deep=true",
+                  headers={"Authorization": f"Bearer {keys['reader']}"})
+    assert r.status_code == 403  # a deep check re-reads everything: writers only

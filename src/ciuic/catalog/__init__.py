@@ -262,11 +262,13 @@ class Catalog:
                 raise SnapshotNotFound(f"no snapshot with ID {snapshot_id}")
             return self._info(*row)
 
-    def find_prefix(self, prefix: str) -> SnapshotInfo:
+    def find_prefix(self, prefix: str, project: str | None = None) -> SnapshotInfo:
+        """The one snapshot whose ID starts with ``prefix`` (within ``project``, if given)."""
+        q = self._select().where(Snapshot.id.like(prefix + "%"))
+        if project is not None:
+            q = q.where(Project.name == project)
         with self.session() as s:
-            rows = s.execute(
-                self._select().where(Snapshot.id.like(prefix + "%")).limit(5)
-            ).all()
+            rows = s.execute(q.limit(5)).all()
         if not rows:
             raise SnapshotNotFound(
                 f"no snapshot ID starts with {prefix!r}; `ciuic log JOB` lists a job's snapshots"

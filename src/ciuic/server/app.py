@@ -45,6 +45,8 @@ from .observe import install
 log = logging.getLogger("ciuic.server")
 _MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
 _BODY = re.compile(r"^jobs/([^/]+)/([^/]+)/bodies/[0-9a-f]{64}\.json$")
+_CONTENT_ADDRESSED = re.compile(r"^(chunks/[0-9a-f]{2}/[0-9a-f]{64}|"
+                                r"jobs/[^/]+/[^/]+/bodies/[0-9a-f]{64}\.json)$")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
 
@@ -229,13 +231,14 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"])
     def snapshot_verify(info: Caller, project: str, snapshot_id: str,
                         deep: bool = False) -> dict[str, Any]:
-        allow(info, project, "reader")
+        allow(info, project, "writer" if deep else "reader")  # deep re-reads every chunk
         return inspect.verify(repo_of(project), _resolve(project, snapshot_id), deep)
 
     def _resolve(project: str, snapshot_id: str) -> Any:
         if not re.fullmatch(r"[0-9a-f]{4,64}", snapshot_id):
             raise ApiError(400, "invalid_name", f"{snapshot_id!r} is not a snapshot ID (hex)")
-        found = repo_of(project).resolve(snapshot_id)
+        found = (catalog.get(snapshot_id) if len(snapshot_id) == 64
+                 else catalog.find_prefix(snapshot_id, project))  # never another project's
         if found.project != project:
             raise SnapshotNotFound(f"no snapshot {snapshot_id} in project {project}")
         return found
@@ -272,6 +275,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         allow(info, project, "writer")
         key = object_key(project, key)
         declared = request.headers.get("content-length")
+        if declared is not None and not declared.isdigit():
+            raise ApiError(400, "invalid_request", "Content-Length must be a number of bytes")
         if declared is not None and int(declared) > max_object_bytes:
             raise ApiError(413, "too_large", f"objects are limited to {max_object_bytes} bytes")
         body = bytearray()
@@ -283,27 +288,36 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         store = repo_of(project).store
         metrics.bytes.labels("in").inc(len(body))
         await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
+        m = _MANIFEST.match(key)
+        if m is not None and not create:
+            raise ApiError(403, "forbidden", "a manifest is committed once, with "
+                           "PUT ...?create=true, and never replaced (it is the chain)")
         if not create:
-            await run_in_threadpool(store.put, key, bytes(body))
+            if _CONTENT_ADDRESSED.match(key):  # named by their content: the first copy stays
+                await run_in_threadpool(store.create, key, bytes(body))
+            else:
+                await run_in_threadpool(store.put, key, bytes(body))
             return {"key": key, "stored": True}
         created = await run_in_threadpool(store.create, key, bytes(body))
         if not created:
             response.status_code = 409
             return {"key": key, "created": False}
         response.status_code = 201
-        m = _MANIFEST.match(key)
-        if m is not None:  # a commit: index it and record who saved it
+        if m is not None:  # committed: record who saved it, index it; neither may undo it
             metrics.snapshots.labels(project).inc()
+            try:
+                audit(catalog, f"key:{info.id}", project, "snapshot.save",
+                      f"{m.group(2)} {m.group(3)}", _remote(request))
+            except Exception as e:
+                log.error("could not audit the commit of %s: %s", key, e)
             await run_in_threadpool(_index, project, m.group(2))
-            audit(catalog, f"key:{info.id}", project, "snapshot.save",
-                  f"{m.group(2)} {m.group(3)}", _remote(request))
         return {"key": key, "created": True}
 
     def _index(project: str, job: str) -> None:
         try:
             repo_of(project).sync_job(project, job)
-        except CiuicError as e:  # a sealed manifest the server cannot read: index stays lazy
-            log.info("not indexing %s/%s: %s", project, job, e)
+        except Exception as e:  # unreadable (sealed) or a busy catalog: listings index lazily
+            log.info("not indexing %s/%s now: %s", project, job, e)
 
     @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
     def get_object(info: Caller, project: str, key: str, request: Request) -> Response:

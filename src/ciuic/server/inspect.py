@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from ..tree import walk_leaves
 
 #: statistics are computed for snapshots up to this size (they read every byte)
 STATS_MAX_BYTES = 512 * 1024 * 1024
+_ONE_AT_A_TIME = threading.Semaphore(1)
 
 
 def _stats(value: Any) -> dict[str, Any]:
@@ -48,9 +50,11 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
     rows: list[dict[str, Any]] = [
         {"path": p, "dtype": str(d["dtype"]), "shape": list(d["shape"]), "bytes": int(d["nbytes"])}
         for p, _k, d in walk_leaves(trees)]
-    with_stats = info.total_bytes <= STATS_MAX_BYTES
+    # the size the body describes (what would be read), not the manifest's declared total
+    with_stats = sum(row["bytes"] for row in rows) <= STATS_MAX_BYTES
     if with_stats:
-        _, states = load_states(repo, info)
+        with _ONE_AT_A_TIME:  # statistics read whole snapshots: never several at once
+            _, states = load_states(repo, info)
         values: dict[str, Any] = {}
 
         def collect(value: Any, path: str) -> None:
