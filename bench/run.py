@@ -39,16 +39,23 @@ from ciuic import StateHolder
 Fn = Callable[[], None]
 
 
-def reference_state(scale: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Model weights (std 0.02) plus Adam exp_avg / exp_avg_sq, as one flat dict."""
-    g = torch.Generator().manual_seed(seed)
-    d, vocab, layers = 1024 // scale, 24_000 // scale, 5
-    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, d), "pos_emb": (1024, d),
-                                          "ln_f.weight": (d,), "ln_f.bias": (d,)}
+def gpt_shapes(d: int, vocab: int, layers: int, extra: dict[str, tuple[int, ...]]
+               ) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a GPT-like transformer: embeddings, ``extra``, then the blocks."""
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, d), **extra}
     for i in range(layers):
         shapes |= {f"h{i}.attn.qkv": (3 * d, d), f"h{i}.attn.proj": (d, d),
                    f"h{i}.mlp.fc": (4 * d, d), f"h{i}.mlp.proj": (d, 4 * d),
                    f"h{i}.ln1.weight": (d,), f"h{i}.ln2.weight": (d,)}
+    return shapes
+
+
+def reference_state(scale: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Model weights (std 0.02) plus Adam exp_avg / exp_avg_sq, as one flat dict."""
+    g = torch.Generator().manual_seed(seed)
+    d = 1024 // scale
+    shapes = gpt_shapes(d, 24_000 // scale, 5, {"pos_emb": (1024, d), "ln_f.weight": (d,),
+                                                "ln_f.bias": (d,)})
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         w = torch.randn(shape, generator=g) * 0.02
@@ -63,12 +70,8 @@ def h200_state(scale: int = 1, seed: int = 0, device: str = "cuda") -> dict[str,
     (d=3072, 3 layers, 24k vocabulary; 420 M parameters) as bf16 weights, fp32 master weights
     and Adam's two fp32 moments, 14 bytes per parameter, built on ``device``."""
     g = torch.Generator(device=device).manual_seed(seed)
-    d, vocab, layers = 3072 // scale, 24_000 // scale, 3
-    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, d), "pos_emb": (2048 // scale, d)}
-    for i in range(layers):
-        shapes |= {f"h{i}.attn.qkv": (3 * d, d), f"h{i}.attn.proj": (d, d),
-                   f"h{i}.mlp.fc": (4 * d, d), f"h{i}.mlp.proj": (d, 4 * d),
-                   f"h{i}.ln1.weight": (d,), f"h{i}.ln2.weight": (d,)}
+    d = 3072 // scale
+    shapes = gpt_shapes(d, 24_000 // scale, 3, {"pos_emb": (2048 // scale, d)})
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         master = torch.randn(shape, generator=g, device=device) * 0.02
