@@ -61,7 +61,7 @@ from .reader import _POOL_WORKERS, load_trees
 from .repo import Repository
 from .shards import assemble, meta_of, piece_key, plan
 from .store import Store
-from .tree import Leaf, decode, dtype_name, encode, join, walk_leaves
+from .tree import Leaf, decode, dtensor_shard, dtype_name, encode, flat_tensors, join, walk_leaves
 from .writer import Captured, ChunkCache, commit_snapshot, write_leaves
 
 log = logging.getLogger("ciuic")
@@ -242,18 +242,6 @@ def is_distributed(states: Mapping[str, Any]) -> bool:
     return "dist" in states and "ranks" in states
 
 
-def _flat_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
-    """path -> tensor of a state dict, paths as :func:`ciuic.tree.encode` makes them."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _flat_tensors(v, join(path, k), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flat_tensors(v, join(path, i), out)
-
-
 @dataclass
 class Prepared:
     """A restore read and checked on this rank, not yet applied."""
@@ -345,7 +333,7 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
 
     live: dict[str, torch.Tensor] = {}
     for name, sd in targets.items():
-        _flat_tensors(sd, name, live)
+        flat_tensors(sd, name, live)
     saved = {p: d for name in targets for p, kind, d in walk_leaves(trees[name], name)
              if kind == "tensor"}
     missing = sorted(set(live) - set(saved))
@@ -364,11 +352,11 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
             ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors:
         def one(path: str) -> torch.Tensor:
             t = live[path]
-            leaves: list[Leaf] = []
-            encode(t, path, leaves)
-            shard = leaves[0].shard
-            box = (shard[1], list(leaves[0].value.shape)) if shard else (None, None)
-            return read_box(repo, path, saved[path], box[0], box[1], pool)
+            shard = dtensor_shard(t, path)  # this rank's box of a DTensor; else the whole
+            if shard is None:
+                return read_box(repo, path, saved[path], None, None, pool)
+            local = list(t.to_local().shape)  # type: ignore[attr-defined]
+            return read_box(repo, path, saved[path], shard[1], local, pool)
 
         futures = {p: tensors.submit(one, p) for p in sorted(live)}
         for p, fut in futures.items():

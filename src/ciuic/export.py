@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
 from .errors import ConfigurationError, SnapshotNotFound
 from .info import SnapshotInfo
 from .reader import load_states
 from .repo import Repository
-from .tree import join
-
-
-def _flatten(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out[path] = value
-    elif isinstance(value, np.ndarray):
-        out[path] = torch.from_numpy(value)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(v, join(path, k) if path else str(k), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _flatten(v, join(path, i), out)
+from .tree import flat_tensors
 
 
 def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = None,
@@ -49,7 +34,7 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
                                f"{', '.join(sorted(loaded))}")
     tensors: dict[str, torch.Tensor] = {}
     for name in names:
-        _flatten(loaded[name], "" if names == ["model"] else name, tensors)
+        flat_tensors(loaded[name], "" if names == ["model"] else name, tensors)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         try:

@@ -361,7 +361,7 @@ class SnapshotManager:
                     self._post_agreement(step)
         if self._signal is not None:
             self._emergency(step, model, optimizer, extras)
-        if not self._due(step, now):
+        if not self._due(step, self._time_due(now)):
             self._heartbeat(step, now)
             return False
         return self._take(step, now, model, optimizer, extras)
@@ -441,8 +441,7 @@ class SnapshotManager:
             self._steps_disagree = False
         if self._steps_disagree:
             return False
-        if step == self._last_save_step or not (
-                (self.save_interval and step % self.save_interval == 0) or due_t):
+        if not self._due(step, bool(due_t)):
             self._heartbeat(step, now)
             return False
         return True
@@ -451,8 +450,7 @@ class SnapshotManager:
         """Start the all-reduce that the next ``step()`` reads (see :meth:`_agree_step`)."""
         if (self._step_calls - 1) % knobs.get().dist_agree_every_steps:
             return
-        time_due = bool(self.time_interval_s and time.monotonic() - self._last_save_time
-                        >= self.time_interval_s)
+        time_due = self._time_due(time.monotonic())
         self._agreement = self.coll.start_max([self._signal or 0, int(time_due), step, -step])
 
     def _failed(self, step: int, e: BaseException) -> None:
@@ -469,11 +467,14 @@ class SnapshotManager:
     def _busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
-    def _due(self, step: int, now: float) -> bool:
+    def _due(self, step: int, time_due: bool) -> bool:
+        """Whether step ``step`` takes a snapshot: by its number, or because ``time_due``."""
         if step == self._last_save_step:
             return False
-        if self.save_interval and step % self.save_interval == 0:
-            return True
+        return bool(self.save_interval and step % self.save_interval == 0) or time_due
+
+    def _time_due(self, now: float) -> bool:
+        """Whether ``time_interval_s`` has passed since the last snapshot."""
         return bool(self.time_interval_s and now - self._last_save_time >= self.time_interval_s)
 
     def save(self, step: int, model: Any = None, optimizer: Any = None,

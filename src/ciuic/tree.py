@@ -21,7 +21,7 @@ Tagged forms (an object with exactly one key that starts with ``$``)::
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,7 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     if isinstance(value, float):
         return {"$float": float.__repr__(value)}
     if isinstance(value, torch.Tensor):
-        shard = _dtensor_shard(value, path)
+        shard = dtensor_shard(value, path)
         if shard is not None:
             value = value.to_local()  # type: ignore[attr-defined]
         _check_tensor(value, path)
@@ -157,7 +157,7 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     )
 
 
-def _dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
+def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
     """(global shape, offsets) of a DTensor's local shard, from the chunk list DCP itself
     saves (``__create_chunk_list__``); None for a plain tensor."""
     if type(t).__name__ != "DTensor" or not hasattr(t, "__create_chunk_list__"):
@@ -228,6 +228,21 @@ def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf) -> Any
         return load_leaf(path, tag[1:], inner)
     raise IntegrityError(f"{path}: unknown tag {tag!r} in snapshot body (written by a newer "
                          "ciuic? upgrade to read it)")
+
+
+def flat_tensors(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor (NumPy arrays as tensors) inside ``value`` by path, paths as :func:`encode`
+    makes them (at the top, with ``path`` empty, keys are used as they are)."""
+    if isinstance(value, torch.Tensor):
+        out[path] = value
+    elif isinstance(value, np.ndarray):
+        out[path] = torch.from_numpy(value)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            flat_tensors(v, join(path, k) if path else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            flat_tensors(v, join(path, i), out)
 
 
 def walk_leaves(tree: Json, path: str = "") -> list[tuple[str, str, dict[str, Json]]]:

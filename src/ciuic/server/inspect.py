@@ -11,9 +11,9 @@ import torch
 
 from ..chain import verify_job
 from ..info import SnapshotInfo
-from ..reader import load_states
+from ..reader import load_trees, read_body
 from ..repo import Repository
-from ..tree import walk_leaves
+from ..tree import flat_tensors, walk_leaves
 
 #: statistics are computed for snapshots up to this size (they read every byte)
 STATS_MAX_BYTES = 512 * 1024 * 1024
@@ -44,8 +44,6 @@ def _stats(value: Any) -> dict[str, Any]:
 def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
     """Every tensor of a snapshot (path, dtype, shape, bytes) with statistics when the snapshot
     is at most ``STATS_MAX_BYTES``."""
-    from ..reader import read_body
-
     _, trees = read_body(repo, info)
     rows: list[dict[str, Any]] = [
         {"path": p, "dtype": str(d["dtype"]), "shape": list(d["shape"]), "bytes": int(d["nbytes"])}
@@ -54,21 +52,10 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
     with_stats = sum(row["bytes"] for row in rows) <= STATS_MAX_BYTES
     if with_stats:
         with _ONE_AT_A_TIME:  # statistics read whole snapshots: never several at once
-            _, states = load_states(repo, info)
-        values: dict[str, Any] = {}
-
-        def collect(value: Any, path: str) -> None:
-            if isinstance(value, (torch.Tensor, np.ndarray)):
-                values[path] = value
-            elif isinstance(value, dict):
-                for k, v in value.items():
-                    collect(v, f"{path}/{str(k).replace('%', '%25').replace('/', '%2F')}")
-            elif isinstance(value, (list, tuple)):
-                for i, v in enumerate(value):
-                    collect(v, f"{path}/{i}")
-
+            states = load_trees(repo, trees)
+        values: dict[str, torch.Tensor] = {}
         for name, value in states.items():
-            collect(value, name)
+            flat_tensors(value, name, values)
         for row in rows:
             row["stats"] = _stats(values.get(row["path"]))
     return {"id": info.id, "step": info.step, "tensors": rows, "stats": with_stats,
