@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateHolder, faults
+from ciuic.capture import capture
 
 
 def rss_bytes() -> int:
@@ -70,6 +71,54 @@ def test_staging_buffers_are_allocated_once_and_reused(store_dir: Path) -> None:
         assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
         assert m._staging.allocated_bytes == size
         assert m.stats.last_stall_s > 0 and m.stats.snapshots == 5
+
+
+def test_buffers_are_allocated_before_the_first_snapshot_is_due(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="ahead", store=store_dir, save_interval=10) as m:
+        assert not m.step(1, model, opt)  # not due: the buffers are allocated in the background
+        m.wait()
+        ahead = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+        paths = {leaf.path for leaf in capture(model, opt, {}).leaves}
+        assert set(ahead) == paths  # every tensor of the state, parameters and Adam's moments
+        assert m._staging.reserve_s > 0
+        for s in range(2, 11):
+            m.step(s, model, opt)
+        m.wait()
+        assert m.stats.snapshots == 1 and m.stats.failures == 0
+        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ahead
+        fresh, fresh_opt = setup()
+        fresh[0].weight.data.zero_()
+        assert m.restore(fresh, fresh_opt) == 10
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_reserving_never_touches_a_snapshot_in_flight(store_dir: Path) -> None:
+    model, opt = setup()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    faults.reload("chunk.put=sleep:0.05")  # the first snapshot is still being written ...
+    try:
+        with SnapshotManager("p", job="inflight", store=store_dir, save_interval=2) as m:
+            assert m.step(0, model, opt)
+            assert not m.step(1, model, opt)  # ... when the first non-due step reserves
+            m.wait()
+            faults.reload("")
+            assert m.stats.failures == 0
+            fresh, fresh_opt = setup()
+            assert m.restore(fresh, fresh_opt) == 0
+    finally:
+        faults.reload("")
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_reserving_respects_the_staging_budget(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="tight", store=store_dir, save_interval=10,
+                         staging_budget_bytes=1024) as m:
+        m.step(1, model, opt)
+        m.wait()
+        assert m._staging.allocated_bytes == 0
 
 
 def test_host_memory_stays_flat_across_50_async_snapshots(store_dir: Path) -> None:

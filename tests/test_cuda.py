@@ -1,0 +1,173 @@
+"""The CUDA paths: pinned staging on a side stream, overlapped mode, restore to the device.
+
+Skipped without a GPU (CI has none); run on a lent GPU with ``scripts/device_check.sh``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager, StateHolder
+from ciuic.engine import staging
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def setup(width: int = 1024, capturable: bool = False
+          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=capturable)
+    train_step(model, opt)
+    return model, opt
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(64, model[0].in_features, device="cuda")
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    tensors = list(model.state_dict().values()) + [
+        v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def snapshot_of(m: SnapshotManager, width: int = 1024) -> dict[str, torch.Tensor]:
+    """The latest snapshot's model, restored into a fresh CUDA model."""
+    fresh, fresh_opt = setup(width)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    m.restore(fresh, fresh_opt)
+    return {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+
+
+def test_staging_buffers_are_pinned_exact_and_allocated_before_the_first_snapshot(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = setup()
+    caplog.set_level(logging.WARNING, logger="ciuic")
+    with SnapshotManager("p", job="pinned", store=store_dir, save_interval=2) as m:
+        assert not m.step(1, model, opt)  # reserves the pinned buffers in the background
+        m.wait()
+        buffers = dict(m._staging._buffers)
+        assert buffers and all(b.is_pinned() for b in buffers.values())
+        # registered at their exact size, not rounded up to powers of two
+        assert not staging._register_failed, caplog.text
+        assert m._staging.allocated_bytes <= 1.1 * state_bytes(model, opt)
+        ptrs = {p: b.data_ptr() for p, b in buffers.items()}
+        assert m.step(2, model, opt)
+        m.wait()
+        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
+        assert m.stats.failures == 0
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["step-on-cpu", "step-on-gpu"])
+def test_snapshot_holds_the_values_of_the_call_on_cuda(store_dir: Path, capturable: bool
+                                                       ) -> None:
+    model, opt = setup(capturable=capturable)
+    cpu_extra = {"ema": torch.arange(4096.0)}  # a CPU-resident tensor beside the GPU state
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want_steps = [float(st["step"]) for st in opt.state.values()]
+    want_moments = [st["exp_avg"].clone() for st in opt.state.values()]
+    with SnapshotManager("p", job="moment", store=store_dir, save_interval=1) as m:
+        assert m.step(0, model, opt, ema=StateHolder(cpu_extra))
+        for _ in range(5):  # training changes everything at once, on the default stream
+            train_step(model, opt)
+        cpu_extra["ema"].zero_()
+        m.wait()
+        assert m.stats.failures == 0
+        fresh, fresh_opt = setup(capturable=capturable)
+        holder = StateHolder({})
+        assert m.restore(fresh, fresh_opt, ema=holder) == 0
+    for k, v in fresh.state_dict().items():
+        assert v.is_cuda and torch.equal(v, want[k]), k
+    assert [float(st["step"]) for st in fresh_opt.state.values()] == want_steps
+    for st, moment in zip(fresh_opt.state.values(), want_moments, strict=True):
+        assert st["exp_avg"].is_cuda and torch.equal(st["exp_avg"], moment)
+    assert torch.equal(holder.state["ema"], torch.arange(4096.0))
+
+
+def test_overlapped_mode_copies_during_the_next_step_and_holds_the_call_values(
+        store_dir: Path) -> None:
+    model, opt = setup(width=2048)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with SnapshotManager("p", job="overlap", store=store_dir, save_interval=1,
+                         overlap=True) as m:
+        assert m.step(0, model, opt)
+        train_step(model, opt)  # forward/backward overlap the copy; the optimizer waits
+        train_step(model, opt)
+        m.wait()
+        assert m.stats.failures == 0
+        got = snapshot_of(m, width=2048)
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_restore_to_the_device_is_bit_exact_and_resumes_the_cuda_rng(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="resume", store=store_dir, save_interval=1) as m:
+        m.step(3, model, opt)
+        m.wait()
+        after = torch.randn(16, device="cuda")
+        torch.randn(1000, device="cuda")  # move the generator on
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = setup()
+    with SnapshotManager("p", job="resume", store=store_dir, save_interval=1) as m:
+        assert m.restore(fresh, fresh_opt) == 3
+        assert torch.equal(torch.randn(16, device="cuda"), after)
+        # the model was read into pinned staging buffers, which the next snapshot reuses
+        lent = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+        assert lent and all(b.is_pinned() for b in m._staging._buffers.values())
+        m.step(4, fresh, fresh_opt)
+        m.wait()
+        assert all(m._staging._buffers[p].data_ptr() == ptr for p, ptr in lent.items())
+    for k, v in fresh.state_dict().items():
+        assert v.is_cuda and torch.equal(v, want[k]), k
+    for a, b in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_bf16_and_fp32_state_round_trips_with_compression(store_dir: Path) -> None:
+    torch.manual_seed(1)
+    state = {"w_bf16": (torch.randn(1024, 1024, device="cuda") * 0.02).bfloat16(),
+             "master": torch.randn(1024, 1024, device="cuda") * 0.02,
+             "exp_avg_sq": torch.rand(1024, 1024, device="cuda") * 1e-6}
+    want = {k: v.clone() for k, v in state.items()}
+    with SnapshotManager("p", job="codec", store=store_dir, save_interval=1,
+                         compression="on") as m:
+        m.step(0, state=StateHolder(state))
+        for v in state.values():
+            v.zero_()
+        m.wait()
+        assert m.stats.failures == 0
+        stored = sum(f.stat().st_size for f in (store_dir / "objects" / "chunks").rglob("*")
+                     if f.is_file())
+        assert stored < 0.9 * sum(v.numel() * v.element_size() for v in want.values())
+        holder = StateHolder({})
+        m.restore(state=holder)
+    for k, v in want.items():
+        assert torch.equal(holder.state[k].to(v.device), v), k
+
+
+def test_device_and_host_memory_stay_flat_across_50_snapshots(store_dir: Path) -> None:
+    model, opt = setup()
+    with SnapshotManager("p", job="flat", store=store_dir, save_interval=1, keep_last=2) as m:
+        samples = []
+        for s in range(50):
+            train_step(model, opt)
+            m.step(s, model, opt)
+            if s in (9, 49):
+                m.wait()
+                torch.cuda.synchronize()
+                samples.append((torch.cuda.memory_allocated(), m._staging.allocated_bytes))
+        m.wait()
+        assert m.stats.snapshots == 50 and m.stats.failures == 0
+    assert samples[0] == samples[1]
