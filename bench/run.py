@@ -261,6 +261,7 @@ class Ciuic(System):
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         super().__init__(name, base, state)
         self.manager: object = None
+        self.basis: dict[str, dict[str, float]] = {}  # compression="auto": what it decided, why
         self.step = 0
         self.steady: dict[str, list[float]] = {"stall": [], "durable": [], "new_bytes": [],
                                                 "reserve_s": []}
@@ -287,6 +288,7 @@ class Ciuic(System):
         m.step(self.step, state=StateHolder(self.state))  # type: ignore[attr-defined]
         stall = time.perf_counter() - t0
         m.wait()  # type: ignore[attr-defined]
+        self.basis = dict(m._compression.basis)  # type: ignore[attr-defined]
         return stall
 
     def incremental(self) -> None:
@@ -461,11 +463,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"\nciuic incremental (10 % of tensors changed, buffers warm): stall "
           f"{summary(ciuic.steady['stall'])} s, durable {summary(ciuic.steady['durable'])} s, "
           f"new bytes {statistics.median(ciuic.steady['new_bytes']) / size:.3f} of the state")
+    for kind, basis in ciuic.basis.items():
+        print(f"ciuic compression=auto, {kind}: " + ", ".join(f"{k} {v:.3g}"
+                                                          for k, v in basis.items()))
     print(f"ciuic staging buffers allocated ahead of the first snapshot (background): "
           f"{summary(ciuic.steady['reserve_s'])} s")
     out: dict[str, object] = {"state_bytes": size, "rounds": len(floor), "results": results,
                               "state": a.state, "device": device, "disk_write_floor": write_floor,
                               "staging_floor": floor, "ciuic_incremental": ciuic.steady,
+                              "ciuic_auto_compression": ciuic.basis,
                               "machine": machine()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))

@@ -6,6 +6,7 @@ Skipped without a GPU (CI has none); run on a lent GPU with ``scripts/device_che
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -50,23 +51,56 @@ def snapshot_of(m: SnapshotManager, width: int = 1024) -> dict[str, torch.Tensor
     return {k: v.detach().clone() for k, v in fresh.state_dict().items()}
 
 
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_staging_buffers_are_pinned_exact_and_allocated_before_the_first_snapshot(
         store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    model, opt = setup()
+    # 1100 x 1100 fp32 = 4.84 MB: a power-of-two allocator would hold 8.39 MB (1.73x)
+    model, opt = setup(width=1100)
+    need = state_bytes(model, opt)
     caplog.set_level(logging.WARNING, logger="ciuic")
     with SnapshotManager("p", job="pinned", store=store_dir, save_interval=2) as m:
+        before = rss_bytes()
         assert not m.step(1, model, opt)  # reserves the pinned buffers in the background
         m.wait()
+        grown = rss_bytes() - before
         buffers = dict(m._staging._buffers)
         assert buffers and all(b.is_pinned() for b in buffers.values())
-        # registered at their exact size, not rounded up to powers of two
         assert not staging._register_failed, caplog.text
-        assert m._staging.allocated_bytes <= 1.1 * state_bytes(model, opt)
+        # page-locked pages are resident: RSS sees what was really allocated
+        assert need <= grown <= 1.25 * need + (16 << 20), (grown, need)
         ptrs = {p: b.data_ptr() for p, b in buffers.items()}
         assert m.step(2, model, opt)
         m.wait()
         assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
         assert m.stats.failures == 0
+        got = snapshot_of(m, width=1100)
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_a_failed_registration_leaves_no_cuda_error_for_the_training_thread() -> None:
+    buf = staging.allocate_host(1 << 20, pin=0)
+    assert buf.is_pinned()
+    # registering the same pages again fails for real (cudaErrorHostMemoryAlreadyRegistered),
+    # on ciuic's pin thread: the training thread's next kernel launch must not see that error
+    err = staging._on_pin_thread(staging._register, buf.data_ptr(), 4096, 0)
+    assert err != 0
+    assert torch.ones(1000, device="cuda").sum().item() == 1000.0
+    torch.cuda.synchronize()
+
+
+def test_registration_failure_falls_back_to_pinned_memory_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(staging, "_register", lambda ptr, size, device: 101)  # invalid device
+    monkeypatch.setattr(staging, "_register_failed", False)
+    caplog.set_level(logging.WARNING, logger="ciuic")
+    buf = staging.allocate_host(3 << 20, pin=0)
+    assert buf.is_pinned() and buf.numel() == 3 << 20
+    assert "cudaHostRegister" in caplog.text and staging._register_failed
 
 
 @pytest.mark.parametrize("capturable", [False, True], ids=["step-on-cpu", "step-on-gpu"])
@@ -167,7 +201,9 @@ def test_device_and_host_memory_stay_flat_across_50_snapshots(store_dir: Path) -
             if s in (9, 49):
                 m.wait()
                 torch.cuda.synchronize()
-                samples.append((torch.cuda.memory_allocated(), m._staging.allocated_bytes))
+                samples.append((torch.cuda.memory_allocated(), rss_bytes()))
         m.wait()
         assert m.stats.snapshots == 50 and m.stats.failures == 0
-    assert samples[0] == samples[1]
+    assert samples[0][0] == samples[1][0]  # device memory
+    grown = samples[1][1] - samples[0][1]
+    assert grown < 0.5 * state_bytes(model, opt), f"RSS grew {grown / 2**20:.1f} MiB"

@@ -72,6 +72,22 @@ def test_ddp_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path, reference: 
     assert again["bytes_written"] + other["bytes_written"] == again["bytes_new"]
 
 
+def test_ddp_ranks_copy_only_the_replicas_they_write(tmp_path: Path, reference: str) -> None:
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "o1", "--steps", "12", "--save-every", "2"))
+    ranks = [report(tmp_path / "o1", r) for r in range(2)]
+    assert all(r["snapshots"] == 6 and r["failures"] == 0 for r in ranks)
+    # the first snapshot copies every replica on every rank; later ones, with the layout
+    # unchanged, only what each rank writes: each replica is skipped by exactly one rank
+    skipped = [r["first_staged"] - r["last_staged"] for r in ranks]
+    assert all(s > 0 for s in skipped)
+    assert sum(skipped) == ranks[0]["replica_bytes"] == ranks[1]["replica_bytes"]
+    # and the snapshots they wrote resume bit-exactly
+    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14", "--save-every", "2"))
+    again = report(tmp_path / "o2")
+    assert again["restored_step"] == 10 and again["digest"] == reference
+
+
 def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Path,
                                                                    reference: str) -> None:
     store = tmp_path / "store"

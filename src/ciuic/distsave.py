@@ -82,6 +82,33 @@ class DistCaptured(Captured):
     #: on every rank by construction); other replicas (buffers such as BatchNorm statistics,
     #: which DDP only re-broadcasts at the next forward) are written by the lowest rank
     spread: set[str] = field(default_factory=set)
+    #: the layout of this rank's global leaves (:func:`layout_signature`)
+    signature: str = ""
+    #: piece keys of global leaves left unstaged (their values are the live tensors): the
+    #: previous snapshot with the same layout on this rank had other ranks write them
+    unstaged: set[str] = field(default_factory=set)
+    #: set by :func:`write_dist`: the piece keys this rank wrote under the plan
+    owned: set[str] = field(default_factory=set)
+
+    def to_stage(self) -> list[Leaf]:
+        """The leaves to copy into staging buffers: all but the unstaged replicas."""
+        if not self.unstaged:
+            return self.leaves
+        skip = {id(leaf) for leaf in self.global_leaves if leaf_key(leaf) in self.unstaged}
+        return [leaf for leaf in self.leaves if id(leaf) not in skip]
+
+
+def leaf_key(leaf: Leaf) -> str:
+    """The plan's key of a global leaf (its path, plus the box's offsets for a shard)."""
+    return piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)
+
+
+def layout_signature(captured: DistCaptured, world_size: int) -> str:
+    """A digest of what the plan sees of this rank (its global leaves' metas) and the world
+    size: while every rank's stays the same, the plan assigns the same owners."""
+    metas = [meta_of(leaf) | {"spread": leaf.path in captured.spread}
+             for leaf in captured.global_leaves]
+    return digest(canonical.dumps({"world": world_size, "metas": metas}))
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -179,8 +206,15 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
             cache.sync(inflight.epoch)
             glob = {id(leaf) for leaf in captured.global_leaves}
             owned = [leaf for leaf in captured.global_leaves
-                     if owners[piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)]
-                     == coll.rank]
+                     if owners[leaf_key(leaf)] == coll.rank]
+            captured.owned = {leaf_key(leaf) for leaf in owned}
+            lost = sorted(captured.owned & captured.unstaged)
+            if lost:  # a safety net: only a layout change on another rank can cause it
+                raise CaptureError(
+                    f"this rank must write {len(lost)} replicated tensor(s) it did not copy "
+                    f"(e.g. {lost[0]}): the plan changed since the previous snapshot although "
+                    "this rank's layout did not. This snapshot fails on every rank; the next "
+                    "one copies everything")
             own = [leaf for leaf in captured.leaves if id(leaf) not in glob]
             _, new, _ = write_leaves(repo, owned + own, cache, codec, compression)
             failpoint("chunks.sync")

@@ -70,6 +70,7 @@ __all__ = [
     "ZSTD_PARAMS",
     "decode",
     "encode",
+    "measure",
     "should_compress",
 ]
 
@@ -495,35 +496,46 @@ def _unzstd(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int) -> byte
     return plane
 
 
+def measure(sample: Bytes, itemsize: int, float_kind: str) -> tuple[float, float] | None:
+    """(encoded size / raw size, encoding seconds per raw byte) of the first
+    :data:`SAMPLE_BYTES` of ``sample`` (no delta), or None when it does not compress.
+
+    Encodes twice and keeps the faster run (the first also pays for this thread's zstd context
+    set-up); the time is on the calling thread, i.e. per core.
+    """
+    view = _byte_view(sample, "sample")[:SAMPLE_BYTES]
+    _kind(float_kind, itemsize)
+    elapsed, payload = math.inf, None
+    for _ in range(2):
+        start = time.perf_counter()
+        payload = encode(view, itemsize, float_kind=float_kind)
+        elapsed = min(elapsed, time.perf_counter() - start)
+        if payload is None:
+            return None
+    assert payload is not None
+    return len(payload) / view.nbytes, max(elapsed, 1e-9) / view.nbytes
+
+
 def should_compress(
     sample: Bytes, itemsize: int, float_kind: str, store_write_bytes_per_s: float
 ) -> bool:
-    """Whether compressing chunks like ``sample`` pays for itself on a store of that write speed.
+    """Whether compressing chunks like ``sample`` pays for itself on one writer of that speed.
 
-    Encodes the first :data:`SAMPLE_BYTES` of ``sample`` (no delta) twice, timing it
-    (``t_encode``: the faster run, in seconds, on the calling thread), and answers::
+    Answers, from :func:`measure`::
 
         (raw_bytes - encoded_bytes) / store_write_bytes_per_s  >  t_encode
 
     i.e. compress when the write time saved by the smaller object exceeds the time spent
-    compressing it; equivalently when the store writes slower than ``saved / t_encode``, the
-    rate at which the codec removes bytes (on one core of the development VM about 0.3 GB/s for
-    fp32 weights, 0.5 GB/s for bf16). The codec runs on the writer threads, so the comparison is
-    per thread: give the store's speed per writer. A sample that does not compress (encode
-    returns None) answers False. Decoding time is not counted (reads are rarer than writes).
+    compressing it, for one writer writing alone. A sample that does not compress answers
+    False. The snapshot writer decides with a model of its whole pipeline instead (several
+    writers sharing cores and, on a local disk, one disk): ``ciuic.engine.compression``.
     """
     if not store_write_bytes_per_s > 0:
         raise ConfigurationError(
             f"store write speed must be positive bytes/s, got {store_write_bytes_per_s!r}"
         )
-    view = _byte_view(sample, "sample")[:SAMPLE_BYTES]
-    _kind(float_kind, itemsize)
-    elapsed, saved = math.inf, 0
-    for _ in range(2):  # the first run also pays for this thread's zstd context set-up
-        start = time.perf_counter()
-        payload = encode(view, itemsize, float_kind=float_kind)
-        elapsed = min(elapsed, time.perf_counter() - start)
-        if payload is None:
-            return False
-        saved = view.nbytes - len(payload)
-    return saved / store_write_bytes_per_s > elapsed
+    measured = measure(sample, itemsize, float_kind)
+    if measured is None:
+        return False
+    ratio, encode_s = measured
+    return (1 - ratio) / store_write_bytes_per_s > encode_s

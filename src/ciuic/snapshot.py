@@ -48,6 +48,8 @@ from .distsave import (
     capture_dist,
     check_shared_store,
     is_distributed,
+    layout_signature,
+    leaf_key,
     prepare,
     write_dist,
 )
@@ -74,6 +76,7 @@ from .retention import prune
 from .store import Store
 from .store.mirror import MirrorStore
 from .transfer import copy_job
+from .tree import Leaf
 from .writer import Captured, ChunkCache, write_snapshot
 
 log = logging.getLogger("ciuic")
@@ -104,6 +107,7 @@ class ManagerStats:
     last_save_s: float = 0.0  # from the call until committed
     last_error: str = ""
     overlap_wait_s: float = 0.0  # optimizer steps held back until an overlapped copy finished
+    last_staged_bytes: int = 0  # what the last snapshot copied into staging buffers
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -215,6 +219,8 @@ class SnapshotManager:
         self.on_busy = on_busy
         self._staging = StagingArea(staging_budget_bytes)
         self._reserved = False  # staging buffers allocated ahead of the first snapshot
+        #: multi-rank: (this rank's layout signature, the pieces it wrote) of the last snapshot
+        self._owned: tuple[str, set[str]] | None = None
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
@@ -241,7 +247,11 @@ class SnapshotManager:
         self.coll.run("opening the store", lambda: self._open_repo(
             store, endpoint, api_key, mirror, durability))
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
-        self._compression = CompressionPolicy(compression, self.repo.store.write_bytes_per_s)
+        self._compression = CompressionPolicy(compression, self.repo.store.write_speed)
+        if compression == "auto":  # a local disk measures itself now, not during a snapshot
+            threading.Thread(target=self._quietly, name="ciuic-probe", daemon=True,
+                             args=("measure the store's write speed",
+                                   self.repo.store.write_speed)).start()
         self.run_id = secrets.token_hex(8)
         self.previous_run: Run | None = None
         self.interrupted = False
@@ -380,9 +390,8 @@ class SnapshotManager:
             return  # multi-rank layouts allocate at their first snapshot
         try:
             leaves = capture(model, optimizer, extras).leaves
-            cuda = any(isinstance(leaf.value, torch.Tensor) and leaf.value.is_cuda
-                       for leaf in leaves)
-            self._staging.reserve([(leaf.path, leaf.nbytes) for leaf in leaves], pin=cuda)
+            self._staging.reserve([(leaf.path, leaf.nbytes) for leaf in leaves],
+                                  pin=StagingArea.pin_device(leaves))
         except Exception as e:  # the first snapshot allocates them instead
             log.debug("staging buffers not reserved ahead: %s", e)
 
@@ -521,15 +530,20 @@ class SnapshotManager:
         t0 = time.perf_counter()
         staged = False
         pending: PendingCopy | None = None
+        self._reserved = True  # a snapshot allocates its own buffers: none to reserve after it
         try:
             captured = (capture_dist(model, optimizer, extras) if self.coll.enabled
                         or _sharded(model) else capture(model, optimizer, extras))
+            leaves = captured.leaves
+            if isinstance(captured, DistCaptured) and self.coll.enabled and self.asynchronous:
+                leaves = self._leave_replicas_to_owners(captured)
             if self.asynchronous:
+                self.stats.last_staged_bytes = sum(leaf.nbytes for leaf in leaves)
                 try:
                     if self.overlap and optimizer is not None:
-                        pending = self._stage_overlapped(captured, model, optimizer)
+                        pending = self._stage_overlapped(leaves, model, optimizer)
                     else:
-                        self._staging.stage(captured.leaves)  # the only part that blocks
+                        self._staging.stage(leaves)  # the only part that blocks
                     staged = True
                 except StagingBudgetExceeded as e:
                     if not self._warned_budget:
@@ -551,7 +565,19 @@ class SnapshotManager:
         self.stats.last_stall_s = time.perf_counter() - t0
         return future
 
-    def _stage_overlapped(self, captured: Captured, model: Any, optimizer: Any) -> PendingCopy:
+    def _leave_replicas_to_owners(self, captured: DistCaptured) -> list[Leaf]:
+        """Multi-rank: the leaves this rank must copy. A replicated tensor (DDP) is written by
+        one rank only; when this rank's layout is the one of the previous snapshot, the plan
+        assigns the same owners, so the replicas other ranks write are not copied here (the
+        stall and the staging memory of a DDP rank shrink by the world size)."""
+        captured.signature = layout_signature(captured, self.coll.world_size)
+        if self._owned is None or self._owned[0] != captured.signature:
+            return captured.leaves
+        owned = self._owned[1]
+        captured.unstaged = {leaf_key(leaf) for leaf in captured.global_leaves} - owned
+        return captured.to_stage()
+
+    def _stage_overlapped(self, leaves: list[Leaf], model: Any, optimizer: Any) -> PendingCopy:
         """Stage what only the optimizer changes in the background, the rest now."""
         guarded: set[int] = set()
         for obj in (model, optimizer):
@@ -561,7 +587,7 @@ class SnapshotManager:
             self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
                 self._before_optimizer_step)
         pending = self._staging.stage_overlapped(
-            captured.leaves, lambda leaf: isinstance(leaf.value, torch.Tensor)
+            leaves, lambda leaf: isinstance(leaf.value, torch.Tensor)
             and leaf.value.untyped_storage().data_ptr() in guarded)
         self._pending_copy = pending
         return pending
@@ -598,8 +624,11 @@ class SnapshotManager:
                                         codec=self._codec, compression=self._compression)
                 written = m.new_bytes
         except BaseException as e:
+            self._owned = None  # the next snapshot copies everything
             self._failed(step, e)
             raise
+        if isinstance(captured, DistCaptured):
+            self._owned = (captured.signature, captured.owned)
         self._parent = sid
         self._last_committed_step = step
         self.stats.snapshots += 1
@@ -767,8 +796,8 @@ class SnapshotManager:
         if model is None or not self.asynchronous:
             return None
         live = _state_of_model(model)
-        pin = torch.cuda.is_available() and any(
-            isinstance(t, torch.Tensor) and t.is_cuda for t in live.values())
+        pin = next((t.device.index or 0 for t in live.values()
+                    if isinstance(t, torch.Tensor) and t.is_cuda), None)
 
         def buffer_for(path: str, nbytes: int) -> torch.Tensor | None:
             if not path.startswith("model/"):

@@ -102,6 +102,7 @@ def main() -> int:
     torch.manual_seed(1000 + rank)  # per-rank dropout masks: the per-rank RNG must come back
     manager = None
     start = 0
+    first_staged = 0
     store = f"{a.store}-{rank}" if a.store_per_rank else a.store
     if not a.no_snapshots:
         manager = SnapshotManager("tests", job=a.job, store=store, save_interval=a.save_every,
@@ -119,6 +120,8 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGTERM)  # only this rank gets it
         if manager is not None:
             manager.step(step, model, optimizer, sampler=sampler, loss=loss.item())
+            if manager.stats.snapshots + manager.stats.failures == 0:
+                first_staged = manager.stats.last_staged_bytes
         if rank == a.kill_rank and step == a.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     if manager is not None:
@@ -130,7 +133,12 @@ def main() -> int:
         s = manager.stats
         report |= {"snapshots": s.snapshots, "failures": s.failures, "last_error": s.last_error,
                    "bytes_new": s.bytes_new, "bytes_written": s.bytes_written,
-                   "restored_step": manager.restored.step if manager.restored else None}
+                   "restored_step": manager.restored.step if manager.restored else None,
+                   "first_staged": first_staged, "last_staged": s.last_staged_bytes,
+                   "replica_bytes": sum(t.numel() * t.element_size() for t in [
+                       *model.state_dict().values(),
+                       *(v for st in optimizer.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor))])}
         manager.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

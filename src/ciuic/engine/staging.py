@@ -25,11 +25,15 @@ tensors (an optimizer step pre-hook) and before the writer reads the buffers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +43,7 @@ from ..faults import failpoint
 from ..tree import Leaf
 
 log = logging.getLogger("ciuic")
+T = TypeVar("T")
 
 
 class StagingBudgetExceeded(CiuicError, MemoryError):
@@ -53,36 +58,74 @@ def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor |
     return buf.view(value.dtype).view(value.shape)
 
 
-def _unpin(ptr: int) -> None:
+_PAGE = mmap.PAGESIZE
+_register_failed = False
+_pin_pool: ThreadPoolExecutor | None = None
+_pin_lock = threading.Lock()
+_PIN_THREAD = "ciuic-pin"
+
+
+def _on_pin_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run a CUDA runtime call on ciuic's own thread. A failed call leaves its error as the
+    calling thread's "last error", where PyTorch's next kernel-launch check would find it and
+    raise it against an unrelated kernel of the training thread; on this thread it is harmless.
+    """
+    global _pin_pool
+    if threading.current_thread().name.startswith(_PIN_THREAD):
+        return fn(*args)  # a finalizer run by the pin thread itself
+    with _pin_lock:
+        if _pin_pool is None:
+            _pin_pool = ThreadPoolExecutor(1, thread_name_prefix=_PIN_THREAD)
+        pool = _pin_pool
+    try:
+        future = pool.submit(fn, *args)
+    except RuntimeError:  # the interpreter is shutting down: no new work for the pool
+        return fn(*args)
+    return future.result()
+
+
+def _register(ptr: int, size: int, device: int) -> int:
+    torch.cuda.set_device(device)  # its context, not device 0's (this thread has no other work)
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    return int(cudart.cudaHostRegister(ptr, size, 1))  # 1: cudaHostRegisterPortable
+
+
+def _unregister(ptr: int, device: int) -> None:
+    torch.cuda.set_device(device)
     torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
 
 
-_register_failed = False
+def _unpin(ptr: int, device: int) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+        _on_pin_thread(_unregister, ptr, device)
 
 
-def allocate_host(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory (uninitialized), page-locked when ``pin``.
+def allocate_host(nbytes: int, pin: int | None = None) -> torch.Tensor:
+    """``nbytes`` of host memory (uninitialized), page-locked for CUDA device ``pin`` unless
+    None.
 
-    Pinned memory is registered with ``cudaHostRegister`` at its exact size and unregistered
-    when the tensor is freed; where registering fails, PyTorch's pinned allocator is used (it
-    rounds up to a power of two), with one warning.
+    Pinned memory is registered with ``cudaHostRegister`` at its exact size (whole pages of an
+    allocation of its own: two buffers never share a page, which registering twice would
+    refuse) and unregistered when the last view of it is freed (numpy runs the finalizer before
+    it frees the memory); where registering fails, PyTorch's pinned allocator is used (it rounds
+    up to a power of two), with one warning.
     """
     global _register_failed
-    if not pin:
+    if pin is None:
         return torch.empty(nbytes, dtype=torch.uint8)
     if not _register_failed and nbytes > 0:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        ptr = buf.data_ptr()
+        raw = np.empty(nbytes + 2 * _PAGE, dtype=np.uint8)
+        start = -raw.ctypes.data % _PAGE
+        span = -(-nbytes // _PAGE) * _PAGE
+        ptr = raw.ctypes.data + start
         try:
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+            err = _on_pin_thread(_register, ptr, span, pin)
+            why = f"cudaError {err}"
         except Exception as e:  # no such binding in this torch build
             err, why = -1, f"{type(e).__name__}: {e}"
-        else:
-            why = f"cudaError {err}"
         if err == 0:
-            weakref.finalize(buf, _unpin, ptr)
-            return buf
+            weakref.finalize(raw, _unpin, ptr, pin)
+            return torch.from_numpy(raw[start:start + nbytes])
         _register_failed = True
         log.warning("could not page-lock staging memory with cudaHostRegister (%s); using "
                     "PyTorch's pinned allocator, which rounds each buffer up to a power of two "
@@ -93,9 +136,9 @@ def allocate_host(nbytes: int, pin: bool) -> torch.Tensor:
 class PendingCopy:
     """Copies still running after :meth:`StagingArea.stage_overlapped` returned."""
 
-    def __init__(self, event: torch.cuda.Event | None = None,
+    def __init__(self, events: list[torch.cuda.Event] | None = None,
                  thread: threading.Thread | None = None) -> None:
-        self._event = event
+        self._events = events or []
         self._thread = thread
         self.error: BaseException | None = None
         self._done = False
@@ -103,8 +146,8 @@ class PendingCopy:
     def wait(self) -> None:
         """Block until every copy has landed; re-raise a copy's failure."""
         if not self._done:
-            if self._event is not None:
-                self._event.synchronize()
+            for event in self._events:
+                event.synchronize()
             if self._thread is not None:
                 self._thread.join()
             self._done = True
@@ -123,7 +166,7 @@ class StagingArea:
         self.budget_bytes = budget_bytes
         self._buffers: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one per source device
         self._reserving: threading.Thread | None = None
         #: Seconds the last :meth:`reserve` took on its thread (allocating, page-locking).
         self.reserve_s = 0.0
@@ -133,19 +176,20 @@ class StagingArea:
         self.join()
         return sum(b.numel() for b in self._buffers.values())
 
-    def _buffer(self, path: str, nbytes: int, pin: bool) -> torch.Tensor:
+    def _buffer(self, path: str, nbytes: int, pin: int | None) -> torch.Tensor:
+        """The buffer for ``path``: page-locked for CUDA device ``pin`` unless None."""
         buf = self._buffers.get(path)
-        if buf is None or buf.numel() != nbytes or (pin and path not in self._pinned):
+        if buf is None or buf.numel() != nbytes or (pin is not None and path not in self._pinned):
             self._buffers.pop(path, None)  # free the old one before allocating anew
             buf = allocate_host(nbytes, pin)
             self._buffers[path] = buf
-            if pin:
+            if pin is not None:
                 self._pinned.add(path)
             else:
                 self._pinned.discard(path)
         return buf
 
-    def reserve(self, sizes: Iterable[tuple[str, int]], pin: bool) -> bool:
+    def reserve(self, sizes: Iterable[tuple[str, int]], pin: int | None) -> bool:
         """Allocate buffers for tensors of these (path, bytes) on a background thread, so that
         the first snapshot only copies. Returns False (allocating nothing) when they would not
         fit the budget. Every other method waits for the thread first."""
@@ -160,7 +204,7 @@ class StagingArea:
                 for path, nbytes in wanted.items():
                     old = self._buffers.get(path)
                     buf = self._buffer(path, nbytes, pin)
-                    if buf is not old and not pin:  # never touch a buffer already in use
+                    if buf is not old and pin is None:  # never touch a buffer in use
                         buf.zero_()  # fault the pages in now, not during the first copy
             except Exception as e:  # the first snapshot allocates what is missing
                 log.warning("could not allocate staging buffers ahead of the first snapshot "
@@ -178,7 +222,7 @@ class StagingArea:
             thread.join()
             self._reserving = None
 
-    def lend(self, path: str, nbytes: int, pin: bool) -> torch.Tensor | None:
+    def lend(self, path: str, nbytes: int, pin: int | None) -> torch.Tensor | None:
         """The buffer for ``path`` (allocated now if needed) for a restore to read into, or None
         when it would not fit the budget.
 
@@ -201,13 +245,12 @@ class StagingArea:
         exceed the budget.
         """
         self._prepare(leaves)
-        cuda = self._uses_cuda(leaves)
+        pin = self.pin_device(leaves)
         copied = 0
         for leaf in leaves:
-            copied += self._stage_leaf(leaf, cuda)
-        if cuda:
-            assert self._stream is not None
-            self._stream.synchronize()
+            copied += self._stage_leaf(leaf, pin)
+        for stream in self._streams.values():
+            stream.synchronize()
         return copied
 
     def stage_overlapped(self, leaves: list[Leaf],
@@ -218,29 +261,33 @@ class StagingArea:
         only once the returned :class:`PendingCopy` has been waited for.
         """
         self._prepare(leaves)
-        cuda = self._uses_cuda(leaves)
+        pin = self.pin_device(leaves)
         later = [leaf for leaf in leaves if guarded(leaf)]
         for leaf in leaves:
             if not guarded(leaf):
-                self._stage_leaf(leaf, cuda)
-        if cuda:
-            assert self._stream is not None
+                self._stage_leaf(leaf, pin)
+        if pin is not None:
             for leaf in later:
-                self._stage_leaf(leaf, cuda)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._stream)
-            return PendingCopy(event=event)
+                self._stage_leaf(leaf, pin)
+            events = []
+            for stream in self._streams.values():
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                events.append(event)
+            return PendingCopy(events=events)
         # CPU: point the leaves at their buffers now, copy on a thread.
-        sources = [(leaf, leaf.value) for leaf in later]
+        sources = []
         for leaf in later:
-            leaf.value = _view(leaf.value, self._buffer(leaf.path, leaf.nbytes, pin=False))
+            buf = self._buffer(leaf.path, leaf.nbytes, pin=None)
+            sources.append((leaf.value, buf))
+            leaf.value = _view(leaf.value, buf)
         pending = PendingCopy()
 
         def copy() -> None:
             try:
                 failpoint("stage.copy")
-                for leaf, value in sources:
-                    self._copy(value, self._buffers[leaf.path])
+                for value, buf in sources:
+                    self._copy(value, buf)
             except BaseException as e:  # re-raised by wait()
                 pending.error = e
 
@@ -249,14 +296,16 @@ class StagingArea:
         thread.start()
         return pending
 
-    def _uses_cuda(self, leaves: list[Leaf]) -> bool:
-        cuda = any(isinstance(leaf.value, torch.Tensor) and leaf.value.is_cuda for leaf in leaves)
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        return cuda
+    @staticmethod
+    def pin_device(leaves: list[Leaf]) -> int | None:
+        """The CUDA device to page-lock buffers for (the first CUDA leaf's), or None."""
+        for leaf in leaves:
+            if isinstance(leaf.value, torch.Tensor) and leaf.value.is_cuda:
+                return leaf.value.device.index or 0
+        return None
 
-    def _stage_leaf(self, leaf: Leaf, cuda: bool) -> int:
-        buf = self._buffer(leaf.path, leaf.nbytes, pin=cuda)
+    def _stage_leaf(self, leaf: Leaf, pin: int | None) -> int:
+        buf = self._buffer(leaf.path, leaf.nbytes, pin)
         leaf.value = self._copy(leaf.value, buf)
         return buf.numel()
 
@@ -284,13 +333,16 @@ class StagingArea:
         src = value.detach()
         dst_t = dst
         if src.is_cuda:
-            assert self._stream is not None
-            self._stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(self._stream):
+            stream = self._streams.get(src.device)
+            if stream is None:  # on the source's device: a copy runs on its device's stream
+                stream = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
+                self._streams[src.device] = stream
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(stream):
                 dst_t.copy_(src, non_blocking=True)
             # a temporary source (a DTensor's local view, say) freed on the training stream
             # must not be reused by it before the side stream has read it
-            src.record_stream(self._stream)
+            src.record_stream(stream)
         else:
             dst_t.copy_(src.resolve_conj().resolve_neg())
         return dst_t

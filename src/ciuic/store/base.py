@@ -78,6 +78,12 @@ class Store(abc.ABC):
     #: for its CPU time (``compression="auto"``) is judged against it.
     write_bytes_per_s: float = 1e9
 
+    def write_speed(self) -> tuple[float, float | None]:
+        """(bytes/s one writer thread reaches, bytes/s all writers reach together, or None when
+        writers add up, as separate connections to object storage do). Judged against by
+        ``compression="auto"``; a local disk measures itself (its writers share one disk)."""
+        return self.write_bytes_per_s, None
+
     @abc.abstractmethod
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Write ``data`` under ``key``, atomically and durably.

@@ -26,6 +26,11 @@ _TMP = ".tmp-"
 
 
 _SYNC_THREADS = 8
+#: A local disk's write speed is measured once per file system and process, by writing this many
+#: bytes (not zeros: some file systems compress) and fsync'ing them.
+PROBE_BYTES = 256 * 1024 * 1024
+_speeds: dict[int, float] = {}  # st_dev -> bytes/s
+_speeds_lock = threading.Lock()
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -68,6 +73,45 @@ class LocalStore(Store):
         self._pending: list[Path] = []
         self._pending_lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
+
+    def write_speed(self) -> tuple[float, float | None]:
+        """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
+        per file system and process (the writers share the disk: the speed is also the
+        total). Without fsync, writes go to memory: as fast as a copy."""
+        if not self.fsync:
+            return 1e11, None
+        try:
+            device = os.stat(self.root).st_dev
+        except OSError:
+            return self.write_bytes_per_s, None
+        with _speeds_lock:
+            if device not in _speeds:
+                measured = self._probe()
+                if measured is None:  # not remembered: the next snapshot tries again
+                    return self.write_bytes_per_s, None
+                _speeds[device] = measured
+            speed = _speeds[device]
+        return speed, speed
+
+    def _probe(self) -> float | None:
+        path = self.root / f"{_TMP}probe-{secrets.token_hex(8)}"
+        block = os.urandom(1 << 20)
+        try:
+            t0 = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for _ in range(PROBE_BYTES >> 20):
+                    os.write(fd, block)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            elapsed = time.perf_counter() - t0
+        except OSError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return PROBE_BYTES / max(elapsed, 1e-6)
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))

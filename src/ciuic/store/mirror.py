@@ -59,6 +59,9 @@ class MirrorStore(Store):
         self.drain_errors = 0
         self.last_drain_error: BaseException | None = None
 
+    def write_speed(self) -> tuple[float, float | None]:
+        return (self.fast if self.durability == "local" else self.remote).write_speed()
+
     # -- background uploads ------------------------------------------------------------------
 
     def _submit(self, fn: Any, key: str, barrier: bool = False) -> Future[Any]:
