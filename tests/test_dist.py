@@ -83,9 +83,13 @@ def test_ddp_ranks_copy_only_the_replicas_they_write(tmp_path: Path, reference: 
     assert all(s > 0 for s in skipped)
     assert sum(skipped) == ranks[0]["replica_bytes"] == ranks[1]["replica_bytes"]
     # and the snapshots they wrote resume bit-exactly
-    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14", "--save-every", "2"))
+    resumed = torchrun(2, store, tmp_path / "o2", "--steps", "14", "--save-every", "2")
+    ok(resumed)
     again = report(tmp_path / "o2")
     assert again["restored_step"] == 10 and again["digest"] == reference
+    # the recovery log is printed once (rank 0), not once per rank
+    assert resumed.stderr.count("[INFO] Found snapshot at step 10") == 1, resumed.stderr[-2000:]
+    assert "[INFO rank 1]" not in resumed.stderr
 
 
 def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Path,

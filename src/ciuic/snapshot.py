@@ -88,9 +88,19 @@ def _ensure_log_handler() -> None:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    handler.set_name("ciuic")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def _quiet_other_ranks(rank: int) -> None:
+    """Multi-rank: rank 0 alone prints the recovery log; the others print warnings and errors,
+    marked with their rank (only through the handler ciuic installed itself)."""
+    for handler in log.handlers:
+        if handler.get_name() == "ciuic" and rank != 0:
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"[%(levelname)s rank {rank}] %(message)s"))
 
 
 @dataclass
@@ -244,6 +254,8 @@ class SnapshotManager:
         # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
         # single process or with distributed=False
         self.coll = Collective(None if distributed is None else bool(distributed))
+        if self.coll.enabled:
+            _quiet_other_ranks(self.coll.rank)
         self.coll.run("opening the store", lambda: self._open_repo(
             store, endpoint, api_key, mirror, durability))
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
