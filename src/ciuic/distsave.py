@@ -103,12 +103,27 @@ def leaf_key(leaf: Leaf) -> str:
     return piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)
 
 
+def plan_metas(captured: DistCaptured) -> list[dict[str, Any]]:
+    """What this rank tells the plan about its global leaves."""
+    return [meta_of(leaf) | {"spread": leaf.path in captured.spread}
+            for leaf in captured.global_leaves]
+
+
 def layout_signature(captured: DistCaptured, world_size: int) -> str:
     """A digest of what the plan sees of this rank (its global leaves' metas) and the world
     size: while every rank's stays the same, the plan assigns the same owners."""
-    metas = [meta_of(leaf) | {"spread": leaf.path in captured.spread}
-             for leaf in captured.global_leaves]
-    return digest(canonical.dumps({"world": world_size, "metas": metas}))
+    return digest(canonical.dumps({"world": world_size, "metas": plan_metas(captured)}))
+
+
+def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[str] | None:
+    """The pieces this rank will write, predicted without asking the others, when every global
+    leaf is a plain tensor (DDP, replicated modules): every rank then holds the same layout
+    (the plan refuses anything else), so the plan is this rank's metas times the world size.
+    None for sharded layouts (which rank holds which box is not known locally)."""
+    if any(leaf.shard is not None for leaf in captured.global_leaves):
+        return None
+    owners = plan([plan_metas(captured)] * world_size)
+    return {key for key, owner in owners.items() if owner == rank}
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -172,8 +187,7 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
         try:
             names = [n for n in GLOBAL if n in captured.states]
             shape = canonical.dumps({n: captured.states[n] for n in names})
-            mine |= {"metas": [meta_of(leaf) | {"spread": leaf.path in captured.spread}
-                               for leaf in captured.global_leaves],
+            mine |= {"metas": plan_metas(captured),
                      "skeleton": digest(shape)}
         except Exception as e:
             mine["error"] = _error(e)

@@ -50,6 +50,7 @@ from .distsave import (
     is_distributed,
     layout_signature,
     leaf_key,
+    predicted_owned,
     prepare,
     write_dist,
 )
@@ -231,6 +232,7 @@ class SnapshotManager:
         self._reserved = False  # staging buffers allocated ahead of the first snapshot
         #: multi-rank: (this rank's layout signature, the pieces it wrote) of the last snapshot
         self._owned: tuple[str, set[str]] | None = None
+        self._predict_owners = True  # off for the snapshot after a failed one
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
@@ -580,12 +582,19 @@ class SnapshotManager:
     def _leave_replicas_to_owners(self, captured: DistCaptured) -> list[Leaf]:
         """Multi-rank: the leaves this rank must copy. A replicated tensor (DDP) is written by
         one rank only; when this rank's layout is the one of the previous snapshot, the plan
-        assigns the same owners, so the replicas other ranks write are not copied here (the
-        stall and the staging memory of a DDP rank shrink by the world size)."""
+        assigns the same owners, and before that, for plain (DDP) layouts, it can be predicted
+        locally; so the replicas other ranks write are not copied here (the stall and the
+        staging memory of a DDP rank shrink by the world size). After a failed snapshot the
+        next one copies everything (no prediction) and learns the owners from the plan."""
         captured.signature = layout_signature(captured, self.coll.world_size)
-        if self._owned is None or self._owned[0] != captured.signature:
+        if self._owned is not None and self._owned[0] == captured.signature:
+            owned: set[str] | None = self._owned[1]
+        elif self._predict_owners:  # the first snapshot (or a new layout) of a DDP job
+            owned = predicted_owned(captured, self.coll.rank, self.coll.world_size)
+        else:
+            owned = None
+        if owned is None:
             return captured.leaves
-        owned = self._owned[1]
         captured.unstaged = {leaf_key(leaf) for leaf in captured.global_leaves} - owned
         return captured.to_stage()
 
@@ -637,10 +646,12 @@ class SnapshotManager:
                 written = m.new_bytes
         except BaseException as e:
             self._owned = None  # the next snapshot copies everything
+            self._predict_owners = False
             self._failed(step, e)
             raise
         if isinstance(captured, DistCaptured):
             self._owned = (captured.signature, captured.owned)
+            self._predict_owners = True
         self._parent = sid
         self._last_committed_step = step
         self.stats.snapshots += 1

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, TensorDataset
 
 from ciuic import ResumableSampler, SnapshotManager, faults
+from ciuic.capture import capture
 
 
 def build(mode: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -136,6 +137,9 @@ def main() -> int:
                    "bytes_new": s.bytes_new, "bytes_written": s.bytes_written,
                    "restored_step": manager.restored.step if manager.restored else None,
                    "first_staged": first_staged, "last_staged": s.last_staged_bytes,
+                   # what a snapshot copies of this rank's own state (RNG, sampler)
+                   "own_bytes": sum(leaf.nbytes for leaf in capture(
+                       None, None, {"sampler": sampler, "loss": 0.0}).leaves),
                    "replica_bytes": sum(t.numel() * t.element_size() for t in [
                        *model.state_dict().values(),
                        *(v for st in optimizer.state.values() for v in st.values()
