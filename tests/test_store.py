@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,3 +144,26 @@ def test_non_durable_puts_become_durable_on_sync(store: Store) -> None:
     store.sync()  # idempotent
     assert [store.get(f"batch/{i:02d}/x") for i in range(20)] == [f"v{i}".encode()
                                                                    for i in range(20)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_chunks_written_without_fsync_start_their_writeback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ciuic.store import local
+
+    started: list[int] = []
+    real = local._start_writeback
+    assert real.__closure__ is not None  # libc's sync_file_range was found, not the no-op
+
+    def spy(fd: int) -> None:
+        started.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(local, "_start_writeback", spy)
+    store = LocalStore(tmp_path / "o")
+    store.put("chunks/ab/one", b"x" * 100_000, durable=False)
+    store.put("meta/two", b"y", durable=True)  # fsync'ed at once: no separate writeback
+    assert len(started) == 1
+    store.sync()
+    assert store.get("chunks/ab/one") == b"x" * 100_000
+    real(-1)  # a failing call (bad descriptor, a file system without it) raises nothing
