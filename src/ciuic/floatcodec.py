@@ -496,14 +496,15 @@ def _unzstd(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int) -> byte
     return plane
 
 
-def measure(sample: Bytes, itemsize: int, float_kind: str) -> tuple[float, float] | None:
-    """(encoded size / raw size, encoding seconds per raw byte) of the first
-    :data:`SAMPLE_BYTES` of ``sample`` (no delta), or None when it does not compress.
+def measure(sample: Bytes, itemsize: int, float_kind: str,
+            nbytes: int = SAMPLE_BYTES) -> tuple[float, float] | None:
+    """(encoded size / raw size, encoding seconds per raw byte) of the first ``nbytes`` of
+    ``sample`` (no delta), or None when it does not compress.
 
     Encodes twice and keeps the faster run (the first also pays for this thread's zstd context
     set-up); the time is on the calling thread, i.e. per core.
     """
-    view = _byte_view(sample, "sample")[:SAMPLE_BYTES]
+    view = _byte_view(sample, "sample")[:nbytes]
     _kind(float_kind, itemsize)
     elapsed, payload = math.inf, None
     for _ in range(2):

@@ -401,7 +401,7 @@ class SnapshotManager:
             return
         self._reserved = True
         if not self.asynchronous or _sharded(model):
-            return  # multi-rank layouts allocate at their first snapshot
+            return  # sharded layouts allocate at their first snapshot
         try:
             leaves = capture(model, optimizer, extras).leaves
             self._staging.reserve([(leaf.path, leaf.nbytes) for leaf in leaves],

@@ -128,8 +128,8 @@ class CompressionPolicy:
     Args:
         mode: ``"auto"``, ``"on"`` or ``"off"``.
         write_speed: the store's :meth:`~ciuic.store.Store.write_speed`, called at the first
-            decision (on a writer thread: a local disk measures itself then), or a fixed
-            (per writer, total or None) pair.
+            decision (a local disk measures itself once per process; the manager starts that
+            in the background when it opens), or a fixed (per writer, total or None) pair.
     """
 
     def __init__(self, mode: str = "auto",
@@ -183,22 +183,15 @@ class CompressionPolicy:
         return floatcodec.encode(piece, itemsize, float_kind=name) if decided else None
 
     def _decide(self, name: str, itemsize: int, piece: memoryview) -> bool:
-        """Encode the first :data:`DECIDE_BYTES` of this first piece of the kind, timed, time
-        BLAKE3 on them, and ask the pipeline model."""
-        head = piece[:DECIDE_BYTES]
-        floatcodec.encode(head[:MIN_PIECE_BYTES], itemsize, float_kind=name)  # thread set-up
-        payload: bytes | None = None
-
-        def encode() -> None:
-            nonlocal payload
-            payload = floatcodec.encode(head, itemsize, float_kind=name)
-
-        encode_s = _per_byte(encode, len(head))
-        if payload is None:  # does not compress
+        """Time the codec and BLAKE3 on the first :data:`DECIDE_BYTES` of this first piece of
+        the kind, and ask the pipeline model."""
+        measured = floatcodec.measure(piece, itemsize, name, nbytes=DECIDE_BYTES)
+        if measured is None:  # does not compress
             with self._lock:
                 self.basis[name] = {"ratio": 1.0, "compress": 0.0}
             return False
-        ratio = len(payload) / len(head)
+        ratio, encode_s = measured
+        head = piece[:DECIDE_BYTES]
         hash_s = _per_byte(lambda: digest(head), len(head))
         copy_s = PAGE_CACHE_S_PER_BYTE
         workers = min(knobs.get().write_threads, usable_cores())
