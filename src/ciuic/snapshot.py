@@ -261,11 +261,15 @@ class SnapshotManager:
         self.coll.run("opening the store", lambda: self._open_repo(
             store, endpoint, api_key, mirror, durability))
         self._codec = ObjectCodec(self.repo.keyring if encryption else None)
-        self._compression = CompressionPolicy(compression, self.repo.store.write_speed)
-        if compression == "auto":  # a local disk measures itself now, not during a snapshot
+        # a local disk measures itself once per job (rank 0: not 256 MiB more per rank), now
+        # in the background rather than during a snapshot; other ranks use the default
+        probe = self.coll.coordinator
+        store = self.repo.store
+        self._compression = CompressionPolicy(compression,
+                                              lambda: store.write_speed(measure=probe))
+        if compression == "auto" and probe:
             threading.Thread(target=self._quietly, name="ciuic-probe", daemon=True,
-                             args=("measure the store's write speed",
-                                   self.repo.store.write_speed)).start()
+                             args=("measure the store's write speed", store.write_speed)).start()
         self.run_id = secrets.token_hex(8)
         self.previous_run: Run | None = None
         self.interrupted = False

@@ -78,10 +78,11 @@ class Store(abc.ABC):
     #: for its CPU time (``compression="auto"``) is judged against it.
     write_bytes_per_s: float = 1e9
 
-    def write_speed(self) -> tuple[float, float | None]:
+    def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """(bytes/s one writer thread reaches, bytes/s all writers reach together, or None when
         writers add up, as separate connections to object storage do). Judged against by
-        ``compression="auto"``; a local disk measures itself (its writers share one disk)."""
+        ``compression="auto"``; a local disk measures itself (its writers share one disk)
+        unless ``measure`` is False."""
         return self.write_bytes_per_s, None
 
     @abc.abstractmethod

@@ -100,10 +100,11 @@ class LocalStore(Store):
         self._pending_lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
 
-    def write_speed(self) -> tuple[float, float | None]:
+    def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
         per file system and process (the writers share the disk: the speed is also the
-        total). Without fsync, writes go to memory: as fast as a copy."""
+        total); with ``measure=False`` only a speed measured before, else the default. Without
+        fsync, writes go to memory: as fast as a copy."""
         if not self.fsync:
             return 1e11, None
         try:
@@ -112,6 +113,8 @@ class LocalStore(Store):
             return self.write_bytes_per_s, None
         with _speeds_lock:
             if device not in _speeds:
+                if not measure:
+                    return self.write_bytes_per_s, None
                 measured = self._probe()
                 if measured is None:  # not remembered: the next snapshot tries again
                     return self.write_bytes_per_s, None

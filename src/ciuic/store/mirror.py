@@ -59,8 +59,8 @@ class MirrorStore(Store):
         self.drain_errors = 0
         self.last_drain_error: BaseException | None = None
 
-    def write_speed(self) -> tuple[float, float | None]:
-        return (self.fast if self.durability == "local" else self.remote).write_speed()
+    def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
+        return (self.fast if self.durability == "local" else self.remote).write_speed(measure)
 
     # -- background uploads ------------------------------------------------------------------
 

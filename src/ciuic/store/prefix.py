@@ -21,8 +21,8 @@ class PrefixStore(Store):
         self.url = f"{inner.url.rstrip('/')}/{prefix}"
         self.write_bytes_per_s = inner.write_bytes_per_s
 
-    def write_speed(self) -> tuple[float, float | None]:
-        return self.inner.write_speed()
+    def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
+        return self.inner.write_speed(measure)
 
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)

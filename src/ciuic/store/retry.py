@@ -46,8 +46,8 @@ class RetryingStore(Store):
         self.write_bytes_per_s = inner.write_bytes_per_s
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store")
 
-    def write_speed(self) -> tuple[float, float | None]:
-        return self.inner.write_speed()
+    def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
+        return self.inner.write_speed(measure)
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         delay = self.backoff_s
