@@ -87,7 +87,7 @@ def test_a_failed_registration_leaves_no_cuda_error_for_the_training_thread() ->
     assert buf.is_pinned()
     # registering the same pages again fails for real (cudaErrorHostMemoryAlreadyRegistered),
     # on ciuic's pin thread: the training thread's next kernel launch must not see that error
-    err = staging._on_pin_thread(staging._register, buf.data_ptr(), 4096, 0)
+    err = staging._pin_thread.run(staging._register, buf.data_ptr(), 4096, 0)
     assert err != 0
     assert torch.ones(1000, device="cuda").sum().item() == 1000.0
     torch.cuda.synchronize()

@@ -243,3 +243,18 @@ def test_restore_over_the_staging_budget_reads_into_fresh_memory(store_dir: Path
         assert m._staging.allocated_bytes <= 1024
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+def test_own_thread_runs_calls_on_one_named_thread_and_reentrant_calls_directly() -> None:
+    import threading
+
+    from ciuic.engine.own_thread import OwnThread
+
+    own = OwnThread("ciuic-test-own")
+    names = {own.run(lambda: threading.current_thread().name) for _ in range(3)}
+    assert len(names) == 1 and next(iter(names)).startswith("ciuic-test-own")
+    # a call made on that thread (as a finalizer it triggers) runs there at once, no deadlock
+    inner = own.run(lambda: own.run(lambda: threading.current_thread().name))
+    assert inner == next(iter(names))
+    with pytest.raises(ZeroDivisionError):
+        own.run(lambda: 1 / 0)

@@ -28,7 +28,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ import torch
 from .. import floatcodec, knobs
 from ..digest import digest
 from ..errors import ConfigurationError
+from .own_thread import OwnThread
 
 log = logging.getLogger("ciuic")
 
@@ -107,19 +107,10 @@ def _per_byte(fn: Callable[[], object], nbytes: int) -> float:
     return max(best, 1e-9) / max(1, nbytes)
 
 
-_decider_pool: ThreadPoolExecutor | None = None
-_decider_lock = threading.Lock()
-
-
-def _decider() -> ThreadPoolExecutor:
-    """One long-lived thread for every decision of the process: its temporary buffers come back
-    from one malloc arena each time, where the writer threads (new each snapshot) left the RSS
-    wandering by +-8 MiB over 150 snapshots of a 12.6 MiB state (flat with compression off)."""
-    global _decider_pool
-    with _decider_lock:
-        if _decider_pool is None:
-            _decider_pool = ThreadPoolExecutor(1, thread_name_prefix="ciuic-decide")
-        return _decider_pool
+#: One long-lived thread for every decision of the process: its temporary buffers come back from
+#: one malloc arena each time, where the writer threads (new each snapshot) left the RSS
+#: wandering by +-8 MiB over 150 snapshots of a 12.6 MiB state (flat with compression off).
+_decider = OwnThread("ciuic-decide")
 
 
 class CompressionPolicy:
@@ -177,7 +168,7 @@ class CompressionPolicy:
                 with self._lock:
                     decided = self._decided.get(name)
                 if decided is None:
-                    decided = _decider().submit(self._decide, name, itemsize, piece).result()
+                    decided = _decider.run(self._decide, name, itemsize, piece)
                     with self._lock:
                         self._decided[name] = decided
         return floatcodec.encode(piece, itemsize, float_kind=name) if decided else None

@@ -32,8 +32,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,9 +39,9 @@ import torch
 from ..errors import CiuicError
 from ..faults import failpoint
 from ..tree import Leaf
+from .own_thread import OwnThread
 
 log = logging.getLogger("ciuic")
-T = TypeVar("T")
 
 
 class StagingBudgetExceeded(CiuicError, MemoryError):
@@ -60,28 +58,10 @@ def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor |
 
 _PAGE = mmap.PAGESIZE
 _register_failed = False
-_pin_pool: ThreadPoolExecutor | None = None
-_pin_lock = threading.Lock()
-_PIN_THREAD = "ciuic-pin"
-
-
-def _on_pin_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run a CUDA runtime call on ciuic's own thread. A failed call leaves its error as the
-    calling thread's "last error", where PyTorch's next kernel-launch check would find it and
-    raise it against an unrelated kernel of the training thread; on this thread it is harmless.
-    """
-    global _pin_pool
-    if threading.current_thread().name.startswith(_PIN_THREAD):
-        return fn(*args)  # a finalizer run by the pin thread itself
-    with _pin_lock:
-        if _pin_pool is None:
-            _pin_pool = ThreadPoolExecutor(1, thread_name_prefix=_PIN_THREAD)
-        pool = _pin_pool
-    try:
-        future = pool.submit(fn, *args)
-    except RuntimeError:  # the interpreter is shutting down: no new work for the pool
-        return fn(*args)
-    return future.result()
+#: Where every CUDA runtime call of this module runs. A failed call leaves its error as the
+#: calling thread's "last error", where PyTorch's next kernel-launch check would find it and
+#: raise it against an unrelated kernel of the training thread; on this thread it is harmless.
+_pin_thread = OwnThread("ciuic-pin")
 
 
 def _register(ptr: int, size: int, device: int) -> int:
@@ -97,7 +77,7 @@ def _unregister(ptr: int, device: int) -> None:
 
 def _unpin(ptr: int, device: int) -> None:
     with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
-        _on_pin_thread(_unregister, ptr, device)
+        _pin_thread.run(_unregister, ptr, device)
 
 
 def allocate_host(nbytes: int, pin: int | None = None) -> torch.Tensor:
@@ -119,7 +99,7 @@ def allocate_host(nbytes: int, pin: int | None = None) -> torch.Tensor:
         span = -(-nbytes // _PAGE) * _PAGE
         ptr = raw.ctypes.data + start
         try:
-            err = _on_pin_thread(_register, ptr, span, pin)
+            err = _pin_thread.run(_register, ptr, span, pin)
             why = f"cudaError {err}"
         except Exception as e:  # no such binding in this torch build
             err, why = -1, f"{type(e).__name__}: {e}"

@@ -1,0 +1,36 @@
+"""A long-lived worker thread of ciuic's own, created on first use, that runs calls and waits."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class OwnThread:
+    """Runs calls on one thread named ``name``, made at the first call and kept.
+
+    A call made from that thread itself (a finalizer it triggered, say) runs directly; after the
+    interpreter began shutting down (no new work for the pool) calls run on the caller's thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if threading.current_thread().name.startswith(self.name):
+            return fn(*args)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+            pool = self._pool
+        try:
+            future = pool.submit(fn, *args)
+        except RuntimeError:  # the interpreter is shutting down
+            return fn(*args)
+        return future.result()
