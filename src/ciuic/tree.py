@@ -81,6 +81,10 @@ class Leaf:
     #: For one shard of a distributed tensor (DTensor): its (global shape, offsets); ``value``
     #: is then the local shard.
     shard: tuple[list[int], list[int]] | None = None
+    #: (chunk size, the digest of each chunk of ``value``'s raw bytes or None where not known):
+    #: staging sets the digests of chunks that did not change since the last snapshot, so the
+    #: writer does not hash them again; the writer fills in the rest.
+    digests: tuple[int, list[str | None]] | None = None
 
     @property
     def nbytes(self) -> int:

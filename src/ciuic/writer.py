@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,18 +99,22 @@ class _ChunkWriter:
         self.named: dict[int, str] = {}
         self.lacking: set[str] | None = None
 
-    def ask_in_one_batch(self, pieces: list[memoryview], pool: ThreadPoolExecutor) -> None:
+    def ask_in_one_batch(self, pieces: list[memoryview], known: list[str | None],
+                         pool: ThreadPoolExecutor) -> None:
         """Hash every piece now and ask the store once which chunks it lacks (a server: one
         round trip per snapshot instead of one per chunk)."""
-        digests = list(pool.map(self.codec.name, pieces))
+        digests = list(pool.map(lambda p, d: d or self.codec.name(p), pieces, known))
         self.named = {id(p): d for p, d in zip(pieces, digests, strict=True)}
         with self.lock:
             candidates = sorted({ck.chunk_key(d) for d in digests
                                  if d not in self.cache.digests})
         self.lacking = set(self.store.missing(candidates))
 
-    def __call__(self, piece: memoryview, kind: tuple[str, int] | None) -> tuple[str, int]:
-        d = self.named.get(id(piece)) or self.codec.name(piece)
+    def __call__(self, piece: memoryview, kind: tuple[str, int] | None,
+                 known: str | None) -> tuple[str, int]:
+        """Name ``piece`` (``known``: its digest, from the last snapshot of the same bytes) and
+        write it unless the store has it. Returns (digest, bytes written)."""
+        d = known or self.named.get(id(piece)) or self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
                 return d, 0
@@ -137,38 +141,59 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
                  codec: ObjectCodec, compression: CompressionPolicy | None = None
                  ) -> tuple[int, int, int]:
     """Store every leaf's chunks the store lacks; fill descriptors. Returns the bytes of the
-    state, of its new chunks, and what those new chunks take in the store (compressed)."""
+    state, of its new chunks, and what those new chunks take in the store (compressed).
+
+    A leaf's chunks whose digests staging found unchanged (``Leaf.digests``) are not hashed
+    again; each chunk is queued to the writer threads as soon as its leaf has been read."""
     k = knobs.get()
     total = new = 0
     compression = compression or CompressionPolicy("off")
     compression.start_snapshot()
-    pieces: list[memoryview] = []
-    kinds: list[tuple[str, int] | None] = []
-    owners: list[dict[str, Any]] = []
-    for leaf in leaves:
-        data = leaf_bytes(leaf)
-        desc = _describe(leaf)
-        desc["nbytes"] = len(data)
-        total += len(data)
-        if len(data) <= k.inline_max_bytes:
-            desc["inline"] = base64.b64encode(data).decode("ascii")
-        else:
-            desc["chunks"] = []
-            kind = float_kind(leaf.value)
-            for off, n in ck.split(len(data), k.chunk_bytes):
-                pieces.append(data[off:off + n])
-                kinds.append(kind)
-                owners.append(desc)
-        leaf.descriptor.clear()
-        leaf.descriptor.update(desc)
     writer = _ChunkWriter(repo, cache, codec, compression)
+    batch = repo.store.batch_missing
+    # (descriptor, piece, kind, known digest) of every chunk; (leaf, descriptor) of every leaf
+    # with chunks
+    pieces: list[tuple[dict[str, Any], memoryview, tuple[str, int] | None, str | None]] = []
+    chunked: list[tuple[Leaf, dict[str, Any]]] = []
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
-        if repo.store.batch_missing and pieces:
-            writer.ask_in_one_batch(pieces, pool)
-        for desc, piece, (d, wrote) in zip(owners, pieces, pool.map(writer, pieces, kinds),
-                                           strict=True):
-            desc["chunks"].append([d, len(piece)])
-            new += wrote
+        futures: list[Future[tuple[str, int]]] = []
+        try:
+            for leaf in leaves:
+                data = leaf_bytes(leaf)
+                desc = _describe(leaf)
+                desc["nbytes"] = len(data)
+                total += len(data)
+                if len(data) <= k.inline_max_bytes:
+                    desc["inline"] = base64.b64encode(data).decode("ascii")
+                else:
+                    desc["chunks"] = []
+                    chunked.append((leaf, desc))
+                    kind = float_kind(leaf.value)
+                    split = ck.split(len(data), k.chunk_bytes)
+                    hints = (leaf.digests[1] if leaf.digests is not None
+                             and leaf.digests[0] == k.chunk_bytes
+                             and len(leaf.digests[1]) == len(split) else [None] * len(split))
+                    for (off, n), hint in zip(split, hints, strict=True):
+                        entry = (desc, data[off:off + n], kind, hint)
+                        pieces.append(entry)
+                        if not batch:
+                            futures.append(pool.submit(writer, *entry[1:]))
+                leaf.descriptor.clear()
+                leaf.descriptor.update(desc)
+                leaf.digests = None  # set again below, once every chunk is named
+            if batch and pieces:
+                writer.ask_in_one_batch([p[1] for p in pieces], [p[3] for p in pieces], pool)
+                futures = [pool.submit(writer, *entry[1:]) for entry in pieces]
+            for (desc, piece, _, _), future in zip(pieces, futures, strict=True):
+                d, wrote = future.result()
+                desc["chunks"].append([d, len(piece)])
+                new += wrote
+        except BaseException:
+            for future in futures:  # a failed store: start no more writes
+                future.cancel()
+            raise
+    for leaf, desc in chunked:
+        leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])
     return total, new, writer.stored_bytes
 
 

@@ -36,9 +36,11 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from .. import knobs
 from ..errors import CiuicError
 from ..faults import failpoint
 from ..tree import Leaf
+from . import unchanged
 from .own_thread import OwnThread
 
 log = logging.getLogger("ciuic")
@@ -148,6 +150,9 @@ class StagingArea:
         self._pinned: set[str] = set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one per source device
         self._reserving: threading.Thread | None = None
+        #: the leaf last staged into each buffer: its ``digests`` (filled by the writer) are
+        #: those of the buffer's bytes, which the next snapshot compares the live tensor with
+        self._staged: dict[str, Leaf] = {}
         #: Seconds the last :meth:`reserve` took on its thread (allocating, page-locking).
         self.reserve_s = 0.0
 
@@ -161,6 +166,7 @@ class StagingArea:
         buf = self._buffers.get(path)
         if buf is None or buf.numel() != nbytes or (pin is not None and path not in self._pinned):
             self._buffers.pop(path, None)  # free the old one before allocating anew
+            self._staged.pop(path, None)
             buf = allocate_host(nbytes, pin)
             self._buffers[path] = buf
             if pin is not None:
@@ -216,6 +222,7 @@ class StagingArea:
         grows = nbytes - (buf.numel() if buf is not None else 0)
         if self.budget_bytes is not None and self.allocated_bytes + grows > self.budget_bytes:
             return None
+        self._staged.pop(path, None)  # the restore overwrites what the digests described
         return self._buffer(path, nbytes, pin)
 
     def stage(self, leaves: list[Leaf]) -> int:
@@ -259,15 +266,17 @@ class StagingArea:
         sources = []
         for leaf in later:
             buf = self._buffer(leaf.path, leaf.nbytes, pin=None)
-            sources.append((leaf.value, buf))
+            sources.append((leaf.value, buf, leaf, self._known(leaf)))
             leaf.value = _view(leaf.value, buf)
+            leaf.digests = None  # until the thread has compared
+            self._staged[leaf.path] = leaf
         pending = PendingCopy()
 
         def copy() -> None:
             try:
                 failpoint("stage.copy")
-                for value, buf in sources:
-                    self._copy(value, buf)
+                for value, buf, leaf, known in sources:
+                    leaf.digests = self._copy(value, buf, known)[1]
             except BaseException as e:  # re-raised by wait()
                 pending.error = e
 
@@ -286,8 +295,16 @@ class StagingArea:
 
     def _stage_leaf(self, leaf: Leaf, pin: int | None) -> int:
         buf = self._buffer(leaf.path, leaf.nbytes, pin)
-        leaf.value = self._copy(leaf.value, buf)
+        leaf.value, leaf.digests = self._copy(leaf.value, buf, self._known(leaf))
+        self._staged[leaf.path] = leaf
         return buf.numel()
+
+    def _known(self, leaf: Leaf) -> tuple[int, list[str | None]] | None:
+        """The digests of the chunks of ``leaf``'s buffer as the last snapshot wrote them."""
+        prev = self._staged.get(leaf.path)
+        if prev is None or prev.digests is None or prev.digests[0] != knobs.get().chunk_bytes:
+            return None
+        return prev.digests
 
     def _prepare(self, leaves: list[Leaf]) -> None:
         """Drop buffers of vanished or resized tensors; enforce the budget."""
@@ -296,6 +313,7 @@ class StagingArea:
         for path in [p for p, b in self._buffers.items() if needed.get(p) != b.numel()]:
             del self._buffers[path]  # vanished or resized: free before allocating anew
             self._pinned.discard(path)
+            self._staged.pop(path, None)
         total = sum(needed.values())
         if self.budget_bytes is not None and total > self.budget_bytes:
             raise StagingBudgetExceeded(
@@ -303,12 +321,26 @@ class StagingArea:
                 f"{self.budget_bytes}; the snapshot is written synchronously instead"
             )
 
-    def _copy(self, value: torch.Tensor | np.ndarray,
-              buf: torch.Tensor) -> torch.Tensor | np.ndarray:
+    def _copy(self, value: torch.Tensor | np.ndarray, buf: torch.Tensor,
+              known: tuple[int, list[str | None]] | None
+              ) -> tuple[torch.Tensor | np.ndarray, tuple[int, list[str | None]] | None]:
+        """Copy ``value`` into ``buf``; returns the view of ``buf`` shaped like ``value`` and
+        the digests of the chunks that were equal already (``known``: those of ``buf``)."""
         dst = _view(value, buf)
+        ptr = unchanged.host_pointer(value)
+        if known is not None and ptr is not None and unchanged.available() and buf.numel():
+            chunk_bytes, digests = known
+            kept = unchanged.still_equal(ptr, buf.data_ptr(), buf.numel(), chunk_bytes, digests)
+            if isinstance(value, np.ndarray):
+                src = torch.from_numpy(value.reshape(-1).view(np.uint8))
+            else:
+                src = value.detach().reshape(-1).view(torch.uint8)
+            for start, end in unchanged.runs(kept, buf.numel(), chunk_bytes):
+                buf[start:end].copy_(src[start:end])
+            return dst, (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
-            return dst
+            return dst, None
         assert isinstance(value, torch.Tensor)
         src = value.detach()
         dst_t = dst
@@ -325,10 +357,11 @@ class StagingArea:
             src.record_stream(stream)
         else:
             dst_t.copy_(src.resolve_conj().resolve_neg())
-        return dst_t
+        return dst_t, None
 
     def release(self) -> None:
         """Free every buffer."""
         self.join()
+        self._staged.clear()
         self._buffers.clear()
         self._pinned.clear()

@@ -1,0 +1,201 @@
+"""Incremental snapshots: chunks found unchanged while staging are neither copied nor hashed
+again, and nothing that did change is ever missed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager, StateHolder, faults, knobs
+from ciuic.crypto import ObjectCodec, generate_key_text
+from ciuic.engine import unchanged
+
+CHUNK = 64 * 1024
+N = 16 * CHUNK // 4  # float32 values: 16 chunks a tensor
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The sizes of the chunk-sized pieces the writer hashes."""
+    sizes: list[int] = []
+    name = ObjectCodec.name
+
+    def counting(self: ObjectCodec, data: object) -> str:
+        n = len(memoryview(data))  # type: ignore[arg-type]
+        if n == CHUNK:
+            sizes.append(n)
+        return name(self, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ObjectCodec, "name", counting)
+    with knobs.override(chunk_bytes=CHUNK):
+        yield sizes
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(N, generator=g) for k in ("a", "b", "c")}
+
+
+def restored(m: SnapshotManager, **kw: str) -> dict[str, torch.Tensor]:
+    holder = StateHolder({})
+    m.restore(state=holder, **kw)
+    return holder.state
+
+
+def test_only_changed_chunks_are_copied_hashed_and_written(store_dir: Path,
+                                                           hashed: list[int]) -> None:
+    live = state()
+    with SnapshotManager("p", job="inc", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        assert len(hashed) == 48
+        hashed.clear()
+        # in place through a NumPy view (no version counter sees it), one value of chunk 3;
+        # and c replaced by a new tensor
+        live["b"].numpy()[3 * CHUNK // 4 + 7] += 1.0
+        live["c"] = live["c"] * 2
+        want = {k: v.clone() for k, v in live.items()}
+        info = m.save(2, state=StateHolder(live))
+        assert len(hashed) == 17  # b's chunk 3 and c's 16; a's 16 and b's 15 others reused
+        assert info.new_bytes == 17 * CHUNK
+        got = restored(m)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_change_in_the_last_byte_of_a_chunk_is_found(store_dir: Path,
+                                                       hashed: list[int]) -> None:
+    live = state()
+    raw = live["a"].view(torch.uint8)
+    with SnapshotManager("p", job="last", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        raw[5 * CHUNK - 1] ^= 1  # the last byte of chunk 4
+        raw[N * 4 - 1] ^= 1  # and the very last byte of the tensor
+        want = live["a"].clone()
+        hashed.clear()
+        assert m.save(2, state=StateHolder(live)).new_bytes == 2 * CHUNK
+        assert len(hashed) == 2
+        assert torch.equal(restored(m)["a"], want)
+
+
+def test_numpy_arrays_are_compared_too(store_dir: Path, hashed: list[int]) -> None:
+    arr = np.arange(N, dtype=np.float32)
+    big_endian = np.arange(N, dtype=">f4")  # stored little-endian: copied, never compared
+    with SnapshotManager("p", job="np", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder({"arr": arr, "be": big_endian}))
+        hashed.clear()
+        arr[-1] = -1.0
+        big_endian[0] = -1.0
+        m.save(2, state=StateHolder({"arr": arr, "be": big_endian}))
+        assert len(hashed) == 1 + 16
+        got = restored(m)
+    assert np.array_equal(got["arr"], arr) and np.array_equal(got["be"], big_endian)
+
+
+def test_a_restore_into_the_buffers_forgets_their_digests(store_dir: Path) -> None:
+    """Restoring an older snapshot puts its bytes into the staging buffers; a snapshot of the
+    restored model must not reuse the digests of what the buffers held before."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
+            "p", job="back", store=store_dir, compression="off") as m:
+        old = m.save(1, model)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        m.save(2, model)  # the buffers now hold these values, with their digests
+        m.restore(model, snapshot=old.id)  # the older bytes, read into the same buffers
+        assert m._staging._buffers  # the restore really went through them
+        m.save(3, model)
+        fresh = nn.Linear(256, 256)
+        assert m.restore(fresh) == 3
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in first.items())
+
+
+def test_a_new_chunk_size_hashes_everything_again(store_dir: Path) -> None:
+    live = state()
+    with SnapshotManager("p", job="size", store=store_dir, compression="off") as m:
+        with knobs.override(chunk_bytes=CHUNK):
+            m.save(1, state=StateHolder(live))
+        live["a"][0] = 5.0
+        with knobs.override(chunk_bytes=CHUNK * 2):
+            info = m.save(2, state=StateHolder(live))
+            assert info.new_bytes == 3 * 16 * CHUNK  # every chunk is new at the new size
+            assert all(torch.equal(v, live[k]) for k, v in restored(m).items())
+
+
+def test_after_a_failed_snapshot_the_next_one_is_complete(store_dir: Path,
+                                                          hashed: list[int]) -> None:
+    live = state()
+    with SnapshotManager("p", job="fail", store=store_dir, compression="off",
+                         save_interval=1) as m:
+        m.save(1, state=StateHolder(live))
+        live["b"] += 1
+        faults.reload("chunk.put=raise@2")  # the second chunk write fails
+        assert m.step(2, state=StateHolder(live))
+        m.wait()
+        faults.reload("")
+        assert m.stats.failures == 1 and m.latest().step == 1  # type: ignore[union-attr]
+        want = {k: v.clone() for k, v in live.items()}
+        info = m.save(3, state=StateHolder(live))
+        assert info.step == 3
+        got = restored(m)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_overlapped_copies_compare_too(store_dir: Path, hashed: list[int]) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512, bias=False)  # 1 MiB: 16 chunks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with SnapshotManager("p", job="ovl", store=store_dir, compression="off",
+                         overlap=True, save_interval=1) as m:
+        assert m.step(1, model, opt)
+        m.wait()
+        hashed.clear()
+        with torch.no_grad():
+            model.weight[-1, -1] += 1.0  # the last chunk only
+        want = model.weight.detach().clone()
+        assert m.step(2, model, opt)
+        opt.zero_grad()
+        model(torch.randn(2, 512)).sum().backward()
+        opt.step()  # waits for the copy, then changes every value
+        m.wait()
+        assert len(hashed) == 1
+        fresh = nn.Linear(512, 512, bias=False)
+        assert m.restore(fresh) == 2
+    assert torch.equal(fresh.weight, want)
+
+
+def test_encrypted_stores_reuse_their_keyed_names(store_dir: Path, hashed: list[int],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
+    live = state()
+    with SnapshotManager("p", job="enc", store=store_dir, compression="off",
+                         encryption=True) as m:
+        m.save(1, state=StateHolder(live))
+        hashed.clear()
+        live["c"][-1] = 0.0
+        assert m.save(2, state=StateHolder(live)).new_bytes == CHUNK
+        assert len(hashed) == 1
+        got = restored(m)
+    assert all(torch.equal(got[k], live[k]) for k in live)
+
+
+def test_still_equal_compares_every_known_chunk_and_only_those() -> None:
+    a = torch.arange(10 * 1000, dtype=torch.uint8)
+    b = a.clone()
+    b[2500] += 1
+    kept = unchanged.still_equal(a.data_ptr(), b.data_ptr(), a.numel(), 1000,
+                                 ["d0", "d1", "d2", None, "d4", "d5", "d6", "d7", "d8", "d9"])
+    assert kept == ["d0", "d1", None, None, "d4", "d5", "d6", "d7", "d8", "d9"]
+    assert unchanged.runs(kept, a.numel(), 1000) == [(2000, 4000)]
+    assert unchanged.runs([None, "x", None], 2500, 1000) == [(0, 1000), (2000, 2500)]
+    with pytest.raises(ValueError, match="3 digests for 10 chunks"):
+        unchanged.still_equal(a.data_ptr(), b.data_ptr(), a.numel(), 1000, ["x"] * 3)
+    assert unchanged.host_pointer(a[::2]) is None  # not contiguous
+    assert unchanged.host_pointer(torch.randn(4, dtype=torch.complex64).conj()) is None
+    assert unchanged.host_pointer(np.arange(4, dtype=">i4")) is None
+    assert unchanged.host_pointer(a) == a.data_ptr()
