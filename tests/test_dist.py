@@ -94,6 +94,25 @@ def test_ddp_ranks_copy_only_the_replicas_they_write(tmp_path: Path, reference: 
     assert "[INFO rank 1]" not in resumed.stderr
 
 
+def test_a_plan_that_disagrees_with_what_a_rank_copied_fails_once_then_heals(
+        tmp_path: Path, reference: str) -> None:
+    """The safety net of owner prediction: rank 1 wrongly predicts it writes no replica and
+    copies none; the plan gives it some; that snapshot fails on both ranks, the next one
+    copies everything and learns the owners, and training resumes bit-exactly."""
+    store = tmp_path / "store"
+    ok(torchrun(2, store, tmp_path / "o1", "--steps", "12", "--mispredict-rank", "1"))
+    for rank in (0, 1):
+        r = report(tmp_path / "o1", rank)
+        assert r["failures"] == 1 and r["snapshots"] == 2, r  # step 0 failed; 4 and 8 landed
+        assert "did not copy" in r["last_error"], r
+    # after the failure each rank copies its own replicas only again: together, each once
+    ranks = [report(tmp_path / "o1", r) for r in range(2)]
+    assert sum(r["last_staged"] - r["own_bytes"] for r in ranks) == ranks[0]["replica_bytes"]
+    ok(torchrun(2, store, tmp_path / "o2", "--steps", "14"))
+    again = report(tmp_path / "o2")
+    assert again["restored_step"] == 8 and again["digest"] == reference
+
+
 def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Path,
                                                                    reference: str) -> None:
     store = tmp_path / "store"

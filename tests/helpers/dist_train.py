@@ -86,6 +86,8 @@ def main() -> int:
     p.add_argument("--odd-lr", action="store_true", help="rank 1 uses another learning rate")
     p.add_argument("--store-per-rank", action="store_true",
                    help="a misconfiguration: each rank its own directory")
+    p.add_argument("--mispredict-rank", type=int, default=None,
+                   help="this rank predicts it writes no replica (the plan disagrees)")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -94,6 +96,10 @@ def main() -> int:
     if spec:
         faults.reload(spec)
     model, optimizer = build(a.mode, world)
+    if rank == a.mispredict_rank:
+        import ciuic.snapshot
+
+        ciuic.snapshot.predicted_owned = lambda *_: set()  # type: ignore[assignment]
     if a.odd_lr and rank == 1:
         optimizer.param_groups[0]["lr"] = 2e-2
     g = torch.Generator().manual_seed(1234)
