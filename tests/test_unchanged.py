@@ -3,6 +3,7 @@ again, and nothing that did change is ever missed."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,12 +108,63 @@ def test_a_restore_into_the_buffers_forgets_their_digests(store_dir: Path) -> No
         with torch.no_grad():
             model.weight.add_(1.0)
         m.save(2, model)  # the buffers now hold these values, with their digests
+        lent = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
         m.restore(model, snapshot=old.id)  # the older bytes, read into the same buffers
-        assert m._staging._buffers  # the restore really went through them
+        assert torch.equal(model.weight, first["weight"])
+        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == lent
+        assert torch.equal(m._staging._buffers["model/weight"].view(torch.float32).view(
+            256, 256), first["weight"])  # the buffer holds the older bytes now
         m.save(3, model)
         fresh = nn.Linear(256, 256)
         assert m.restore(fresh) == 3
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in first.items())
+
+
+def test_a_copy_interrupted_part_way_leaves_no_stale_digest(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks 0 and 5 changed; staging copies chunk 0, then is interrupted (a second Ctrl-C,
+    say). The buffer's chunk 0 then holds the new bytes under the old digest, unless the
+    digests were forgotten first: the next snapshot would find chunk 0 equal and name it by
+    the old digest, and a restore would bring back the old values."""
+    live = state()
+    runs = unchanged.runs
+
+    def interrupted(*args: object) -> Iterator[tuple[int, int]]:
+        first, *_ = runs(*args)  # type: ignore[arg-type]
+        yield first
+        raise RuntimeError("interrupted")
+
+    with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
+            "p", job="intr", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        live["a"][0] += 1.0
+        live["a"][5 * CHUNK // 4] += 1.0
+        monkeypatch.setattr(unchanged, "runs", interrupted)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            m.save(2, state=StateHolder(live))
+        monkeypatch.setattr(unchanged, "runs", runs)
+        m.save(3, state=StateHolder(live))
+        assert torch.equal(restored(m)["a"], live["a"])
+
+
+def test_resized_tensors_get_new_buffers_without_digests(store_dir: Path) -> None:
+    with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
+            "p", job="resize", store=store_dir, compression="off") as m:
+        for step, n in enumerate((N, N // 2, N)):
+            live = {"a": torch.arange(n, dtype=torch.float32) + step}
+            m.save(step, state=StateHolder(live))
+            assert torch.equal(restored(m)["a"], live["a"])
+
+
+def test_read_only_numpy_arrays_are_staged_without_a_warning(store_dir: Path) -> None:
+    arr = np.arange(N, dtype=np.float32)
+    arr.flags.writeable = False
+    with SnapshotManager("p", job="ro", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder({"arr": arr}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m.save(2, state=StateHolder({"arr": arr}))
+        assert np.array_equal(restored(m)["arr"], arr)
 
 
 def test_a_new_chunk_size_hashes_everything_again(store_dir: Path) -> None:

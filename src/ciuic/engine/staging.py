@@ -295,7 +295,11 @@ class StagingArea:
 
     def _stage_leaf(self, leaf: Leaf, pin: int | None) -> int:
         buf = self._buffer(leaf.path, leaf.nbytes, pin)
-        leaf.value, leaf.digests = self._copy(leaf.value, buf, self._known(leaf))
+        known = self._known(leaf)
+        # forgotten before the copy starts: a copy interrupted part way (an exception, a
+        # second Ctrl-C) leaves bytes that no digest describes
+        self._staged.pop(leaf.path, None)
+        leaf.value, leaf.digests = self._copy(leaf.value, buf, known)
         self._staged[leaf.path] = leaf
         return buf.numel()
 
@@ -331,12 +335,15 @@ class StagingArea:
         if known is not None and ptr is not None and unchanged.available() and buf.numel():
             chunk_bytes, digests = known
             kept = unchanged.still_equal(ptr, buf.data_ptr(), buf.numel(), chunk_bytes, digests)
-            if isinstance(value, np.ndarray):
-                src = torch.from_numpy(value.reshape(-1).view(np.uint8))
+            runs = unchanged.runs(kept, buf.numel(), chunk_bytes)
+            if isinstance(value, np.ndarray):  # read-only arrays too (no torch.from_numpy)
+                flat, dst_bytes = value.reshape(-1).view(np.uint8), buf.numpy()
+                for start, end in runs:
+                    dst_bytes[start:end] = flat[start:end]
             else:
                 src = value.detach().reshape(-1).view(torch.uint8)
-            for start, end in unchanged.runs(kept, buf.numel(), chunk_bytes):
-                buf[start:end].copy_(src[start:end])
+                for start, end in runs:
+                    buf[start:end].copy_(src[start:end])
             return dst, (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
