@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, StateHolder, faults
+from ciuic import SnapshotManager, StateHolder, faults, knobs
 from ciuic.capture import capture
+from ciuic.engine.background import lower_priority
+from ciuic.engine.own_thread import OwnThread
 
 
 def rss_bytes() -> int:
@@ -258,3 +263,31 @@ def test_own_thread_runs_calls_on_one_named_thread_and_reentrant_calls_directly(
     assert inner == next(iter(names))
     with pytest.raises(ZeroDivisionError):
         own.run(lambda: 1 / 0)
+
+
+def _niceness_of_threads(prefixes: tuple[str, ...]) -> dict[str, set[int]]:
+    seen: dict[str, set[int]] = {}
+    for t in threading.enumerate():
+        prefix = t.name.split("_")[0]
+        if prefix in prefixes and t.native_id is not None:
+            seen.setdefault(prefix, set()).add(os.getpriority(os.PRIO_PROCESS, t.native_id))
+    return seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice: Linux")
+@pytest.mark.parametrize("nice", [10, 0])
+def test_background_threads_run_at_a_lower_cpu_priority(store_dir: Path, nice: int) -> None:
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    background = ("ciuic-snapshot", "ciuic-chunk", "ciuic-store", f"ciuic-nice{nice}")
+    faults.reload("chunk.put=sleep:0.5")  # hold the writer mid-snapshot
+    with knobs.override(background_nice=nice), SnapshotManager(
+            "p", job="nice", store=store_dir, compression="off") as m:
+        own = OwnThread(f"ciuic-nice{nice}", lower_priority)  # the compression decider's kind
+        own.run(lambda: None)
+        assert m.step(0, state=StateHolder({"w": torch.randn(4096)}))
+        time.sleep(0.2)
+        seen = _niceness_of_threads(background)
+        m.wait()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    assert set(seen) == set(background), seen
+    assert all(v == {min(19, base + nice)} for v in seen.values()), (base, seen)

@@ -49,6 +49,10 @@ class Knobs:
     dist_agree_every_steps: int = 10
     #: Temporary files of the local store older than this are removed by `gc`.
     temp_stale_s: float = 3600.0
+    #: How much nicer (lower CPU priority, Linux) ciuic's background threads run than the
+    #: training thread; 0 keeps them equal. Measured in docs/benchmarks.md (session 5): a
+    #: snapshot of the demo model slowed training by 53 ms at 0, 43 at 5, 31 at 10.
+    background_nice: int = 10
 
 
 _current = Knobs()

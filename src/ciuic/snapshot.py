@@ -55,6 +55,7 @@ from .distsave import (
     write_dist,
 )
 from .engine import StagingArea, StagingBudgetExceeded
+from .engine.background import lower_priority
 from .engine.compression import MODES as COMPRESSION_MODES
 from .engine.compression import CompressionPolicy
 from .engine.staging import PendingCopy
@@ -236,7 +237,8 @@ class SnapshotManager:
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot",
+                                            initializer=lower_priority)
         self._inflight: Future[SnapshotInfo] | None = None
         self._last_committed_step: int | None = None
         self._warned_budget = False

@@ -25,6 +25,7 @@ from . import chunks as ck
 from . import knobs
 from . import manifest as mf
 from .crypto import ObjectCodec
+from .engine.background import lower_priority
 from .engine.compression import CompressionPolicy, float_kind
 from .errors import StoreError
 from .faults import failpoint
@@ -155,7 +156,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     # with chunks
     pieces: list[tuple[dict[str, Any], memoryview, tuple[str, int] | None, str | None]] = []
     chunked: list[tuple[Leaf, dict[str, Any]]] = []
-    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
+    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk",
+                            initializer=lower_priority) as pool:
         futures: list[Future[tuple[str, int]]] = []
         try:
             for leaf in leaves:

@@ -11,14 +11,16 @@ T = TypeVar("T")
 
 
 class OwnThread:
-    """Runs calls on one thread named ``name``, made at the first call and kept.
+    """Runs calls on one thread named ``name``, made at the first call and kept (running
+    ``initializer`` first).
 
     A call made from that thread itself (a finalizer it triggered, say) runs directly; after the
     interpreter began shutting down (no new work for the pool) calls run on the caller's thread.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
         self.name = name
+        self._initializer = initializer
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -27,7 +29,8 @@ class OwnThread:
             return fn(*args)
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name,
+                                                initializer=self._initializer)
             pool = self._pool
         try:
             future = pool.submit(fn, *args)

@@ -41,6 +41,7 @@ from ..errors import CiuicError
 from ..faults import failpoint
 from ..tree import Leaf
 from . import unchanged
+from .background import lower_priority
 from .own_thread import OwnThread
 
 log = logging.getLogger("ciuic")
@@ -185,6 +186,7 @@ class StagingArea:
             return False
 
         def allocate() -> None:
+            lower_priority()  # training runs its first steps meanwhile
             t0 = time.perf_counter()
             try:
                 for path, nbytes in wanted.items():

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..engine.background import lower_priority
 from ..errors import ObjectNotFound, StoreError
 from .base import Data, Store, check_key, check_prefix, parts
 
@@ -205,7 +206,8 @@ class LocalStore(Store):
         dirs = sorted({f.parent for f in files})
 
         try:
-            with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync") as pool:
+            with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync",
+                                    initializer=lower_priority) as pool:
                 list(pool.map(_fsync_path, files))
                 list(pool.map(_fsync_path, dirs))
         except OSError as e:

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
+from ..engine.background import lower_priority
 from ..errors import ConfigurationError, ObjectNotFound, StoreError
 from .base import Data, Store
 
@@ -49,7 +50,8 @@ class MirrorStore(Store):
         self.write_bytes_per_s = (fast if durability == "local" else remote).write_bytes_per_s
         # Fewer drain threads than a RetryingStore's 8 call threads, so that a stalled durable
         # tier never starves the calls of the write path (has, list) of a thread.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ciuic-mirror")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ciuic-mirror",
+                                        initializer=lower_priority)
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._remote_has: set[str] = set()

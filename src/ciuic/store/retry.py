@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from .. import knobs
+from ..engine.background import lower_priority
 from ..errors import InvalidKey, ObjectNotFound, StoreAccessError, StoreError
 from .base import Data, Store
 
@@ -44,7 +45,10 @@ class RetryingStore(Store):
         self.backoff_s = backoff_s if backoff_s is not None else k.store_backoff_s
         self.url = inner.url
         self.write_bytes_per_s = inner.write_bytes_per_s
-        self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store")
+        # a restore's reads run here too, while training waits: the lower priority then only
+        # matters if something else keeps the cores busy
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store",
+                                        initializer=lower_priority)
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         return self.inner.write_speed(measure)

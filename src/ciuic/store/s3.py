@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from .. import knobs
+from ..engine.background import lower_priority
 from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
 from .base import Data, Store, check_key, check_prefix, joined, parts
 
@@ -98,7 +99,8 @@ class S3Store(Store):
                 config=config)
         self._client = client
         self._endpoint = str(getattr(client.meta, "endpoint_url", "")) or "AWS S3"
-        self._pool = ThreadPoolExecutor(k.s3_concurrency, thread_name_prefix="ciuic-s3")
+        self._pool = ThreadPoolExecutor(k.s3_concurrency, thread_name_prefix="ciuic-s3",
+                                        initializer=lower_priority)
         self._probe_lock = threading.Lock()
         self._conditional_ok: bool | None = {"always": True, "never": False}.get(
             self.conditional)
