@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, StateHolder
+from ciuic import SnapshotManager, StateHolder, knobs
+from ciuic.crypto import ObjectCodec
 from ciuic.engine import staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -207,3 +208,34 @@ def test_device_and_host_memory_stay_flat_across_50_snapshots(store_dir: Path) -
     assert samples[0][0] == samples[1][0]  # device memory
     grown = samples[1][1] - samples[0][1]
     assert grown < 0.5 * state_bytes(model, opt), f"RSS grew {grown / 2**20:.1f} MiB"
+
+
+def test_cpu_tensors_beside_cuda_ones_are_compared_and_cuda_ones_copied(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed state: the CPU tensor's staging buffer is pinned (the state has CUDA tensors);
+    its unchanged chunks keep their digests, the CUDA tensor is copied and hashed each time,
+    and both restore bit-exactly."""
+    chunk = 64 * 1024
+    hashed: list[int] = []
+    name = ObjectCodec.name
+
+    def counting(self: ObjectCodec, data: object) -> str:
+        if len(memoryview(data)) == chunk:  # type: ignore[arg-type]
+            hashed.append(1)
+        return name(self, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ObjectCodec, "name", counting)
+    live = {"gpu": torch.randn(4 * chunk // 4, device="cuda"),
+            "cpu": torch.randn(4 * chunk // 4)}
+    with knobs.override(chunk_bytes=chunk), SnapshotManager(
+            "p", job="mixed", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        assert m._staging._pinned >= {"state/gpu", "state/cpu"}
+        hashed.clear()
+        live["cpu"][-1] += 1.0  # the CPU tensor's last chunk; the GPU tensor unchanged
+        m.save(2, state=StateHolder(live))
+        assert len(hashed) == 1 + 4  # that chunk, and every chunk of the CUDA tensor
+        got = StateHolder({})
+        m.restore(state=got)
+    assert torch.equal(got.state["cpu"], live["cpu"])
+    assert torch.equal(got.state["gpu"].cpu(), live["gpu"].cpu())
