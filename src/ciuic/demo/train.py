@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = iter(loader)
     loss_value = float("nan")
     t_train = time.perf_counter()
+    step_s: list[float] = []  # each step's wall time, snapshot included (for the benchmark)
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         try:
             x, y = next(batches)
         except StopIteration:
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if manager is not None:
             manager.step(step, model, optimizer, sampler=sampler, scheduler=scheduler,
                          loss=loss_value)
+        step_s.append(time.perf_counter() - t_step)
         if step % 50 == 0 or step == args.steps - 1:
             print(f"  step {step:4d}  loss {loss_value:.4f}", flush=True)
         if step == args.kill_at:
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_total": manager.stats.bytes_total if manager else 0,
         "bytes_new": manager.stats.bytes_new if manager else 0,
         "restored_step": manager.restored.step if manager and manager.restored else None,
+        "step_s": step_s,
     }
     if manager is not None:
         manager.close()
