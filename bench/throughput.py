@@ -11,8 +11,10 @@ Whole runs differ by several per cent from one to the next on a shared machine, 
 snapshot costs; so it also reports what the snapshots cost inside each run: the time by which
 the steps from each snapshot's step to ``WINDOW`` steps later (the stall, then the background
 writing) exceed the run's median step, minus the same for the same steps of the run without
-snapshots in that round (the first steps are slow in both), per snapshot and as a share of the
-run's training time.
+snapshots in that round, per snapshot and as a share of the time of the steps between two
+snapshots. The snapshot at step 0 is left out: its window also holds one-time costs (the first
+steps, the disk's speed measured at start, the first buffers), which the whole-run figure
+includes.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def one(steps: int, snapshots: bool, every: int) -> tuple[float, list[float]]:
 
 
 def excess(step_s: list[float], every: int) -> float:
-    """Seconds by which the steps of every snapshot's window exceed the run's median step."""
+    """Seconds by which the steps of the windows of the snapshots after step 0 exceed the
+    run's median step."""
+    assert every >= WINDOW, "windows would overlap"
     base = statistics.median(step_s)
-    return sum(t - base for s in range(0, len(step_s), every) for t in step_s[s:s + WINDOW])
+    return sum(t - base for s in range(every, len(step_s), every) for t in step_s[s:s + WINDOW])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -58,22 +62,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     rates: dict[str, list[float]] = {"no snapshots": [], f"snapshot every {args.every}": []}
     per_snapshot: list[float] = []  # seconds one snapshot cost the training, per round
-    share: list[float] = []  # all snapshots' cost / the run's training time, per round
-    snapshots = len(range(0, args.steps, args.every))
+    share: list[float] = []  # that / the time of `every` steps: the steady slowdown, per round
+    snapshots = len(range(args.every, args.steps, args.every))  # measured: all but step 0's
     for r in range(args.rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
         windows: dict[bool, float] = {}
-        train_s = 0.0
+        interval_s = 0.0
         for snap in order:
             name = f"snapshot every {args.every}" if snap else "no snapshots"
             rate, step_s = one(args.steps, snap, args.every)
             rates[name].append(rate)
             windows[snap] = excess(step_s, args.every)
             if snap:
-                train_s = sum(step_s)
+                interval_s = args.every * statistics.median(step_s)
         cost = windows[True] - windows[False]
         per_snapshot.append(cost / snapshots)
-        share.append(cost / train_s)
+        share.append(cost / snapshots / interval_s)
     base = statistics.median(rates["no snapshots"])
     print(f"demo model, {args.steps} steps, {args.rounds} round(s): steps/s min / median / max")
     out: dict[str, Any] = {"steps": args.steps, "rounds": args.rounds, "systems": {}}
@@ -82,11 +86,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {name:22} {min(xs):7.2f} / {med:7.2f} / {max(xs):7.2f}   "
               f"{100 * (med / base - 1):+.1f} %")
         out["systems"][name] = {"min": min(xs), "median": med, "max": max(xs)}
-    print(f"  cost of a snapshot inside the run (window of {WINDOW} steps, less the same steps "
-          f"without snapshots): {1e3 * min(per_snapshot):.0f} / "
+    print(f"  cost of a snapshot inside the run (after step 0; window of {WINDOW} steps, less the "
+          f"same steps without snapshots): {1e3 * min(per_snapshot):.0f} / "
           f"{1e3 * statistics.median(per_snapshot):.0f} / {1e3 * max(per_snapshot):.0f} ms, "
           f"{100 * min(share):.2f} / {100 * statistics.median(share):.2f} / "
-          f"{100 * max(share):.2f} % of the training time")
+          f"{100 * max(share):.2f} % of the steps between two snapshots")
     out["snapshot_cost_s"] = per_snapshot
     out["snapshot_cost_share"] = share
     if args.json:

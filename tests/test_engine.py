@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from ciuic import SnapshotManager, StateHolder, faults, knobs
 from ciuic.capture import capture
 from ciuic.engine.background import lower_priority
 from ciuic.engine.own_thread import OwnThread
+from ciuic.store.local import LocalStore
 
 
 def rss_bytes() -> int:
@@ -265,29 +267,65 @@ def test_own_thread_runs_calls_on_one_named_thread_and_reentrant_calls_directly(
         own.run(lambda: 1 / 0)
 
 
-def _niceness_of_threads(prefixes: tuple[str, ...]) -> dict[str, set[int]]:
+def _niceness_of_new_threads(before: set[int]) -> dict[str, set[int]]:
+    """The nice values of the ciuic threads started since ``before`` (thread idents), by name
+    prefix."""
     seen: dict[str, set[int]] = {}
     for t in threading.enumerate():
-        prefix = t.name.split("_")[0]
-        if prefix in prefixes and t.native_id is not None:
+        if t.ident not in before and t.name.startswith("ciuic") and t.native_id is not None:
+            prefix = t.name.rsplit("_", 1)[0]
             seen.setdefault(prefix, set()).add(os.getpriority(os.PRIO_PROCESS, t.native_id))
     return seen
 
 
+def _wait_for_threads(before: set[int], names: set[str]) -> dict[str, set[int]]:
+    deadline = time.monotonic() + 10
+    while True:
+        seen = _niceness_of_new_threads(before)
+        if names <= set(seen) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.02)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice: Linux")
 @pytest.mark.parametrize("nice", [10, 0])
-def test_background_threads_run_at_a_lower_cpu_priority(store_dir: Path, nice: int) -> None:
+def test_background_threads_run_at_a_lower_cpu_priority(
+        store_dir: Path, nice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An asynchronous snapshot's threads run nicer than training; a synchronous save, which
+    the caller waits for, runs at the caller's priority, its store calls included."""
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    background = ("ciuic-snapshot", "ciuic-chunk", "ciuic-store", f"ciuic-nice{nice}")
-    faults.reload("chunk.put=sleep:0.5")  # hold the writer mid-snapshot
+    low = min(19, base + nice)
+    puts: list[tuple[str, int]] = []  # (thread name prefix, nice) of each chunk written
+    put = LocalStore.put
+
+    def recording(self: LocalStore, key: str, data: Any, **kw: Any) -> None:
+        if key.startswith("chunks/"):
+            puts.append((threading.current_thread().name.rsplit("_", 1)[0],
+                         os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        put(self, key, data, **kw)
+
+    monkeypatch.setattr(LocalStore, "put", recording)
+    faults.reload("chunk.put=sleep:0.3")  # hold the writer mid-snapshot
+    before = {t.ident for t in threading.enumerate() if t.ident is not None}
     with knobs.override(background_nice=nice), SnapshotManager(
-            "p", job="nice", store=store_dir, compression="off") as m:
+            "p", job="nice", store=store_dir, compression="off", save_interval=1) as m:
         own = OwnThread(f"ciuic-nice{nice}", lower_priority)  # the compression decider's kind
         own.run(lambda: None)
         assert m.step(0, state=StateHolder({"w": torch.randn(4096)}))
-        time.sleep(0.2)
-        seen = _niceness_of_threads(background)
+        threads = {"ciuic-snapshot", "ciuic-chunk", f"ciuic-nice{nice}"}
+        seen = _wait_for_threads(before, threads)
         m.wait()
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
-    assert set(seen) == set(background), seen
-    assert all(v == {min(19, base + nice)} for v in seen.values()), (base, seen)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+        assert all(seen.get(k) == {low} for k in threads), (base, seen)
+        assert puts and set(puts) == {("ciuic-store-bg" if nice else "ciuic-store", low)}, puts
+
+        puts.clear()
+        before = {t.ident for t in threading.enumerate() if t.ident is not None}
+        saving = threading.Thread(target=m.save, args=(1,),
+                                  kwargs={"state": StateHolder({"w": torch.randn(4096)})})
+        saving.start()
+        seen = _wait_for_threads(before, {"ciuic-chunk"})
+        saving.join()
+        assert m.latest().step == 1  # type: ignore[union-attr]
+    assert seen.get("ciuic-chunk") == {base} and "ciuic-snapshot" not in seen, seen
+    assert puts and set(puts) == {("ciuic-store", base)}, puts

@@ -171,7 +171,7 @@ def test_a_failed_mirror_catches_up_on_the_next_run(tmp_path: Path, s3_endpoint:
                          mirror=url) as m:
         assert isinstance(m.repo.store, MirrorStore)
         m.repo.store.flush()
-        m.repo.store._pool.shutdown(wait=True)  # the catch-up runs on the mirror's threads
+        m.repo.store._pools.shutdown(wait=True)  # the catch-up runs on the mirror's threads
     step, back = restored(tmp_path / "elsewhere", mirror=url)
     assert step == 2 and same(back, model)
 

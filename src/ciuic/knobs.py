@@ -49,9 +49,10 @@ class Knobs:
     dist_agree_every_steps: int = 10
     #: Temporary files of the local store older than this are removed by `gc`.
     temp_stale_s: float = 3600.0
-    #: How much nicer (lower CPU priority, Linux) ciuic's background threads run than the
-    #: training thread; 0 keeps them equal. Measured in docs/benchmarks.md (session 5): a
-    #: snapshot of the demo model slowed training by 53 ms at 0, 43 at 5, 31 at 10.
+    #: How much nicer (lower CPU priority, Linux) the threads of an asynchronous snapshot run
+    #: than the training thread; 0 keeps them equal. Read when a thread starts; a lowered
+    #: thread cannot be raised again. Measured in docs/benchmarks.md (session 5): a snapshot
+    #: of the demo model slowed the overlapping training steps by 50 ms at 0, 36 ms at 10.
     background_nice: int = 10
 
 

@@ -443,7 +443,7 @@ class SnapshotManager:
                             "written: snapshots are due faster than they are written. Consider "
                             "a larger save_interval, or on_busy='skip'", step, waited)
         try:  # never let a snapshot failure stop training
-            future = self._submit(step, model, optimizer, extras)
+            future = self._submit(step, model, optimizer, extras, inline=not self.asynchronous)
         except Exception as e:
             self._failed(step, e)
             return False
@@ -530,7 +530,10 @@ class SnapshotManager:
              **extras: Any) -> SnapshotInfo:
         """Snapshot now, wait until it is committed, and return its info. Raises on failure
         (unlike :meth:`step`)."""
-        return self.save_async(step, model, optimizer, **extras).result()
+        self._check_open()
+        self.wait()
+        # written on this thread, at its priority: the caller waits for it
+        return self._submit(step, model, optimizer, extras, inline=True).result()
 
     def save_async(self, step: int, model: Any = None, optimizer: Any = None,
                    **extras: Any) -> Future[SnapshotInfo]:
@@ -543,8 +546,10 @@ class SnapshotManager:
         self.wait()
         return self._submit(step, model, optimizer, extras)
 
-    def _submit(self, step: int, model: Any, optimizer: Any,
-                extras: dict[str, Any]) -> Future[SnapshotInfo]:
+    def _submit(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],
+                inline: bool = False) -> Future[SnapshotInfo]:
+        """Capture and stage; then write on the (lowered) writer thread, or with ``inline`` or
+        when nothing could be staged, on this thread before returning."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         t0 = time.perf_counter()
@@ -578,10 +583,15 @@ class SnapshotManager:
             staged = True
         self._last_save_step = step
         self._last_save_time = time.monotonic()
-        future = self._executor.submit(self._write, step, captured, t0, pending)
+        if inline or not staged:  # (unstaged, it reads live tensors: finish before returning)
+            future: Future[SnapshotInfo] = Future()
+            try:
+                future.set_result(self._write(step, captured, t0, pending))
+            except Exception as e:  # logged and counted by _write; the caller may raise it
+                future.set_exception(e)
+        else:
+            future = self._executor.submit(self._write, step, captured, t0, pending)
         self._inflight = future
-        if not staged:
-            concurrent.futures.wait([future])  # it reads live tensors: finish before returning
         self.stats.last_stall_s = time.perf_counter() - t0
         return future
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, fields
 from . import chunks as ck
 from . import manifest as mf
 from .crypto import SALT_KEY
-from .engine.background import lower_priority
 from .errors import CorruptObject, IntegrityError, ObjectNotFound, SnapshotNotFound
 from .reader import body_states, check_chunk_blob, chunk_refs
 from .repo import Repository, commit_order
@@ -103,8 +102,7 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
         d = key.rsplit("/", 1)[1]
         check_chunk_blob(src, key, blob, d, chunks[d])
 
-    with ThreadPoolExecutor(_THREADS, thread_name_prefix="ciuic-copy",
-                            initializer=lower_priority) as pool:
+    with ThreadPoolExecutor(_THREADS, thread_name_prefix="ciuic-copy") as pool:  # caller's
         extras = [SALT_KEY] if src.store.has(SALT_KEY) else []
         _send(src, dst, extras, None, pool, verify, stats, progress, "keys", create=True)
         _send(src, dst, [ck.chunk_key(d) for d in chunks], check_chunk, pool, verify, stats,

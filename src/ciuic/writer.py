@@ -25,7 +25,6 @@ from . import chunks as ck
 from . import knobs
 from . import manifest as mf
 from .crypto import ObjectCodec
-from .engine.background import lower_priority
 from .engine.compression import CompressionPolicy, float_kind
 from .errors import StoreError
 from .faults import failpoint
@@ -156,8 +155,9 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     # with chunks
     pieces: list[tuple[dict[str, Any], memoryview, tuple[str, int] | None, str | None]] = []
     chunked: list[tuple[Leaf, dict[str, Any]]] = []
-    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk",
-                            initializer=lower_priority) as pool:
+    # new threads inherit the caller's priority: lowered under an asynchronous snapshot's
+    # writer, normal under a synchronous one (engine/background.py)
+    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
         futures: list[Future[tuple[str, int]]] = []
         try:
             for leaf in leaves:

@@ -185,6 +185,9 @@ class StagingArea:
         if self.budget_bytes is not None and sum(wanted.values()) > self.budget_bytes:
             return False
 
+        if pin is not None:  # the pin thread, made by this thread: at its priority, not lowered
+            _pin_thread.run(lambda: None)
+
         def allocate() -> None:
             lower_priority()  # training runs its first steps meanwhile
             t0 = time.perf_counter()

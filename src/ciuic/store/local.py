@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..engine.background import lower_priority
 from ..errors import ObjectNotFound, StoreError
 from .base import Data, Store, check_key, check_prefix, parts
 
@@ -206,8 +205,8 @@ class LocalStore(Store):
         dirs = sorted({f.parent for f in files})
 
         try:
-            with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync",
-                                    initializer=lower_priority) as pool:
+            # (threads inherit the caller's priority, lowered or not)
+            with ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ciuic-fsync") as pool:
                 list(pool.map(_fsync_path, files))
                 list(pool.map(_fsync_path, dirs))
         except OSError as e:

@@ -23,11 +23,11 @@ import builtins
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ..engine.background import lower_priority
+from ..engine.background import Pools
 from ..errors import ConfigurationError, ObjectNotFound, StoreError
 from .base import Data, Store
 
@@ -50,8 +50,7 @@ class MirrorStore(Store):
         self.write_bytes_per_s = (fast if durability == "local" else remote).write_bytes_per_s
         # Fewer drain threads than a RetryingStore's 8 call threads, so that a stalled durable
         # tier never starves the calls of the write path (has, list) of a thread.
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ciuic-mirror",
-                                        initializer=lower_priority)
+        self._pools = Pools(threads, "ciuic-mirror")  # the caller's priority
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._remote_has: set[str] = set()
@@ -69,7 +68,7 @@ class MirrorStore(Store):
     def _submit(self, fn: Any, key: str, barrier: bool = False) -> Future[Any]:
         with self._lock:
             pending = [f for f in self._pending if not f.done()]
-            future = self._pool.submit(self._run, fn, key, pending if barrier else [])
+            future = self._pools.get().submit(self._run, fn, key, pending if barrier else [])
             self._pending = [*pending, future]
         return future
 
@@ -135,7 +134,7 @@ class MirrorStore(Store):
 
     def submit(self, fn: Any, *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on the mirror's threads (used for the start-up catch-up)."""
-        return self._pool.submit(fn, *args)
+        return self._pools.get().submit(fn, *args)
 
     # -- Store -------------------------------------------------------------------------------
 
@@ -239,6 +238,6 @@ class MirrorStore(Store):
         if failed:
             log.warning("%d object(s) were not mirrored to %s; `ciuic push` sends them",
                         failed, self.remote.url)
-        self._pool.shutdown(wait=True)
+        self._pools.shutdown(wait=True)
         self.fast.close()
         self.remote.close()

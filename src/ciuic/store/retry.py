@@ -13,13 +13,12 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from .. import knobs
-from ..engine.background import lower_priority
+from ..engine.background import Pools
 from ..errors import InvalidKey, ObjectNotFound, StoreAccessError, StoreError
 from .base import Data, Store
 
@@ -45,10 +44,8 @@ class RetryingStore(Store):
         self.backoff_s = backoff_s if backoff_s is not None else k.store_backoff_s
         self.url = inner.url
         self.write_bytes_per_s = inner.write_bytes_per_s
-        # a restore's reads run here too, while training waits: the lower priority then only
-        # matters if something else keeps the cores busy
-        self._pool = ThreadPoolExecutor(8, thread_name_prefix="ciuic-store",
-                                        initializer=lower_priority)
+        # an asynchronous snapshot's calls run on lowered threads, a restore's at normal priority
+        self._pools = Pools(8, "ciuic-store")
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         return self.inner.write_speed(measure)
@@ -56,7 +53,7 @@ class RetryingStore(Store):
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
-            future = self._pool.submit(fn)
+            future = self._pools.get().submit(fn)
             try:
                 return future.result(timeout=self.timeout_s)
             except FutureTimeout:
@@ -118,5 +115,5 @@ class RetryingStore(Store):
         return self.inner.location(key)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.shutdown()
         self.inner.close()

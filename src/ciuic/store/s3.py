@@ -27,12 +27,11 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
 from .. import knobs
-from ..engine.background import lower_priority
+from ..engine.background import Pools
 from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
 from .base import Data, Store, check_key, check_prefix, joined, parts
 
@@ -99,8 +98,7 @@ class S3Store(Store):
                 config=config)
         self._client = client
         self._endpoint = str(getattr(client.meta, "endpoint_url", "")) or "AWS S3"
-        self._pool = ThreadPoolExecutor(k.s3_concurrency, thread_name_prefix="ciuic-s3",
-                                        initializer=lower_priority)
+        self._pools = Pools(k.s3_concurrency, "ciuic-s3")  # the caller's priority
         self._probe_lock = threading.Lock()
         self._conditional_ok: bool | None = {"always": True, "never": False}.get(
             self.conditional)
@@ -173,7 +171,7 @@ class S3Store(Store):
             return {"ETag": etag, "PartNumber": number}
 
         try:
-            futures = [self._pool.submit(send, i + 1, start)
+            futures = [self._pools.get().submit(send, i + 1, start)
                        for i, start in enumerate(range(0, size, step))]
             done = [f.result() for f in futures]
             self._client.complete_multipart_upload(
@@ -272,7 +270,7 @@ class S3Store(Store):
                                                Range=f"bytes={start}-{end}", **extra)
                 _read_into(part["Body"], views, start, end + 1 - start)
 
-            for future in [self._pool.submit(fetch, s)
+            for future in [self._pools.get().submit(fetch, s)
                            for s in range(first, total, self._part_bytes)]:
                 future.result()
         return total
@@ -307,7 +305,7 @@ class S3Store(Store):
                    lambda: self._client.delete_object(Bucket=self.bucket, Key=self._key(key)))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.shutdown()
 
 
 def _read_into(body: Any, views: list[memoryview], offset: int, length: int) -> None:
