@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,56 +144,49 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     state, of its new chunks, and what those new chunks take in the store (compressed).
 
     A leaf's chunks whose digests staging found unchanged (``Leaf.digests``) are not hashed
-    again; each chunk is queued to the writer threads as soon as its leaf has been read."""
+    again."""
     k = knobs.get()
     total = new = 0
     compression = compression or CompressionPolicy("off")
     compression.start_snapshot()
-    writer = _ChunkWriter(repo, cache, codec, compression)
-    batch = repo.store.batch_missing
-    # (descriptor, piece, kind, known digest) of every chunk; (leaf, descriptor) of every leaf
-    # with chunks
-    pieces: list[tuple[dict[str, Any], memoryview, tuple[str, int] | None, str | None]] = []
+    pieces: list[memoryview] = []
+    kinds: list[tuple[str, int] | None] = []
+    known: list[str | None] = []  # each piece's digest where staging found it unchanged
+    owners: list[dict[str, Any]] = []
     chunked: list[tuple[Leaf, dict[str, Any]]] = []
+    for leaf in leaves:
+        data = leaf_bytes(leaf)
+        desc = _describe(leaf)
+        desc["nbytes"] = len(data)
+        total += len(data)
+        if len(data) <= k.inline_max_bytes:
+            desc["inline"] = base64.b64encode(data).decode("ascii")
+        else:
+            desc["chunks"] = []
+            chunked.append((leaf, desc))
+            kind = float_kind(leaf.value)
+            split = ck.split(len(data), k.chunk_bytes)
+            hints = (leaf.digests[1] if leaf.digests is not None
+                     and leaf.digests[0] == k.chunk_bytes and len(leaf.digests[1]) == len(split)
+                     else [None] * len(split))
+            for (off, n), hint in zip(split, hints, strict=True):
+                pieces.append(data[off:off + n])
+                kinds.append(kind)
+                known.append(hint)
+                owners.append(desc)
+        leaf.descriptor.clear()
+        leaf.descriptor.update(desc)
+        leaf.digests = None  # set again below, once every chunk is named
+    writer = _ChunkWriter(repo, cache, codec, compression)
     # new threads inherit the caller's priority: lowered under an asynchronous snapshot's
     # writer, normal under a synchronous one (engine/background.py)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
-        futures: list[Future[tuple[str, int]]] = []
-        try:
-            for leaf in leaves:
-                data = leaf_bytes(leaf)
-                desc = _describe(leaf)
-                desc["nbytes"] = len(data)
-                total += len(data)
-                if len(data) <= k.inline_max_bytes:
-                    desc["inline"] = base64.b64encode(data).decode("ascii")
-                else:
-                    desc["chunks"] = []
-                    chunked.append((leaf, desc))
-                    kind = float_kind(leaf.value)
-                    split = ck.split(len(data), k.chunk_bytes)
-                    hints = (leaf.digests[1] if leaf.digests is not None
-                             and leaf.digests[0] == k.chunk_bytes
-                             and len(leaf.digests[1]) == len(split) else [None] * len(split))
-                    for (off, n), hint in zip(split, hints, strict=True):
-                        entry = (desc, data[off:off + n], kind, hint)
-                        pieces.append(entry)
-                        if not batch:
-                            futures.append(pool.submit(writer, *entry[1:]))
-                leaf.descriptor.clear()
-                leaf.descriptor.update(desc)
-                leaf.digests = None  # set again below, once every chunk is named
-            if batch and pieces:
-                writer.ask_in_one_batch([p[1] for p in pieces], [p[3] for p in pieces], pool)
-                futures = [pool.submit(writer, *entry[1:]) for entry in pieces]
-            for (desc, piece, _, _), future in zip(pieces, futures, strict=True):
-                d, wrote = future.result()
-                desc["chunks"].append([d, len(piece)])
-                new += wrote
-        except BaseException:
-            for future in futures:  # a failed store: start no more writes
-                future.cancel()
-            raise
+        if repo.store.batch_missing and pieces:
+            writer.ask_in_one_batch(pieces, known, pool)
+        for desc, piece, (d, wrote) in zip(
+                owners, pieces, pool.map(writer, pieces, kinds, known), strict=True):
+            desc["chunks"].append([d, len(piece)])
+            new += wrote
     for leaf, desc in chunked:
         leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])
     return total, new, writer.stored_bytes
