@@ -3,6 +3,8 @@ again, and nothing that did change is ever missed."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateHolder, faults, knobs
+from ciuic import chunks as ck
 from ciuic.crypto import ObjectCodec, generate_key_text
 from ciuic.engine import unchanged
 
@@ -251,6 +254,46 @@ def test_still_equal_compares_every_known_chunk_and_only_those() -> None:
     assert unchanged.host_pointer(torch.randn(4, dtype=torch.complex64).conj()) is None
     assert unchanged.host_pointer(np.arange(4, dtype=">i4")) is None
     assert unchanged.host_pointer(a) == a.data_ptr()
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_a_large_tensor_is_compared_on_several_threads_with_the_same_answer(
+        workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut into ranges per thread (a chunk may be split between two), the compare still finds
+    every changed chunk, whichever byte of it changed, and no other."""
+    monkeypatch.setattr(unchanged, "threads", lambda: workers)
+    rng = np.random.default_rng(workers)
+    nbytes = 9 * 1024 * 1024 + 777
+    a = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
+    for chunk_bytes in (1024 * 1024, 3 * 1024 * 1024 + 5, 4 * 1024 * 1024, nbytes):
+        pieces = ck.split(nbytes, chunk_bytes)
+        for trial in range(6):
+            b = a.clone()
+            spots = {0, nbytes - 1, chunk_bytes - 1, chunk_bytes % nbytes}
+            spots |= {int(x) for x in rng.integers(0, nbytes, trial)}
+            for spot in sorted(spots)[:trial]:
+                b[spot] ^= 0x40
+            known = [None if rng.random() < 0.2 else f"d{i}" for i in range(len(pieces))]
+            want = [d if d is not None and torch.equal(a[o:o + n], b[o:o + n]) else None
+                    for (o, n), d in zip(pieces, known, strict=True)]
+            got = unchanged.still_equal(a.data_ptr(), b.data_ptr(), nbytes, chunk_bytes, known)
+            assert got == want, (chunk_bytes, trial)
+    assert any(t.name.startswith("ciuic-compare") for t in threading.enumerate())
+
+
+def test_balance_covers_every_byte_once() -> None:
+    pieces = [(0, 0, 10), (2, 20, 10), (3, 30, 7)]
+    for parts in range(1, 9):
+        groups = unchanged._balance(pieces, 27, parts)
+        assert len(groups) <= parts
+        flat = [p for g in groups for p in g]
+        covered = sorted((off, off + n, i) for i, off, n in flat)
+        assert sum(n for _, _, n in flat) == 27
+        for (_, end, _), (start, _, _) in itertools.pairwise(covered):
+            assert end <= start
+        for i, off, n in flat:
+            base = {0: 0, 2: 20, 3: 30}[i]
+            assert base <= off and off + n <= base + {0: 10, 2: 10, 3: 7}[i]
 
 
 def test_every_snapshot_of_a_randomly_edited_state_restores_exactly(store_dir: Path) -> None:
