@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             res["durable"].append(durable)
             res["extra_mem"].append(mem.extra)
             res["bytes"].append(du(s.dir))
-            if type(s) is Ciuic:
+            if isinstance(s, Ciuic):  # each variant: compression off (auto), sealed, on
                 s.incremental()
             drop_caches()
             res["load"].append(timed(s.load))
@@ -459,10 +459,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{name:<15} {summary(res['stall']):>24} {summary(res['durable']):>24} "
               f"{summary(res['load']):>24} {statistics.median(res['bytes']) / size:11.3f} "
               f"{statistics.median(res['extra_mem']) / size:15.3f}")
-    ciuic = next(s for s in systems if type(s) is Ciuic)
-    print(f"\nciuic incremental (10 % of tensors changed, buffers warm): stall "
-          f"{summary(ciuic.steady['stall'])} s, durable {summary(ciuic.steady['durable'])} s, "
-          f"new bytes {statistics.median(ciuic.steady['new_bytes']) / size:.3f} of the state")
+    variants = [s for s in systems if isinstance(s, Ciuic)]
+    for v in variants:
+        print(f"\n{v.name} incremental (10 % of tensors changed, buffers warm): stall "
+              f"{summary(v.steady['stall'])} s, durable {summary(v.steady['durable'])} s, "
+              f"new bytes {statistics.median(v.steady['new_bytes']) / size:.3f} of the state")
+    ciuic = variants[0]
     for kind, basis in ciuic.basis.items():
         print(f"ciuic compression=auto, {kind}: " + ", ".join(f"{k} {v:.3g}"
                                                           for k, v in basis.items()))
@@ -471,6 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     out: dict[str, object] = {"state_bytes": size, "rounds": len(floor), "results": results,
                               "state": a.state, "device": device, "disk_write_floor": write_floor,
                               "staging_floor": floor, "ciuic_incremental": ciuic.steady,
+                              "incremental": {v.name: v.steady for v in variants},
                               "ciuic_auto_compression": ciuic.basis,
                               "machine": machine()}
     if a.json:

@@ -34,5 +34,9 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
         else:
             assert res["bytes"][0] >= 0.99 * size, f"{name} wrote less than the state"
         assert name in text
-    inc = out["ciuic_incremental"]
-    assert 0 < inc["new_bytes"][0] < 0.5 * size  # only the changed tensors were written
+    assert out["ciuic_incremental"] is out["incremental"]["ciuic"]
+    assert set(out["incremental"]) == {"ciuic", "ciuic+aes", "ciuic+compress"}
+    for name, inc in out["incremental"].items():  # only the changed tensors were written
+        assert 0 < inc["new_bytes"][0] < 0.5 * size, name
+        assert 0 < inc["stall"][0] <= inc["durable"][0], name
+        assert f"{name} incremental" in text
