@@ -59,7 +59,7 @@ from .gc import InflightSave
 from .lease import Lease
 from .reader import _POOL_WORKERS, load_trees
 from .repo import Repository
-from .shards import assemble, meta_of, piece_key, plan
+from .shards import Meta, assemble, meta_of, piece_key, plan
 from .store import Store
 from .tree import Leaf, decode, dtensor_shard, dtype_name, encode, flat_tensors, join, walk_leaves
 from .writer import Captured, ChunkCache, commit_snapshot, write_leaves
@@ -82,8 +82,10 @@ class DistCaptured(Captured):
     #: on every rank by construction); other replicas (buffers such as BatchNorm statistics,
     #: which DDP only re-broadcasts at the next forward) are written by the lowest rank
     spread: set[str] = field(default_factory=set)
+    #: what the plan is told of this rank's global leaves (:func:`plan_metas`)
+    metas: list[Meta] | None = None
     #: the layout of this rank's global leaves (:func:`layout_signature`)
-    signature: str = ""
+    signature: tuple[int, list[Meta]] | None = None
     #: piece keys of global leaves left unstaged (their values are the live tensors): the
     #: previous snapshot with the same layout on this rank had other ranks write them
     unstaged: set[str] = field(default_factory=set)
@@ -103,16 +105,20 @@ def leaf_key(leaf: Leaf) -> str:
     return piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)
 
 
-def plan_metas(captured: DistCaptured) -> list[dict[str, Any]]:
-    """What this rank tells the plan about its global leaves."""
-    return [meta_of(leaf) | {"spread": leaf.path in captured.spread}
-            for leaf in captured.global_leaves]
+def plan_metas(captured: DistCaptured) -> list[Meta]:
+    """What this rank tells the plan about its global leaves (computed once per capture)."""
+    if captured.metas is None:
+        captured.metas = [meta_of(leaf) | {"spread": leaf.path in captured.spread}
+                          for leaf in captured.global_leaves]
+    return captured.metas
 
 
-def layout_signature(captured: DistCaptured, world_size: int) -> str:
-    """A digest of what the plan sees of this rank (its global leaves' metas) and the world
-    size: while every rank's stays the same, the plan assigns the same owners."""
-    return digest(canonical.dumps({"world": world_size, "metas": plan_metas(captured)}))
+def layout_signature(captured: DistCaptured, world_size: int) -> tuple[int, list[Meta]]:
+    """What the plan sees of this rank (its global leaves' metas) and the world size: while
+    every rank's stays equal (``==``), the plan assigns the same owners. Compared as it is, not
+    digested: this runs in the stall, and for 3000 leaves the canonical JSON and its digest cost
+    12 ms more than building the metas."""
+    return world_size, plan_metas(captured)
 
 
 def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[str] | None:

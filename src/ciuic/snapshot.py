@@ -75,6 +75,7 @@ from .lease import acquire as acquire_lease
 from .reader import load_trees, read_body
 from .repo import Repository, cached_catalog_url
 from .retention import prune
+from .shards import Meta
 from .store import Store
 from .store.mirror import MirrorStore
 from .transfer import copy_job
@@ -232,7 +233,7 @@ class SnapshotManager:
         self._staging = StagingArea(staging_budget_bytes)
         self._reserved = False  # staging buffers allocated ahead of the first snapshot
         #: multi-rank: (this rank's layout signature, the pieces it wrote) of the last snapshot
-        self._owned: tuple[str, set[str]] | None = None
+        self._owned: tuple[tuple[int, list[Meta]], set[str]] | None = None
         self._predict_owners = True  # off for the snapshot after a failed one
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
@@ -666,7 +667,8 @@ class SnapshotManager:
             self._failed(step, e)
             raise
         if isinstance(captured, DistCaptured):
-            self._owned = (captured.signature, captured.owned)
+            self._owned = (None if captured.signature is None
+                           else (captured.signature, captured.owned))
             self._predict_owners = True
         self._parent = sid
         self._last_committed_step = step
