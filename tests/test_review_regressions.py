@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, SnapshotNotFound, StateMismatch, knobs
+from ciuic import SnapshotManager, SnapshotNotFound, StateHolder, StateMismatch, faults, knobs, tree
 from ciuic import manifest as mf
 from ciuic import snapshot as snapshot_module
+from ciuic.engine import unchanged
+from ciuic.engine.own_thread import OwnThread
+from ciuic.errors import CaptureError
 from ciuic.gc import LOCK_KEY, _is_live, collect
 from ciuic.repo import Repository
 from ciuic.store import LocalStore
@@ -174,3 +180,143 @@ def test_young_temporaries_survive_gc(tmp_path: Path) -> None:
     (tmp_path / "o" / ".tmp-young").write_bytes(b"a writer is using me")
     assert store.remove_temporaries(older_than_s=3600) == 0
     assert store.remove_temporaries(older_than_s=0) == 1
+
+
+def test_dict_keys_of_equal_text_are_refused_and_old_bodies_with_them_restore(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """{0: a, "0": b} named two tensors "0": they shared a staging buffer (the snapshot held b
+    twice) and a reader buffer (a restore gave b twice)."""
+    a, b = torch.full((1000,), 1.0), torch.full((1000,), 2.0)
+    with SnapshotManager("p", job="keys", store=store_dir, compression="off") as m:
+        with pytest.raises(CaptureError, match=r"keys 0 and '0' of one dict have the same text"):
+            m.save(1, s=StateHolder({0: a, "0": b}))
+        assert m.latest() is None  # nothing was written
+    # a body an earlier version wrote (synchronously, so with the right bytes) still restores
+    monkeypatch.setattr(tree, "_check_distinct", lambda *_: None)
+    with SnapshotManager("p", job="keys", store=store_dir, compression="off",
+                         asynchronous=False) as m:
+        m.save(1, s=StateHolder({0: a, "0": b}))
+    for asynchronous in (True, False):  # async restores lend staging buffers (model only)
+        with SnapshotManager("p", job="keys", store=store_dir,
+                             asynchronous=asynchronous) as m:
+            h = StateHolder()
+            m.restore(s=h)
+        assert torch.equal(h.state[0], a) and torch.equal(h.state["0"], b)
+
+
+class KeepsExtraState(nn.Module):
+    """A module whose ``set_extra_state`` keeps the tensor it is given (allowed by torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = torch.zeros(4096)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.table
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.table = state
+
+
+def test_a_restored_tensor_the_model_keeps_is_never_the_staging_buffer(store_dir: Path) -> None:
+    """A restore reads the model into the staging buffers; a module that keeps the tensor then
+    holds a staging buffer: the next snapshots compared the buffer with itself ("unchanged")
+    and kept the old digests for new bytes."""
+    kw: dict[str, Any] = {"store": store_dir, "compression": "off", "save_interval": None}
+    first = KeepsExtraState()
+    first.table.fill_(1.0)
+    with SnapshotManager("p", job="keep", **kw) as m:
+        m.save(1, first)
+    model = KeepsExtraState()
+    with SnapshotManager("p", job="keep", **kw) as m:
+        m.restore(model)
+        for step in (2, 3, 4):
+            model.table.fill_(float(step))
+            m.save(step, model)
+            assert not any(buf.data_ptr() == model.table.data_ptr()
+                           for buf in m._staging._buffers.values())
+        snapshots = m.repo.catalog.snapshots("p", "keep")
+    assert len(snapshots) == 4
+    for info in snapshots:
+        fresh = KeepsExtraState()
+        with SnapshotManager("p", job="keep", **kw) as m:
+            m.restore(fresh, snapshot=info.id)
+        assert float(fresh.table[0]) == float(info.step), info.step
+
+
+def test_own_threads_and_copy_pools_work_in_a_forked_child() -> None:
+    """A forked child has none of its parent's threads: a pool that believed it had an idle
+    worker waited forever (the compression decider hung a child's first snapshot)."""
+    own = OwnThread("ciuic-test-fork")
+    assert own.run(lambda: 1) == 1
+    a = np.ones(4 * 1024 * 1024, dtype=np.uint8)  # NumPy: torch's OpenMP hangs after a fork
+    b = np.zeros_like(a)
+    unchanged.copy_changed(a.ctypes.data, b.ctypes.data, a.size, 1 << 20, None)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if both work
+        signal.alarm(20)
+        c = np.zeros_like(a)
+        unchanged.copy_changed(a.ctypes.data, c.ctypes.data, a.size, 1 << 20, None)
+        os._exit(0 if own.run(lambda: 2) == 2 and bool(c.all()) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")
+
+
+def test_a_new_optimizer_that_reuses_an_id_still_waits_for_the_overlapped_copy(
+        store_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    with SnapshotManager("p", job="ov", store=store_dir, save_interval=1, overlap=True,
+                         compression="off") as m:
+        old = torch.optim.SGD(model.parameters(), lr=1.0)
+        m.step(1, model, old)
+        m.wait()
+        old_id = id(old)
+        del old  # a new training phase, say
+        opt = None
+        for _ in range(1000):  # CPython soon gives a new object the freed one's address
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            if id(opt) == old_id:
+                break
+            opt = None
+        if opt is None:
+            pytest.skip("no new optimizer got the old one's id")
+        faults.reload("stage.copy=sleep:0.5")  # a slow background copy
+        try:
+            m.step(2, model, opt)
+            expected = model.weight.detach().clone()
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.step()  # must wait for the copy of step 2's values
+            m.wait()
+        finally:
+            faults.reload("")
+        fresh = nn.Linear(256, 256)
+        assert m.restore(fresh) == 2
+    assert torch.equal(fresh.weight, expected)
+
+
+def test_managers_closed_in_creation_order_leave_the_original_signal_handlers(
+        store_dir: Path) -> None:
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever ran earlier
+    try:
+        m1 = SnapshotManager("p", job="a", store=store_dir)
+        m2 = SnapshotManager("p", job="b", store=store_dir)
+        m1.close()
+        m2.close()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert not any(getattr(signal.getsignal(s), "__self__", None) in (m1, m2)
+                       for s in (signal.SIGINT, signal.SIGTERM))
+        # a closed manager's handler, still called by someone's chain, passes the signal on
+        with pytest.raises(KeyboardInterrupt):
+            m1._on_signal(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, before)

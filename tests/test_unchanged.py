@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,22 +131,24 @@ def test_a_copy_interrupted_part_way_leaves_no_stale_digest(
     digests were forgotten first: the next snapshot would find chunk 0 equal and name it by
     the old digest, and a restore would bring back the old values."""
     live = state()
-    runs = unchanged.runs
+    sync = unchanged._sync
 
-    def interrupted(*args: object) -> Iterator[tuple[int, int]]:
-        first, *_ = runs(*args)  # type: ignore[arg-type]
-        yield first
-        raise RuntimeError("interrupted")
+    def interrupted(src: int, dst: int, pieces: list[unchanged.Piece],
+                    keep: object = None) -> set[int]:
+        for piece in pieces:
+            if sync(src, dst, [piece]):  # this chunk differed and was copied
+                raise RuntimeError("interrupted")
+        return set()
 
     with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
             "p", job="intr", store=store_dir, compression="off") as m:
         m.save(1, state=StateHolder(live))
         live["a"][0] += 1.0
         live["a"][5 * CHUNK // 4] += 1.0
-        monkeypatch.setattr(unchanged, "runs", interrupted)
+        monkeypatch.setattr(unchanged, "_sync", interrupted)
         with pytest.raises(RuntimeError, match="interrupted"):
             m.save(2, state=StateHolder(live))
-        monkeypatch.setattr(unchanged, "runs", runs)
+        monkeypatch.setattr(unchanged, "_sync", sync)
         m.save(3, state=StateHolder(live))
         assert torch.equal(restored(m)["a"], live["a"])
 
@@ -239,28 +242,34 @@ def test_encrypted_stores_reuse_their_keyed_names(store_dir: Path, hashed: list[
     assert all(torch.equal(got[k], live[k]) for k in live)
 
 
-def test_still_equal_compares_every_known_chunk_and_only_those() -> None:
-    a = torch.arange(10 * 1000, dtype=torch.uint8)
+def test_copy_changed_compares_known_chunks_and_copies_the_rest() -> None:
+    a = torch.arange(10 * 1000, dtype=torch.int32).view(torch.uint8)[:10 * 1000].clone()
     b = a.clone()
-    b[2500] += 1
-    kept = unchanged.still_equal(a.data_ptr(), b.data_ptr(), a.numel(), 1000,
-                                 ["d0", "d1", "d2", None, "d4", "d5", "d6", "d7", "d8", "d9"])
-    assert kept == ["d0", "d1", None, None, "d4", "d5", "d6", "d7", "d8", "d9"]
-    assert unchanged.runs(kept, a.numel(), 1000) == [(2000, 4000)]
-    assert unchanged.runs([None, "x", None], 2500, 1000) == [(0, 1000), (2000, 2500)]
+    b[2500] += 1  # chunk 2 differs; chunk 3 is unknown (copied without a compare)
+    b[3100] += 1
+    b[7000] += 1  # chunk 7 is unknown
+    kept = unchanged.copy_changed(a.data_ptr(), b.data_ptr(), a.numel(), 1000,
+                                  ["d0", "d1", "d2", None, "d4", "d5", "d6", None, "d8", "d9"])
+    assert kept == ["d0", "d1", None, None, "d4", "d5", "d6", None, "d8", "d9"]
+    assert torch.equal(a, b)
+    c = torch.zeros_like(a)
+    assert unchanged.copy_changed(a.data_ptr(), c.data_ptr(), a.numel(), 1000, None) is None
+    assert torch.equal(a, c)
     with pytest.raises(ValueError, match="3 digests for 10 chunks"):
-        unchanged.still_equal(a.data_ptr(), b.data_ptr(), a.numel(), 1000, ["x"] * 3)
+        unchanged.copy_changed(a.data_ptr(), b.data_ptr(), a.numel(), 1000, ["x"] * 3)
     assert unchanged.host_pointer(a[::2]) is None  # not contiguous
     assert unchanged.host_pointer(torch.randn(4, dtype=torch.complex64).conj()) is None
     assert unchanged.host_pointer(np.arange(4, dtype=">i4")) is None
+    assert unchanged.host_pointer(torch.eye(3).to_sparse()) is None
     assert unchanged.host_pointer(a) == a.data_ptr()
 
 
 @pytest.mark.parametrize("workers", [2, 3, 5])
-def test_a_large_tensor_is_compared_on_several_threads_with_the_same_answer(
+def test_a_large_tensor_is_compared_and_copied_on_several_threads(
         workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cut into ranges per thread (a chunk may be split between two), the compare still finds
-    every changed chunk, whichever byte of it changed, and no other."""
+    """Cut into ranges per thread (a chunk may be split between two), the pass still finds
+    every changed chunk, whichever byte of it changed, and no other, and leaves the
+    destination equal to the source."""
     monkeypatch.setattr(unchanged, "threads", lambda: workers)
     rng = np.random.default_rng(workers)
     nbytes = 9 * 1024 * 1024 + 777
@@ -276,22 +285,48 @@ def test_a_large_tensor_is_compared_on_several_threads_with_the_same_answer(
             known = [None if rng.random() < 0.2 else f"d{i}" for i in range(len(pieces))]
             want = [d if d is not None and torch.equal(a[o:o + n], b[o:o + n]) else None
                     for (o, n), d in zip(pieces, known, strict=True)]
-            got = unchanged.still_equal(a.data_ptr(), b.data_ptr(), nbytes, chunk_bytes, known)
+            got = unchanged.copy_changed(a.data_ptr(), b.data_ptr(), nbytes, chunk_bytes,
+                                         known)
             assert got == want, (chunk_bytes, trial)
-    assert any(t.name.startswith("ciuic-compare") for t in threading.enumerate())
+            assert torch.equal(a, b)
+    assert any(t.name.startswith("ciuic-copy") for t in threading.enumerate())
+
+
+def test_an_interrupt_returns_only_once_every_thread_has_finished_its_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while the calling thread copies its range: the other threads' ranges are
+    finished before the interrupt propagates, so no thread writes the buffer afterwards."""
+    monkeypatch.setattr(unchanged, "threads", lambda: 4)
+    sync = unchanged._sync
+
+    def slow(src: int, dst: int, pieces: list[unchanged.Piece], keep: object = None) -> set[int]:
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        time.sleep(0.3)
+        return sync(src, dst, pieces)
+
+    monkeypatch.setattr(unchanged, "_sync", slow)
+    a = torch.ones(8 * 1024 * 1024, dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    with pytest.raises(KeyboardInterrupt):
+        unchanged.copy_changed(a.data_ptr(), b.data_ptr(), a.numel(), 1 << 20, None, (a, b))
+    quarter = a.numel() // 4
+    assert torch.equal(a[:3 * quarter], b[:3 * quarter])  # the three other threads' ranges
+    assert not b[3 * quarter:].any()  # the interrupted caller's own range
 
 
 def test_balance_covers_every_byte_once() -> None:
-    pieces = [(0, 0, 10), (2, 20, 10), (3, 30, 7)]
+    pieces = [(0, 0, 10, True), (2, 20, 10, False), (3, 30, 7, True)]
     for parts in range(1, 9):
         groups = unchanged._balance(pieces, 27, parts)
         assert len(groups) <= parts
         flat = [p for g in groups for p in g]
-        covered = sorted((off, off + n, i) for i, off, n in flat)
-        assert sum(n for _, _, n in flat) == 27
+        covered = sorted((off, off + n, i) for i, off, n, _ in flat)
+        assert sum(n for _, _, n, _ in flat) == 27
         for (_, end, _), (start, _, _) in itertools.pairwise(covered):
             assert end <= start
-        for i, off, n in flat:
+        for i, off, n, compare in flat:
+            assert compare == (i != 2)
             base = {0: 0, 2: 20, 3: 30}[i]
             assert base <= off and off + n <= base + {0: 10, 2: 10, 3: 7}[i]
 

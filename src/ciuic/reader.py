@@ -193,24 +193,36 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
 
 def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor | None = None
                ) -> dict[str, Any]:
-    """Read, verify and decode state trees (name -> tree) into Python values."""
-    buffers: dict[str, torch.Tensor] = {}
+    """Read, verify and decode state trees (name -> tree) into Python values.
+
+    Buffers are kept per descriptor, not per path: snapshots written before ciuic refused
+    dict keys of equal text (``{0: a, "0": b}``) hold two leaves under one path, and each
+    must come back as itself (the repeated path is not lent a buffer either)."""
+    buffers: dict[int, torch.Tensor] = {}  # id(descriptor) -> its bytes
     reads: list[Future[None]] = []
     sharded: list[tuple[str, dict[str, Any]]] = []
+    lent: set[str] = set()
+
+    def lend_once(path: str, nbytes: int) -> torch.Tensor | None:
+        if buffer_for is None or path in lent:
+            return None
+        lent.add(path)
+        return buffer_for(path, nbytes)
+
     with ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="ciuic-read") as pool:
         try:
             for path, kind, desc in walk_leaves(wanted):  # every read in flight at once
                 if "shards" in desc and kind == "tensor":
                     sharded.append((path, desc))  # assembled below, while the rest reads
                     continue
-                buffers[path], submitted = _leaf_buffer(repo, path, kind, desc, pool,
-                                                        buffer_for)
+                buffers[id(desc)], submitted = _leaf_buffer(repo, path, kind, desc, pool,
+                                                            lend_once)
                 reads.extend(submitted)
             if sharded:
                 from .boxread import read_box
 
                 for path, desc in sharded:
-                    buffers[path] = read_box(repo, path, desc, None, None, pool).reshape(
+                    buffers[id(desc)] = read_box(repo, path, desc, None, None, pool).reshape(
                         -1).view(torch.uint8)
             for fut in reads:
                 fut.result()
@@ -219,7 +231,7 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
                 fut.cancel()
 
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
-        return _materialize(path, kind, desc, buffers[path])
+        return _materialize(path, kind, desc, buffers[id(desc)])
 
     return {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
 

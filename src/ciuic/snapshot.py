@@ -21,6 +21,7 @@ import secrets
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -237,7 +238,8 @@ class SnapshotManager:
         self._predict_owners = True  # off for the snapshot after a failed one
         self.overlap = overlap
         self._pending_copy: PendingCopy | None = None
-        self._hooks: dict[int, Any] = {}  # id(optimizer) -> hook handle
+        #: id(optimizer) -> (the optimizer, weakly; its step pre-hook's handle)
+        self._hooks: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot",
                                             initializer=lower_priority)
         self._inflight: Future[SnapshotInfo] | None = None
@@ -311,9 +313,12 @@ class SnapshotManager:
         self._prev_handlers: dict[int, Any] = {}
         self._closed = False
         runs.track(self)
+        #: the handlers ours replaced, kept after close: a closed manager's handler, still
+        #: held by another's chain, passes signals on to them
+        self._chained: dict[int, Any] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._prev_handlers[sig] = signal.getsignal(sig)
+                self._prev_handlers[sig] = self._chained[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._on_signal)
 
     def _open_repo(self, store: str | os.PathLike[str] | Store | None, endpoint: str | None,
@@ -621,9 +626,11 @@ class SnapshotManager:
         for obj in (model, optimizer):
             for t in _tensors_of(obj):
                 guarded.add(t.untyped_storage().data_ptr())
-        if id(optimizer) not in self._hooks:
-            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
-                self._before_optimizer_step)
+        hooked = self._hooks.get(id(optimizer))
+        if hooked is None or hooked[0]() is not optimizer:  # a new optimizer may reuse an id
+            self._hooks[id(optimizer)] = (weakref.ref(optimizer),
+                                          optimizer.register_step_pre_hook(
+                                              self._before_optimizer_step))
         pending = self._staging.stage_overlapped(
             leaves, lambda leaf: isinstance(leaf.value, torch.Tensor)
             and leaf.value.untyped_storage().data_ptr() in guarded)
@@ -914,6 +921,10 @@ class SnapshotManager:
         )
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed:  # reached through another handler's chain: not ours any more
+            _pass_on(_unchained(self._chained.get(signum, signal.SIG_DFL), signum), signum,
+                     frame)
+            return
         name = signal.Signals(signum).name
         if self._signal is not None:  # a second signal: stop now
             self._record_end(f"signal:{name}")
@@ -945,8 +956,8 @@ class SnapshotManager:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self._prev_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:
-                signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._on_signal:  # else a later manager's is on top
+                signal.signal(sig, _unchained(handler, sig))
         self._prev_handlers.clear()
 
     def _record_end(self, kind: str, step: int | None = None) -> None:
@@ -973,7 +984,7 @@ class SnapshotManager:
             with contextlib.suppress(Exception):  # groups go (a dead peer fails it: ignore)
                 self._agreement()
             self._agreement = None
-        for handle in self._hooks.values():
+        for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         self._staging.release()
@@ -997,3 +1008,23 @@ def _state_of_model(model: Any) -> Mapping[str, Any]:
     fn = getattr(model, "state_dict", None)
     state = fn() if callable(fn) else None
     return state if isinstance(state, Mapping) else {}
+
+
+def _unchained(handler: Any, sig: int) -> Any:
+    """``handler``, or for the handler of a closed manager the one it replaced (managers
+    closed in another order than they were made leave no closed manager installed)."""
+    while (getattr(handler, "__func__", None) is SnapshotManager._on_signal
+           and handler.__self__._closed):
+        handler = handler.__self__._chained.get(sig, signal.SIG_DFL)
+    return handler
+
+
+def _pass_on(handler: Any, signum: int, frame: FrameType | None) -> None:
+    """Do what ``handler`` (a handler as ``signal.getsignal`` returns it) does for ``signum``."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

@@ -143,6 +143,7 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     if isinstance(value, dict):
         if _plain_keys(value):
             return {k: encode(v, join(path, k), leaves) for k, v in value.items()}
+        _check_distinct(value, path)
         return {
             "$dict": [
                 [encode(k, join(path, f"<key {i}>"), []), encode(v, join(path, k), leaves)]
@@ -159,6 +160,20 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         "str, int, float, bool, None, bytes); convert it, or give the object "
         "state_dict()/load_state_dict() methods that return such values."
     )
+
+
+def _check_distinct(d: dict[Any, Any], path: str) -> None:
+    """A value's place in a snapshot is named by its key's text: ``{0: a, "0": b}`` would give
+    two tensors one name (one staging buffer, one restored value)."""
+    seen: dict[str, Any] = {}
+    for k in d:
+        name = str(k)
+        if name in seen:
+            raise CaptureError(
+                f"{path or 'value'}: the keys {seen[name]!r} and {k!r} of one dict have the same "
+                f"text {name!r}, which a snapshot names them by; use keys whose text differs "
+                "(all str, or all int)")
+        seen[name] = k
 
 
 def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:

@@ -59,6 +59,18 @@ def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor |
     return buf.view(value.dtype).view(value.shape)
 
 
+def _inside(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> bool:
+    """Whether ``value``'s memory starts inside ``buf`` (a view of it)."""
+    if isinstance(value, np.ndarray):
+        ptr = int(value.__array_interface__["data"][0])
+    elif value.device.type == "cpu" and value.layout == torch.strided:
+        ptr = value.data_ptr()
+    else:
+        return False
+    start = buf.data_ptr()
+    return start <= ptr < start + buf.numel()
+
+
 _PAGE = mmap.PAGESIZE
 _register_failed = False
 #: Where every CUDA runtime call of this module runs. A failed call leaves its error as the
@@ -270,7 +282,7 @@ class StagingArea:
         # CPU: point the leaves at their buffers now, copy on a thread.
         sources = []
         for leaf in later:
-            buf = self._buffer(leaf.path, leaf.nbytes, pin=None)
+            buf = self._own_buffer(leaf, pin=None)
             sources.append((leaf.value, buf, leaf, self._known(leaf)))
             leaf.value = _view(leaf.value, buf)
             leaf.digests = None  # until the thread has compared
@@ -298,8 +310,19 @@ class StagingArea:
                 return leaf.value.device.index or 0
         return None
 
-    def _stage_leaf(self, leaf: Leaf, pin: int | None) -> int:
+    def _own_buffer(self, leaf: Leaf, pin: int | None) -> torch.Tensor:
+        """The buffer for ``leaf``, never the memory of its live value: a restore lends the
+        buffers to the model, and a module may keep the tensor it is given
+        (``set_extra_state``, a custom ``load_state_dict``); that buffer is then left to it."""
         buf = self._buffer(leaf.path, leaf.nbytes, pin)
+        if buf.numel() and _inside(leaf.value, buf):
+            del self._buffers[leaf.path]
+            self._staged.pop(leaf.path, None)
+            buf = self._buffer(leaf.path, leaf.nbytes, pin)
+        return buf
+
+    def _stage_leaf(self, leaf: Leaf, pin: int | None) -> int:
+        buf = self._own_buffer(leaf, pin)
         known = self._known(leaf)
         # forgotten before the copy starts: a copy interrupted part way (an exception, a
         # second Ctrl-C) leaves bytes that no digest describes
@@ -337,19 +360,11 @@ class StagingArea:
         the digests of the chunks that were equal already (``known``: those of ``buf``)."""
         dst = _view(value, buf)
         ptr = unchanged.host_pointer(value)
-        if known is not None and ptr is not None and unchanged.available() and buf.numel():
-            chunk_bytes, digests = known
-            kept = unchanged.still_equal(ptr, buf.data_ptr(), buf.numel(), chunk_bytes, digests)
-            runs = unchanged.runs(kept, buf.numel(), chunk_bytes)
-            if isinstance(value, np.ndarray):  # read-only arrays too (no torch.from_numpy)
-                flat, dst_bytes = value.reshape(-1).view(np.uint8), buf.numpy()
-                for start, end in runs:
-                    dst_bytes[start:end] = flat[start:end]
-            else:
-                src = value.detach().reshape(-1).view(torch.uint8)
-                for start, end in runs:
-                    buf[start:end].copy_(src[start:end])
-            return dst, (chunk_bytes, kept)
+        if ptr is not None and unchanged.available():  # host memory: compare, then memmove
+            chunk_bytes, digests = known if known is not None else (knobs.get().chunk_bytes, None)
+            kept = unchanged.copy_changed(ptr, buf.data_ptr(), buf.numel(), chunk_bytes,
+                                          digests, keep=(value, buf))
+            return dst, None if kept is None else (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
             return dst, None
