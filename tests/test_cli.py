@@ -162,3 +162,63 @@ def test_missing_store_is_explained(tmp_path: Path, capsys: pytest.CaptureFixtur
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     code, _, err = ciuic(capsys, monkeypatch, "--store", str(tmp_path / "nope"), "ls")
     assert code == 2 and "no ciuic store at" in err
+
+
+def test_mistakes_a_user_makes_get_errors_that_say_what_to_do(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    store = str(populated["store"])
+    # a typo in PROJECT/JOB is an error, not an empty, healthy job
+    for cmd in ("log", "verify", "prune"):
+        code, _, err = ciuic(capsys, monkeypatch, "--store", store, cmd, "proj/jbo1",
+                             *(["--keep-last", "1"] if cmd == "prune" else []))
+        assert code == 2 and "no job proj/jbo1" in err and "ciuic ls" in err, (cmd, err)
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "log", "other/job1")
+    assert code == 2 and "jobs of that name: proj/job1" in err
+    # --store at the objects/ folder (which the recovery log prints), or any other folder
+    objects = Path(store) / "objects"
+    before = sorted(p.name for p in objects.iterdir())
+    code, _, err = ciuic(capsys, monkeypatch, "--store", str(objects), "ls")
+    err = " ".join(err.split())  # as wrapped for the terminal
+    assert code == 2 and "is not a ciuic store" in err and f"the store is {Path(store)}," in err
+    assert sorted(p.name for p in objects.iterdir()) == before  # nothing made there
+    (tmp_path / "empty").mkdir()
+    code, _, err = ciuic(capsys, monkeypatch, "--store", str(tmp_path / "empty"), "ls")
+    assert code == 2 and "not a ciuic store" in err and not any((tmp_path / "empty").iterdir())
+    # an export to a place that cannot be written, or in an unknown format
+    afile = tmp_path / "afile"  # a folder that is a file: unwritable, even for root
+    afile.write_text("")
+    for name in ("m.pt", "m.safetensors"):
+        code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore",
+                             "job1@latest", "--to", str(afile / name))
+        assert code == 2 and f"cannot write {afile / name}" in " ".join(err.split()), err
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
+                         "--to", str(tmp_path / "m.pt"), "--format", "onnx")
+    assert code == 2 and "unknown format 'onnx'" in err
+    code, _, _ = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
+                       "--to", str(tmp_path / "m.safetensors"))
+    assert code == 0 and (tmp_path / "m.safetensors").stat().st_mode & 0o044  # not 0600
+
+
+def test_a_read_only_store_is_read_with_a_catalog_in_the_cache_and_refused_for_training(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A store on a read-only mount: its SQLite catalog cannot be opened for writing (the
+    commands failed after 12 s), and a training job crashed with a traceback. (Root may write
+    anywhere, so the mount is stood in for by ciuic.repo.read_only.)"""
+    from ciuic import ConfigurationError
+    from ciuic import repo as repo_module
+
+    store = Path(str(populated["store"]))
+    monkeypatch.setattr(repo_module, "read_only", lambda root: root.resolve() == store.resolve())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    catalog = store / "catalog.db"
+    before = catalog.stat().st_mtime_ns, catalog.stat().st_size
+    for args in (("ls",), ("log", "proj/job1"), ("verify", "--deep"), ("show", "job1@10000")):
+        code, out, err = ciuic(capsys, monkeypatch, "--store", str(store), *args)
+        assert code == 0, (args, err)
+        assert "10100" in out or "10000" in out or "ok" in out, (args, out)
+    assert (catalog.stat().st_mtime_ns, catalog.stat().st_size) == before
+    assert list((tmp_path / "cache").rglob("*.db"))
+    with pytest.raises(ConfigurationError, match=r"cannot be written .* writable folder"):
+        SnapshotManager("proj", job="job1", store=store)

@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -19,3 +24,43 @@ def test_demo_kills_resumes_and_is_bit_identical(tmp_path: Path) -> None:
     assert result.reference["digest"] == result.resumed["digest"]
     assert "Detected training interruption" in text and "Resuming training at step 21" in text
     assert "Bit-identical" in text
+    # the command the summary prints to train the job further by hand resumes it
+    assert " ".join(result.again) in " ".join(text.split())
+    again = subprocess.run(result.again, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Resuming training at step 51" in again.stderr  # the last snapshot: step 50
+
+
+def _training(marker: str) -> dict[int, str]:
+    """pid -> command line of the demo's training processes whose command line has marker."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "ciuic.demo.train" in cmd and marker in cmd:
+                found[int(entry.name)] = cmd
+    return found
+
+
+def test_a_sigterm_to_the_demo_stops_its_training_processes_too(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    demo = subprocess.Popen([sys.executable, "-m", "ciuic", "--store", store, "demo",
+                             "--steps", "2000", "--kill-at", "1900"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(children := _training(store)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(children) == 2, children  # the reference run and the run with snapshots
+        scratch = {Path(c.split("--result ")[1].split()[0]).parent for c in children.values()}
+        os.kill(demo.pid, signal.SIGTERM)  # to the demo alone, not its process group
+        assert demo.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _training(store)
+        assert not any(p.exists() for p in scratch)
+    finally:
+        demo.kill()
+        for pid in _training(store):
+            os.kill(pid, signal.SIGKILL)

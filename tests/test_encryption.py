@@ -99,14 +99,42 @@ def test_a_wrong_key_names_the_key_needed(store_dir: Path, key: str,
     assert needed in str(e.value) and "CIUIC_DECRYPTION_KEYS" in str(e.value)
 
 
-def test_rotation_old_key_still_opens(store_dir: Path, key: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    model, opt = model_opt()
-    with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m:
+def saved_then_rotated(store_dir: Path, key: str, job: str, model: nn.Module,
+                       opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Save step 0 sealed with ``key``, then rotate: a new key seals, ``key`` still opens.
+    Returns the new key."""
+    with SnapshotManager("p", job=job, encryption=True, store=store_dir) as m:
         m.save(0, model, opt)
     new_key = generate_key_text()
     monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", new_key)
     monkeypatch.setenv("CIUIC_DECRYPTION_KEYS", key)
+    return new_key
+
+
+def test_a_missing_key_is_not_taken_for_damage(store_dir: Path, key: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latest snapshot is sealed with a newer key the process lacks: a restore that fell
+    back to an older snapshot (one it could open) would silently lose the newer steps."""
+    model, opt = model_opt()
+    newer = saved_then_rotated(store_dir, key, "mk", model, opt, monkeypatch)
+    with SnapshotManager("p", job="mk", encryption=True, store=store_dir) as m:
+        assert m.restore(model, opt) == 0
+        m.save(1, model, opt)
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", key)  # the newer key is forgotten
+    monkeypatch.delenv("CIUIC_DECRYPTION_KEYS")
+    fresh, fresh_opt = model_opt(seed=2)
+    with SnapshotManager("p", job="mk", store=store_dir) as m2, pytest.raises(
+            RestoreError, match="nothing was restored") as e:
+        m2.restore(fresh, fresh_opt)
+    assert parse_key_text(newer).id in str(e.value)
+    assert "CIUIC_ENCRYPTION_KEY_FILE" in str(e.value)
+    assert m2.restored is None and not torch.equal(fresh.weight, model.weight)
+
+
+def test_rotation_old_key_still_opens(store_dir: Path, key: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = model_opt()
+    saved_then_rotated(store_dir, key, "rot", model, opt, monkeypatch)
     with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m2:
         assert m2.restore(model, opt) == 0
         train(model, opt)
@@ -167,3 +195,21 @@ def test_a_passphrase_derives_the_same_key_for_every_writer(
     monkeypatch.setenv("CIUIC_ENCRYPTION_PASSPHRASE", "short")
     with pytest.raises(ConfigurationError, match="too short"):
         SnapshotManager("p", job="pw2", encryption=True, store=store_dir)
+
+
+def test_verify_without_the_key_says_so_once_per_key(store_dir: Path, key: str,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    from tests.test_cli import ciuic
+
+    model, opt = model_opt()
+    with SnapshotManager("p", job="vk", encryption=True, store=store_dir) as m:
+        for step in range(3):
+            m.save(step, model, opt)
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY")
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(store_dir), "verify", "--deep")
+    out = " ".join(out.split())
+    assert code == 1
+    assert out.count(f"sealed with key {parse_key_text(key).id}") == 1, out
+    assert "could not be checked" in out and "CIUIC_ENCRYPTION_KEY_FILE" in out

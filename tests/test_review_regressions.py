@@ -18,10 +18,12 @@ from torch import nn
 from ciuic import SnapshotManager, SnapshotNotFound, StateHolder, StateMismatch, faults, knobs, tree
 from ciuic import manifest as mf
 from ciuic import snapshot as snapshot_module
+from ciuic.chunks import chunk_key
 from ciuic.engine import unchanged
 from ciuic.engine.own_thread import OwnThread
 from ciuic.errors import CaptureError
 from ciuic.gc import LOCK_KEY, _is_live, collect
+from ciuic.reader import read_body
 from ciuic.repo import Repository
 from ciuic.store import LocalStore
 
@@ -320,3 +322,47 @@ def test_managers_closed_in_creation_order_leave_the_original_signal_handlers(
             m1._on_signal(signal.SIGINT, None)
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_chunk_a_restore_found_damaged_is_written_again_not_reused(store_dir: Path) -> None:
+    """The latest snapshot's chunk was damaged on disk; the restore fell back to the one
+    before, and training redid the step with the same bytes: that snapshot reused the damaged
+    chunk as already stored, so it was damaged too, and so was every later one."""
+    kw: dict[str, Any] = {"store": store_dir, "compression": "off"}
+    values = {1: torch.full((8192,), 1.0), 2: torch.full((8192,), 2.0)}
+    with SnapshotManager("p", job="dmg", **kw) as m:
+        for step, v in values.items():
+            info = m.save(step, s=StateHolder({"x": v.clone()}))
+        (d, n), = read_body(m.repo, info)[1]["s"]["x"]["$tensor"]["chunks"]
+    path = store_dir / "objects" / chunk_key(d)
+    path.write_bytes(path.read_bytes()[:-100])  # truncated
+    with SnapshotManager("p", job="dmg", **kw) as m:
+        h = StateHolder()
+        assert m.restore(s=h) == 1  # the damaged step 2 is skipped
+        again = m.save(2, s=StateHolder({"x": values[2].clone()}))
+        assert again.new_bytes == n  # written again, over the damaged copy
+        for snap in (info, again):  # the old step-2 snapshot is whole again too
+            h = StateHolder()
+            m.restore(s=h, snapshot=snap.id)
+            assert torch.equal(h.state["x"], values[2])
+
+
+def test_an_interrupted_snapshot_is_logged_as_interrupted(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A second Ctrl-C during a snapshot logged "failed (); training continues" and then the
+    process stopped."""
+    model, opt = small()
+    with SnapshotManager("p", job="int", store=store_dir) as m:
+        m.save(1, model, opt)
+
+        def interrupt(*_: object, **__: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(snapshot_module, "write_snapshot", interrupt)
+        with caplog.at_level(logging.WARNING, "ciuic"), pytest.raises(KeyboardInterrupt):
+            m.save(2, model, opt)
+    text = caplog.text
+    assert "snapshot at step 2 interrupted (KeyboardInterrupt); the latest snapshot is step 1" \
+        in text and "training continues" not in text
+    assert m.stats.last_error == "KeyboardInterrupt"

@@ -51,9 +51,20 @@ def _repo() -> Repository:
 
 
 def _open_existing(location: str) -> Repository:
-    if "://" not in str(location) and not Path(location).exists():
-        raise CiuicError(f"no ciuic store at {Path(location).resolve()}: run a training job or "
-                         "`ciuic demo` first, or point --store / CIUIC_HOME at an existing one")
+    if "://" not in str(location):
+        path = Path(location).expanduser()
+        if not path.exists():
+            raise CiuicError(f"no ciuic store at {path.resolve()}: run a training job or "
+                             "`ciuic demo` first, or point --store / CIUIC_HOME at an existing "
+                             "one")
+        if not (path / "objects").is_dir():  # would make a new, empty store there
+            parent = path.resolve().parent
+            hint = (f"; the store is {parent}, its objects are in {path.name}/"
+                    if path.name == "objects" and (parent / "catalog.db").exists() else
+                    "; point --store / CIUIC_HOME at the folder that holds objects/ and "
+                    "catalog.db")
+            raise CiuicError(f"{path.resolve()} is not a ciuic store (no objects/ folder)"
+                             f"{hint}")
     return Repository.open(location)
 
 
@@ -170,7 +181,8 @@ def verify(target: Annotated[str | None, typer.Argument(
            ] = None,
            deep: Annotated[bool, typer.Option(help="Re-read and re-hash every chunk")] = False
            ) -> None:
-    """Check the chain: manifests, parent links, bodies and chunks."""
+    """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
+    re-read and re-hashed, which finds a damaged chunk)."""
     repo = _repo()
     jobs: list[tuple[str, str, str | None]] = []
     if target is None:
@@ -199,9 +211,19 @@ def verify(target: Annotated[str | None, typer.Argument(
             console.print(f"{project}/{job}: {report.snapshots} snapshot(s), {report.pruned} "
                           f"pruned, {report.chunks_checked} chunk(s) "
                           f"{'re-hashed' if deep else 'present'}: {status}")
+            locked: dict[str, int] = {}  # a key not configured: one line, not one per object
             for p in problems:
+                if p.reason.startswith("sealed with key "):
+                    key_id = p.reason.split()[3].rstrip(",")
+                    locked[key_id] = locked.get(key_id, 0) + 1
+                    continue
                 console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
+            for key_id, n in locked.items():
+                console.print(f"  [red]{n} object(s) sealed with key {key_id}[/red], which is not "
+                              "configured, could not be checked: set CIUIC_ENCRYPTION_KEY_FILE "
+                              "(or CIUIC_ENCRYPTION_KEY) to it, or add it to "
+                              "CIUIC_DECRYPTION_KEYS", highlight=False)
     if bad:
         raise typer.Exit(1)
 

@@ -50,7 +50,8 @@ class MissingKey(CorruptObject):
     def __init__(self, key: str, key_id: str, configured: str) -> None:
         IntegrityError.__init__(
             self, f"{key} is sealed with key {key_id}, which is not configured (configured: "
-            f"{configured}); set CIUIC_ENCRYPTION_KEY to it, or add it to CIUIC_DECRYPTION_KEYS")
+            f"{configured}); set CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) to it, "
+            "or add it to CIUIC_DECRYPTION_KEYS")
         self.key = key
         self.key_id = key_id
         self.reason = f"sealed with key {key_id}, which is not configured"

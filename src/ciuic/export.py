@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 from pathlib import Path
 
 import torch
 
-from .errors import ConfigurationError, SnapshotNotFound
+from .errors import CiuicError, ConfigurationError, SnapshotNotFound
 from .info import SnapshotInfo
 from .reader import load_states
 from .repo import Repository
@@ -21,9 +24,12 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     ``.pt``/``.pth``). The model's keys are kept as they are; other states' tensors are named
     ``STATE/PATH``. Returns the exported tensors.
     """
+    if fmt is not None and fmt not in ("safetensors", "torch"):
+        raise ConfigurationError(f"unknown format {fmt!r}: use --format safetensors or "
+                                 "--format torch")
     fmt = fmt or ("safetensors" if dest.suffix == ".safetensors" else
                   "torch" if dest.suffix in (".pt", ".pth", ".bin") else None)
-    if fmt not in ("safetensors", "torch"):
+    if fmt is None:
         raise ConfigurationError(f"cannot tell the format of {dest}: use a .safetensors or .pt "
                                  "file name, or --format safetensors|torch")
     _, loaded = load_states(repo, info)
@@ -35,15 +41,27 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     tensors: dict[str, torch.Tensor] = {}
     for name in names:
         flat_tensors(loaded[name], "" if names == ["model"] else name, tensors)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError as e:
             raise ConfigurationError("writing .safetensors needs the safetensors package: "
                                      "pip install 'ciuic[safetensors]'") from e
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest),
-                  metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
-    else:
-        torch.save(tensors, dest)
+    # written beside it, then renamed: an existing file is replaced whole or not at all
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "safetensors":
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                      metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
+        else:
+            torch.save(tensors, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors makes it 0600)
+        os.replace(tmp, dest)
+    except Exception as e:  # OSError, torch's RuntimeError, SafetensorError: cannot write
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise CiuicError(f"cannot write {dest}: {e}") from e
     return tensors

@@ -44,6 +44,13 @@ def default_location() -> str:
     return os.environ.get("CIUIC_HOME") or DEFAULT_HOME
 
 
+def read_only(root: Path) -> bool:
+    """Whether ``root`` holds a store that cannot be written (a read-only mount, no
+    permission): its ``objects/`` exists and is not writable."""
+    objects = root / "objects"
+    return objects.is_dir() and not os.access(objects, os.W_OK)
+
+
 def cached_catalog_url(store_url: str) -> str:
     """The local SQLite catalog (an index, rebuilt from the store when lost) of a remote store:
     ``$XDG_CACHE_HOME/ciuic/<hash of the URL>.db``."""
@@ -98,6 +105,11 @@ class Repository:
                 raise ConfigurationError(f"store location {root} exists and is not a directory")
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
+            if catalog_url is None and read_only(root):
+                # a read-only store (a mounted copy, an archive) can still be read: its catalog
+                # is an index of the store, rebuilt in the user's cache as for a remote store
+                url = cached_catalog_url(f"file://{root.resolve()}")
+                log.info("%s is read-only: indexing it in %s", root, url)
         elif scheme == "memory":
             return cls._shared(open_store(text), catalog_url, mirror, durability)
         else:
@@ -241,7 +253,14 @@ class Repository:
         """``project/job`` -> (project, job); a bare ``job`` must be unique across projects."""
         if "/" in text:
             project, job = text.split("/", 1)
-            return mf.check_name("project", project), mf.check_name("job", job)
+            project, job = mf.check_name("project", project), mf.check_name("job", job)
+            named = self.catalog.find_jobs(job)
+            if (project, job) not in named and not any(self.manifest_ids(project, job)):
+                hint = (" (jobs of that name: " + ", ".join(f"{p}/{j}" for p, j in named) + ")"
+                        if named else "")
+                raise SnapshotNotFound(f"no job {project}/{job} in {self.location()}{hint}; "
+                                       "`ciuic ls` lists the jobs")
+            return project, job
         matches = self.catalog.find_jobs(text)
         if not matches:
             raise SnapshotNotFound(f"no job named {text!r}; `ciuic ls` lists the jobs")

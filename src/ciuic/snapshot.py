@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 
 from . import knobs, runs
 from . import manifest as mf
+from . import repo as repo_module
 from .capture import (
     capture,
     check_loadable,
@@ -41,7 +43,7 @@ from .capture import (
     set_rng_state,
 )
 from .catalog.models import Run
-from .crypto import ObjectCodec
+from .crypto import MissingKey, ObjectCodec
 from .dist import Collective
 from .distsave import (
     DistCaptured,
@@ -63,6 +65,7 @@ from .engine.staging import PendingCopy
 from .errors import (
     CiuicError,
     ConfigurationError,
+    CorruptObject,
     IntegrityError,
     ObjectNotFound,
     RankError,
@@ -74,7 +77,7 @@ from .info import SnapshotInfo
 from .lease import FencedOut, Lease
 from .lease import acquire as acquire_lease
 from .reader import load_trees, read_body
-from .repo import Repository, cached_catalog_url
+from .repo import Repository, cached_catalog_url, default_location
 from .retention import prune
 from .shards import Meta
 from .store import Store
@@ -331,6 +334,15 @@ class SnapshotManager:
             self.repo = Repository.open(server, cached_catalog_url(server.url), mirror=mirror,
                                         durability=durability)
         else:
+            text = os.fspath(store) if isinstance(store, (str, os.PathLike)) else None
+            if store is None or (text is not None and "://" not in text):
+                root = Path(text or default_location()).expanduser()
+                if repo_module.read_only(root):
+                    raise ConfigurationError(
+                        f"the store {root} cannot be written (a read-only file system, or no "
+                        "permission), so no snapshot could be saved there: point store= or "
+                        "CIUIC_HOME at a writable folder (`ciuic --store` can still read this "
+                        "one)")
             self.repo = Repository.open(store, mirror=mirror, durability=durability)
 
     def _start_run(self) -> None:
@@ -511,13 +523,18 @@ class SnapshotManager:
     def _failed(self, step: int, e: BaseException) -> None:
         self.stats.failures += 1
         self.stats.consecutive_failures += 1
-        self.stats.last_error = str(e)
+        self.stats.last_error = str(e) or type(e).__name__
+        latest = (f"step {self._last_committed_step}" if self._last_committed_step is not None
+                  else "none")
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the process stops
+            log.warning("snapshot at step %d interrupted (%s); the latest snapshot is %s",
+                        step, type(e).__name__, latest)
+            return
         level = logging.CRITICAL if self.stats.consecutive_failures >= 3 or isinstance(
             e, FencedOut) else logging.ERROR
         log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
-                "snapshot is still %s (%d failure(s) in a row)", step, e,
-                f"step {self._last_committed_step}" if self._last_committed_step is not None
-                else "none", self.stats.consecutive_failures)
+                "snapshot is still %s (%d failure(s) in a row)", step,
+                str(e) or type(e).__name__, latest, self.stats.consecutive_failures)
 
     def _busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
@@ -757,8 +774,11 @@ class SnapshotManager:
                 else:
                     states = load_trees(self.repo, {k: v for k, v in trees.items()
                                                     if k not in skip}, buffer_for)
+            except MissingKey as e:  # not damage: an older snapshot is no answer to it
+                outcome, detail = "error", f"{e}; nothing was restored"
             except (IntegrityError, ObjectNotFound) as e:
                 outcome, detail = "damaged", str(e)
+                self._suspect(e)
             except (StateMismatch, ConfigurationError) as e:
                 outcome, detail = "mismatch", str(e)
             except Exception as e:
@@ -789,17 +809,22 @@ class SnapshotManager:
             f"{self.project}/{self.job}` for details; refusing to start from scratch."
         )
 
+    def _suspect(self, e: Exception) -> None:
+        """A chunk a restore found damaged (not merely sealed with another key, nor written by
+        a newer ciuic) is written again by the next snapshot that holds its bytes: without
+        this, every later snapshot would reuse the damaged copy as already stored."""
+        if (isinstance(e, CorruptObject) and not isinstance(e, MissingKey)
+                and e.key.startswith("chunks/") and "newer ciuic" not in e.reason
+                and not e.reason.startswith("unsupported codec")):
+            self._cache.suspect.add(e.key.rsplit("/", 1)[-1])
+            log.warning("%s will be written again by the next snapshot that holds its bytes",
+                        e.key)
+
     def _candidates(self, snapshot: str | None) -> list[SnapshotInfo]:
         """The snapshots to try, newest first. Multi-rank: rank 0 decides, every rank follows."""
         found: list[SnapshotInfo] = []
         error = None
         if self.coll.coordinator:
-            if self.interrupted and self.previous_run is not None:
-                step = self.previous_run.last_step
-                log.info("Detected training interruption at step %s (%s)",
-                         step if step is not None else "unknown",
-                         runs.describe_end(self.previous_run))
-            log.info("Searching for latest snapshot...")
             try:
                 if snapshot is not None:
                     found = [self.repo.resolve(snapshot)]
@@ -811,6 +836,16 @@ class SnapshotManager:
                 if not self.coll.enabled:
                     raise
                 error = f"{type(e).__name__}: {e}"
+            prev = self.previous_run
+            if self.interrupted and prev is not None:
+                # progress is recorded now and then: the last snapshot may be later
+                steps = [s for s in (prev.last_step, *(i.step for i in found[:1]))
+                         if s is not None]
+                log.info("Detected training interruption at step %s (%s)",
+                         max(steps) if steps else "unknown",
+                         "no exit was recorded: it may still be running" if
+                         runs.may_still_run(prev) else runs.describe_end(prev))
+            log.info("Searching for latest snapshot...")
         if not self.coll.enabled:
             return found
         shared = self.coll.broadcast({"error": error, "found": [asdict(i) for i in found]})

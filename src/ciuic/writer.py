@@ -50,6 +50,9 @@ class ChunkCache:
 
     epoch: int = -2
     digests: set[str] = field(default_factory=set)
+    #: chunks a restore found damaged in the store: written again, over the damaged copy, by
+    #: the next snapshot that holds their bytes (not skipped as already stored)
+    suspect: set[str] = field(default_factory=set)
 
     def sync(self, epoch: int) -> None:
         if epoch != self.epoch or epoch < 0:
@@ -119,10 +122,11 @@ class _ChunkWriter:
             if d in self.cache.digests:
                 return d, 0
             self.cache.digests.add(d)  # claimed: a twin piece in this snapshot skips the write
+            replace = d in self.cache.suspect
         try:
             key = ck.chunk_key(d)
-            present = (key not in self.lacking if self.lacking is not None
-                       else self.store.has(key))
+            present = not replace and (key not in self.lacking if self.lacking is not None
+                                       else self.store.has(key))
             if present:
                 return d, 0
             encoded = self.compression.encode(kind, piece)
@@ -130,6 +134,7 @@ class _ChunkWriter:
             self.store.put(key, self.codec.chunk(key, piece, encoded), durable=False)  # synced
             with self.lock:
                 self.stored_bytes += len(piece) if encoded is None else len(encoded)
+                self.cache.suspect.discard(d)
             return d, len(piece)
         except BaseException:
             with self.lock:

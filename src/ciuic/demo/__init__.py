@@ -15,11 +15,14 @@ import datetime as dt
 import json
 import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,8 @@ class DemoResult:
     interrupted_rc: int
     job: str
     seconds: float
+    #: how to train the job further by hand (it resumes from its latest snapshot)
+    again: list[str] = field(default_factory=list)
 
 
 def _cmd(store: str, job: str, steps: int, save_every: int, result: Path,
@@ -69,23 +74,32 @@ def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
     console.print(f"Store: [cyan]{Path(store).resolve() if '://' not in store else store}[/cyan]"
                   f"   job: [cyan]demo/{job}[/cyan]   {steps} steps, a snapshot every "
                   f"{save_every} steps, SIGKILL after step [bold red]{kill_at}[/bold red]")
-    with tempfile.TemporaryDirectory(prefix="ciuic-demo-") as tmp:
+    children: list[subprocess.Popen[str]] = []
+
+    def spawn(*args: Any, **kw: Any) -> subprocess.Popen[str]:
+        children.append(subprocess.Popen(*args, **kw))
+        return children[-1]
+
+    # a SIGTERM to this process (not to its group) must not orphan the training processes
+    on_term = (signal.signal(signal.SIGTERM, _exit_on_sigterm)
+               if threading.current_thread() is threading.main_thread() else None)
+    scratch = tempfile.TemporaryDirectory(prefix="ciuic-demo-")
+    try:
+        tmp = scratch.name
         ref_out, a_out, b_out = (Path(tmp) / n for n in ("ref.json", "a.json", "b.json"))
         console.print("\n[bold]1.[/bold] Uninterrupted reference run (no snapshots), in the "
                       "background")
-        ref = subprocess.Popen(_cmd(store, job + "-ref", steps, save_every, ref_out,
-                                    ["--no-snapshots"]),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env=env)
+        ref = spawn(_cmd(store, job + "-ref", steps, save_every, ref_out,
+                         ["--no-snapshots"]),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         console.print("[bold]2.[/bold] Training with snapshots; it will be killed hard")
-        a = subprocess.Popen(_cmd(store, job, steps, save_every, a_out,
-                                  ["--kill-at", str(kill_at)]),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        a = spawn(_cmd(store, job, steps, save_every, a_out, ["--kill-at", str(kill_at)]),
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         _stream(a, console, "  run 1 |")
         console.print(f"  [red]process ended with {_describe_rc(a.returncode)}[/red]")
         console.print("\n[bold]3.[/bold] Restarting the same command: ciuic resumes it")
-        b = subprocess.Popen(_cmd(store, job, steps, save_every, b_out, []),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        b = spawn(_cmd(store, job, steps, save_every, b_out, []),
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         _stream(b, console, "  run 2 |")
         _, ref_err = ref.communicate()
         if ref.returncode != 0 or b.returncode != 0:
@@ -93,6 +107,12 @@ def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
                                f"rc={b.returncode}): {ref_err[-2000:]}")
         reference = json.loads(ref_out.read_text())
         resumed = json.loads(b_out.read_text())
+    finally:
+        for child in children:  # before their folder goes
+            _stop(child)
+        scratch.cleanup()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     repo = Repository.open(store)
     try:
         snaps = repo.catalog.snapshots("demo", job)
@@ -105,9 +125,27 @@ def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
         identical=reference["digest"] == resumed["digest"], kill_at=kill_at,
         resumed_from=resumed["restored_step"], reference=reference, resumed=resumed,
         interrupted_rc=a.returncode, job=job, seconds=time.perf_counter() - t0,
+        again=[_here(sys.executable), "-m", "ciuic.demo.train", "--store", _here(store),
+               "--job", job, "--steps", str(steps + 100), "--save-every", str(save_every)],
     )
     _summary(console, result)
     return result
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop(child: subprocess.Popen[str]) -> None:
+    """Stop a training process still running (it takes its emergency snapshot first)."""
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def _describe_rc(rc: int) -> str:
@@ -129,7 +167,7 @@ def _summary(console: Console, r: DemoResult) -> None:
     table.add_row("steps lost (recomputed)", str(lost))
     table.add_row("time to resume (find, verify, load)", f"{res['restore_s'] * 1000:.0f} ms")
     table.add_row("snapshots in the job's chain", str(res["job_snapshots"]))
-    table.add_row("bytes stored (all snapshots)", _mb(res["job_new_bytes"]))
+    table.add_row("new bytes written (all snapshots)", _mb(res["job_new_bytes"]))
     saved = res["job_total_bytes"] - res["job_new_bytes"]
     note = ("  (every weight changes every step here; frozen layers and fine-tunes dedup)"
             if saved < 0.01 * res["job_total_bytes"] else "")
@@ -147,5 +185,24 @@ def _summary(console: Console, r: DemoResult) -> None:
         console.print("[bold red]MISMATCH:[/bold red] the resumed run's weights differ from the "
                       "reference run's.")
     console.print(f"Sample from the model: [italic]{res['sample']!r}[/italic]")
-    console.print(f"Explore: [cyan]ciuic log demo/{r.job}[/cyan], [cyan]ciuic verify --deep "
-                  f"demo/{r.job}[/cyan]")
+    cli = _cli_name()
+    console.print(f"Explore: [cyan]{cli} log demo/{r.job}[/cyan], [cyan]{cli} verify --deep "
+                  f"demo/{r.job}[/cyan]; train it further by hand (it resumes from its latest "
+                  f"snapshot): [cyan]{' '.join(r.again)}[/cyan]", highlight=False)
+
+
+def _here(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    if "://" in path:
+        return path
+    full = os.path.abspath(path)  # not resolved: a venv's python is a link out of the venv
+    rel = os.path.relpath(full)
+    return rel if not rel.startswith("..") else full
+
+
+def _cli_name() -> str:
+    """How to call the command line from here: ``ciuic`` when it is on PATH, else its path."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "ciuic" and shutil.which("ciuic") != str(argv0.resolve()):
+        return _here(str(argv0))
+    return "ciuic" if shutil.which("ciuic") else f"{_here(sys.executable)} -m ciuic"

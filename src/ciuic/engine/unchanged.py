@@ -121,6 +121,12 @@ def copy_changed(src: int, dst: int, nbytes: int, chunk_bytes: int,
     thread writes a buffer after its staging has returned.
     """
     assert _LIBC is not None
+    if nbytes <= chunk_bytes and (known is None or len(known) == 1):  # one chunk: no lists
+        if known is not None and known[0] is not None and _LIBC.memcmp(src, dst, nbytes) == 0:
+            return list(known)
+        if nbytes < PARALLEL_MIN_BYTES:
+            _LIBC.memmove(dst, src, nbytes)
+            return None if known is None else [None]
     chunks = ck.split(nbytes, chunk_bytes)
     if known is not None and len(known) != len(chunks):
         raise ValueError(f"{len(known)} digests for {len(chunks)} chunks")
