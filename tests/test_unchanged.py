@@ -133,12 +133,12 @@ def test_a_copy_interrupted_part_way_leaves_no_stale_digest(
     live = state()
     sync = unchanged._sync
 
-    def interrupted(src: int, dst: int, pieces: list[unchanged.Piece],
-                    keep: object = None) -> set[int]:
+    def interrupted(src: int, dst: int, pieces: list[unchanged.Piece], keep: object = None,
+                    defer: bool = False) -> tuple[set[int], list[tuple[int, int]]]:
         for piece in pieces:
-            if sync(src, dst, [piece]):  # this chunk differed and was copied
+            if sync(src, dst, [piece])[0]:  # this chunk differed and was copied
                 raise RuntimeError("interrupted")
-        return set()
+        return set(), []
 
     with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
             "p", job="intr", store=store_dir, compression="off") as m:
@@ -285,10 +285,21 @@ def test_a_large_tensor_is_compared_and_copied_on_several_threads(
             known = [None if rng.random() < 0.2 else f"d{i}" for i in range(len(pieces))]
             want = [d if d is not None and torch.equal(a[o:o + n], b[o:o + n]) else None
                     for (o, n), d in zip(pieces, known, strict=True)]
-            got = unchanged.copy_changed(a.data_ptr(), b.data_ptr(), nbytes, chunk_bytes,
-                                         known)
-            assert got == want, (chunk_bytes, trial)
-            assert torch.equal(a, b)
+            for large in (False, True):  # large ranges: by the caller's copy (torch's)
+                c = b.clone()
+                handed: list[tuple[int, int]] = []
+
+                def copy_large(off: int, n: int, c: torch.Tensor = c,
+                               handed: list[tuple[int, int]] = handed) -> None:
+                    handed.append((off, n))
+                    c[off:off + n] = a[off:off + n]
+
+                got = unchanged.copy_changed(a.data_ptr(), c.data_ptr(), nbytes, chunk_bytes,
+                                             known, copy_large=copy_large if large else None)
+                assert got == want, (chunk_bytes, trial, large)
+                assert torch.equal(a, c)
+                assert all(n >= unchanged.LARGE_COPY_BYTES for _, n in handed)
+                assert all(o1 + n1 < o2 for (o1, n1), (o2, _) in itertools.pairwise(handed))
     assert any(t.name.startswith("ciuic-copy") for t in threading.enumerate())
 
 
@@ -299,7 +310,8 @@ def test_an_interrupt_returns_only_once_every_thread_has_finished_its_range(
     monkeypatch.setattr(unchanged, "threads", lambda: 4)
     sync = unchanged._sync
 
-    def slow(src: int, dst: int, pieces: list[unchanged.Piece], keep: object = None) -> set[int]:
+    def slow(src: int, dst: int, pieces: list[unchanged.Piece], keep: object = None,
+             defer: bool = False) -> tuple[set[int], list[tuple[int, int]]]:
         if threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
         time.sleep(0.3)

@@ -71,6 +71,20 @@ def _inside(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> bool:
     return start <= ptr < start + buf.numel()
 
 
+def _range_copier(value: torch.Tensor | np.ndarray,
+                  buf: torch.Tensor) -> Callable[[int, int], None] | None:
+    """A copy of a byte range of ``value`` (contiguous, in host memory) into ``buf`` by torch:
+    vectorized, on all of torch's threads (NumPy arrays: None, ``memmove``)."""
+    if isinstance(value, np.ndarray):
+        return None
+    src = value.detach().reshape(-1).view(torch.uint8)
+
+    def copy(off: int, n: int) -> None:
+        buf[off:off + n].copy_(src[off:off + n])
+
+    return copy
+
+
 _PAGE = mmap.PAGESIZE
 _register_failed = False
 #: Where every CUDA runtime call of this module runs. A failed call leaves its error as the
@@ -360,10 +374,11 @@ class StagingArea:
         the digests of the chunks that were equal already (``known``: those of ``buf``)."""
         dst = _view(value, buf)
         ptr = unchanged.host_pointer(value)
-        if ptr is not None and unchanged.available():  # host memory: compare, then memmove
+        if ptr is not None and unchanged.available():  # host memory: compare, then copy
             chunk_bytes, digests = known if known is not None else (knobs.get().chunk_bytes, None)
             kept = unchanged.copy_changed(ptr, buf.data_ptr(), buf.numel(), chunk_bytes,
-                                          digests, keep=(value, buf))
+                                          digests, keep=(value, buf),
+                                          copy_large=_range_copier(value, buf))
             return dst, None if kept is None else (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
