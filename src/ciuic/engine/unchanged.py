@@ -13,12 +13,13 @@ digest is reused only for bytes proven identical to the ones it was computed fro
 from a cheaper fingerprint or a version counter (``tensor._version`` misses writes through
 ``.data`` or NumPy views).
 
-The copy itself is ``memmove`` on a few threads of our own, not ``Tensor.copy_``: torch runs a
-copy of more than 32 K elements as an OpenMP parallel region, whose barrier waits for every
-OpenMP thread to be scheduled. On a host whose cores are busy (data-loader workers, the
-snapshot writer of another job) that wait dominates: measured on the 2-core development VM
-under load, 64 MiB of 1-4 MiB tensors took 0.10-0.13 s through ``copy_`` and 0.006-0.012 s
-through ``memmove``. Idle, both run at memory speed (1 GiB: about 0.06-0.07 s here).
+Short ranges are copied with ``memmove``, not ``Tensor.copy_``: torch runs a copy of more
+than 32 K elements as an OpenMP parallel region, whose barrier waits for every OpenMP thread to
+be scheduled. On a host whose cores are busy (data-loader workers, another job) that wait
+dominates a short copy: measured on the 2-core development VM under load, 64 MiB of 1-4 MiB
+tensors took 0.10-0.13 s through ``copy_`` and 0.006-0.012 s through ``memmove``. Ranges of
+:data:`LARGE_COPY_BYTES` or more go to the caller's ``copy_large`` (torch's vectorized copy on
+all its threads, faster than ``memmove`` for them and not hurt by one barrier).
 
 GPU tensors are copied by CUDA (their previous bytes are not on the device).
 """
