@@ -258,7 +258,7 @@ class Repository:
             if (project, job) not in named and not any(self.manifest_ids(project, job)):
                 hint = (" (jobs of that name: " + ", ".join(f"{p}/{j}" for p, j in named) + ")"
                         if named else "")
-                raise SnapshotNotFound(f"no job {project}/{job} in {self.location()}{hint}; "
+                raise SnapshotNotFound(f"no job {project}/{job} in this store{hint}; "
                                        "`ciuic ls` lists the jobs")
             return project, job
         matches = self.catalog.find_jobs(text)
