@@ -324,21 +324,25 @@ def test_managers_closed_in_creation_order_leave_the_original_signal_handlers(
         signal.signal(signal.SIGINT, before)
 
 
-def test_a_chunk_a_restore_found_damaged_is_written_again_not_reused(store_dir: Path) -> None:
+@pytest.mark.parametrize("same_manager", [False, True])
+def test_a_chunk_a_restore_found_damaged_is_written_again_not_reused(
+        store_dir: Path, same_manager: bool) -> None:
     """The latest snapshot's chunk was damaged on disk; the restore fell back to the one
     before, and training redid the step with the same bytes: that snapshot reused the damaged
-    chunk as already stored, so it was damaged too, and so was every later one."""
+    chunk as already stored, so it was damaged too, and so was every later one. In the manager
+    that wrote it (a rollback mid-run) its chunk cache also said the chunk was stored."""
     kw: dict[str, Any] = {"store": store_dir, "compression": "off"}
     values = {1: torch.full((8192,), 1.0), 2: torch.full((8192,), 2.0)}
-    with SnapshotManager("p", job="dmg", **kw) as m:
-        for step, v in values.items():
-            info = m.save(step, s=StateHolder({"x": v.clone()}))
-        (d, n), = read_body(m.repo, info)[1]["s"]["x"]["$tensor"]["chunks"]
+    first = SnapshotManager("p", job="dmg", **kw)
+    for step, v in values.items():
+        info = first.save(step, s=StateHolder({"x": v.clone()}))
+    (d, n), = read_body(first.repo, info)[1]["s"]["x"]["$tensor"]["chunks"]
     path = store_dir / "objects" / chunk_key(d)
     path.write_bytes(path.read_bytes()[:-100])  # truncated
-    with SnapshotManager("p", job="dmg", **kw) as m:
-        h = StateHolder()
-        assert m.restore(s=h) == 1  # the damaged step 2 is skipped
+    if not same_manager:
+        first.close()
+    with first if same_manager else SnapshotManager("p", job="dmg", **kw) as m:
+        assert m.restore(s=StateHolder()) == 1  # the damaged step 2 is skipped
         again = m.save(2, s=StateHolder({"x": values[2].clone()}))
         assert again.new_bytes == n  # written again, over the damaged copy
         for snap in (info, again):  # the old step-2 snapshot is whole again too

@@ -376,3 +376,16 @@ def _raw(value: torch.Tensor | np.ndarray) -> bytes:
     if isinstance(value, np.ndarray):
         return value.tobytes()
     return bytes(value.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def test_a_large_bool_tensor_keeps_its_bytes(store_dir: Path) -> None:
+    """A bool tensor viewed from bytes other than 0 and 1: a copy in its dtype makes each byte
+    0 or 1, so the buffer never equalled the tensor and every snapshot copied it again."""
+    raw = torch.full((6 * 1024 * 1024,), 2, dtype=torch.uint8)
+    live = {"mask": raw.view(torch.bool)}
+    with SnapshotManager("p", job="bool", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        assert m.save(2, state=StateHolder(live)).new_bytes == 0
+        assert torch.equal(restored(m)["mask"].view(torch.uint8), raw)
+        buf = next(b for p, b in m._staging._buffers.items() if p.endswith("mask"))
+        assert torch.equal(buf, raw)  # the buffer holds the very bytes

@@ -61,7 +61,8 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
         os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors makes it 0600)
         os.replace(tmp, dest)
     except Exception as e:  # OSError, torch's RuntimeError, SafetensorError: cannot write
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise CiuicError(f"cannot write {dest}: {e}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # left only when the write failed or was interrupted
     return tensors

@@ -816,7 +816,9 @@ class SnapshotManager:
         if (isinstance(e, CorruptObject) and not isinstance(e, MissingKey)
                 and e.key.startswith("chunks/") and "newer ciuic" not in e.reason
                 and not e.reason.startswith("unsupported codec")):
-            self._cache.suspect.add(e.key.rsplit("/", 1)[-1])
+            digest = e.key.rsplit("/", 1)[-1]
+            self._cache.suspect.add(digest)
+            self._cache.digests.discard(digest)  # "known to be stored" no longer holds
             log.warning("%s will be written again by the next snapshot that holds its bytes",
                         e.key)
 
@@ -1058,7 +1060,7 @@ def _pass_on(handler: Any, signum: int, frame: FrameType | None) -> None:
     """Do what ``handler`` (a handler as ``signal.getsignal`` returns it) does for ``signum``."""
     if callable(handler):
         handler(signum, frame)
-    elif handler == signal.SIG_DFL:
+    elif handler == signal.SIG_DFL or handler is None:  # None: installed outside Python
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         signal.signal(signum, signal.SIG_DFL)

@@ -108,6 +108,8 @@ def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
         reference = json.loads(ref_out.read_text())
         resumed = json.loads(b_out.read_text())
     finally:
+        if on_term is not None:  # a second SIGTERM must not cut the clean-up short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for child in children:  # before their folder goes
             _stop(child)
         scratch.cleanup()
@@ -197,7 +199,9 @@ def _here(path: str) -> str:
         return path
     full = os.path.abspath(path)  # not resolved: a venv's python is a link out of the venv
     rel = os.path.relpath(full)
-    return rel if not rel.startswith("..") else full
+    if rel.startswith(".."):
+        return full
+    return rel if os.sep in rel else os.path.join(".", rel)  # not looked up on PATH
 
 
 def _cli_name() -> str:

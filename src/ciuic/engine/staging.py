@@ -82,7 +82,8 @@ def _range_copier(value: torch.Tensor | np.ndarray,
     src, dst = flat.view(torch.uint8), buf
 
     def copy(off: int, n: int) -> None:
-        if off % size == 0 and n % size == 0:  # in elements: 5 % faster than bytes here
+        # in elements: 5 % faster than bytes here (not bool: a copy makes each byte 0 or 1)
+        if off % size == 0 and n % size == 0 and flat.dtype != torch.bool:
             buf.view(flat.dtype)[off // size:(off + n) // size].copy_(
                 flat[off // size:(off + n) // size])
         else:

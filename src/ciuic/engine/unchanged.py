@@ -177,8 +177,10 @@ def copy_changed(src: int, dst: int, nbytes: int, chunk_bytes: int,
     else:
         groups = _balance(pieces, work, parts)
         pool = _pool().get()
-        futures = [pool.submit(_sync, src, dst, group, keep, defer) for group in groups[:-1]]
+        futures: list[Future[tuple[set[int], list[tuple[int, int]]]]] = []
         try:
+            for group in groups[:-1]:
+                futures.append(pool.submit(_sync, src, dst, group, keep, defer))
             differ, more = _sync(src, dst, groups[-1], None, defer)
         finally:
             others = _finish(futures)
