@@ -271,6 +271,7 @@ def test_a_large_tensor_is_compared_and_copied_on_several_threads(
     every changed chunk, whichever byte of it changed, and no other, and leaves the
     destination equal to the source."""
     monkeypatch.setattr(unchanged, "threads", lambda: workers)
+    monkeypatch.setattr(unchanged, "_pools", None)  # a pool of this size, for this test only
     rng = np.random.default_rng(workers)
     nbytes = 9 * 1024 * 1024 + 777
     a = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
@@ -308,6 +309,7 @@ def test_an_interrupt_returns_only_once_every_thread_has_finished_its_range(
     """A Ctrl-C while the calling thread copies its range: the other threads' ranges are
     finished before the interrupt propagates, so no thread writes the buffer afterwards."""
     monkeypatch.setattr(unchanged, "threads", lambda: 4)
+    monkeypatch.setattr(unchanged, "_pools", None)  # a pool of this size, for this test only
     sync = unchanged._sync
 
     def slow(src: int, dst: int, pieces: list[unchanged.Piece], keep: object = None,

@@ -79,7 +79,6 @@ def _range_copier(value: torch.Tensor | np.ndarray,
         return None
     flat = value.detach().reshape(-1)
     size = flat.element_size()
-    src, dst = flat.view(torch.uint8), buf
 
     def copy(off: int, n: int) -> None:
         # in elements: 5 % faster than bytes here (not bool: a copy makes each byte 0 or 1)
@@ -87,7 +86,7 @@ def _range_copier(value: torch.Tensor | np.ndarray,
             buf.view(flat.dtype)[off // size:(off + n) // size].copy_(
                 flat[off // size:(off + n) // size])
         else:
-            dst[off:off + n].copy_(src[off:off + n])
+            buf[off:off + n].copy_(flat.view(torch.uint8)[off:off + n])
 
     return copy
 
@@ -383,9 +382,10 @@ class StagingArea:
         ptr = unchanged.host_pointer(value)
         if ptr is not None and unchanged.available():  # host memory: compare, then copy
             chunk_bytes, digests = known if known is not None else (knobs.get().chunk_bytes, None)
+            large = buf.numel() >= unchanged.LARGE_COPY_BYTES  # else every copy is memmove
             kept = unchanged.copy_changed(ptr, buf.data_ptr(), buf.numel(), chunk_bytes,
                                           digests, keep=(value, buf),
-                                          copy_large=_range_copier(value, buf))
+                                          copy_large=_range_copier(value, buf) if large else None)
             return dst, None if kept is None else (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
