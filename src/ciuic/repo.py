@@ -82,7 +82,7 @@ class Repository:
     @classmethod
     def open(cls, location: str | os.PathLike[str] | Store | None = None,
              catalog_url: str | None = None, *, mirror: str | Store | None = None,
-             durability: str | None = None) -> Repository:
+             durability: str | None = None, writable: bool = False) -> Repository:
         """Open (creating if needed) the repository at ``location``: a directory, a URL, or a
         :class:`Store` instance (its catalog is then ``catalog_url``, or an in-process SQLite
         database shared by every opening of the same store). Every store is wrapped in a
@@ -91,7 +91,8 @@ class Repository:
         ``mirror`` (or ``$CIUIC_MIRROR``): a second, durable tier (a URL such as
         ``s3://bucket/prefix``) that the store is mirrored to; ``durability`` (or
         ``$CIUIC_DURABILITY``, default ``"local"``) says which tier's write is the commit
-        (:class:`~ciuic.store.mirror.MirrorStore`)."""
+        (:class:`~ciuic.store.mirror.MirrorStore`). ``writable``: refuse a local store that
+        cannot be written (a reader opens one with its catalog in the user's cache)."""
         catalog_url = catalog_url or os.environ.get("CIUIC_CATALOG")
         mirror = mirror if mirror is not None else os.environ.get("CIUIC_MIRROR") or None
         durability = durability or os.environ.get("CIUIC_DURABILITY") or "local"
@@ -105,6 +106,11 @@ class Repository:
                 raise ConfigurationError(f"store location {root} exists and is not a directory")
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
+            if read_only(root) and writable:
+                raise ConfigurationError(
+                    f"the store {root} cannot be written (a read-only file system, or no "
+                    "permission), so no snapshot could be saved there: point store= or "
+                    "CIUIC_HOME at a writable folder (`ciuic --store` can still read this one)")
             if catalog_url is None and read_only(root):
                 # a read-only store (a mounted copy, an archive) can still be read: its catalog
                 # is an index of the store, rebuilt in the user's cache as for a remote store

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -33,7 +32,6 @@ import torch
 
 from . import knobs, runs
 from . import manifest as mf
-from . import repo as repo_module
 from .capture import (
     capture,
     check_loadable,
@@ -77,7 +75,7 @@ from .info import SnapshotInfo
 from .lease import FencedOut, Lease
 from .lease import acquire as acquire_lease
 from .reader import load_trees, read_body
-from .repo import Repository, cached_catalog_url, default_location
+from .repo import Repository, cached_catalog_url
 from .retention import prune
 from .shards import Meta
 from .store import Store
@@ -313,15 +311,14 @@ class SnapshotManager:
         self._last_heartbeat = 0.0
         self._cache = ChunkCache()
         self._signal: int | None = None
-        self._prev_handlers: dict[int, Any] = {}
         self._closed = False
         runs.track(self)
         #: the handlers ours replaced, kept after close: a closed manager's handler, still
         #: held by another's chain, passes signals on to them
-        self._chained: dict[int, Any] = {}
+        self._prev_handlers: dict[int, Any] = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._prev_handlers[sig] = self._chained[sig] = signal.getsignal(sig)
+                self._prev_handlers[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._on_signal)
 
     def _open_repo(self, store: str | os.PathLike[str] | Store | None, endpoint: str | None,
@@ -334,16 +331,8 @@ class SnapshotManager:
             self.repo = Repository.open(server, cached_catalog_url(server.url), mirror=mirror,
                                         durability=durability)
         else:
-            text = os.fspath(store) if isinstance(store, (str, os.PathLike)) else None
-            if store is None or (text is not None and "://" not in text):
-                root = Path(text or default_location()).expanduser()
-                if repo_module.read_only(root):
-                    raise ConfigurationError(
-                        f"the store {root} cannot be written (a read-only file system, or no "
-                        "permission), so no snapshot could be saved there: point store= or "
-                        "CIUIC_HOME at a writable folder (`ciuic --store` can still read this "
-                        "one)")
-            self.repo = Repository.open(store, mirror=mirror, durability=durability)
+            self.repo = Repository.open(store, mirror=mirror, durability=durability,
+                                        writable=True)
 
     def _start_run(self) -> None:
         """Rank 0 (or the single process): index the job, record the run, take the lease,
@@ -959,7 +948,7 @@ class SnapshotManager:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._closed:  # reached through another handler's chain: not ours any more
-            _pass_on(_unchained(self._chained.get(signum, signal.SIG_DFL), signum), signum,
+            _pass_on(_unchained(self._prev_handlers.get(signum, signal.SIG_DFL), signum), signum,
                      frame)
             return
         name = signal.Signals(signum).name
@@ -995,7 +984,6 @@ class SnapshotManager:
         for sig, handler in self._prev_handlers.items():
             if signal.getsignal(sig) == self._on_signal:  # else a later manager's is on top
                 signal.signal(sig, _unchained(handler, sig))
-        self._prev_handlers.clear()
 
     def _record_end(self, kind: str, step: int | None = None) -> None:
         if not self.coll.coordinator:
@@ -1052,7 +1040,7 @@ def _unchained(handler: Any, sig: int) -> Any:
     closed in another order than they were made leave no closed manager installed)."""
     while (getattr(handler, "__func__", None) is SnapshotManager._on_signal
            and handler.__self__._closed):
-        handler = handler.__self__._chained.get(sig, signal.SIG_DFL)
+        handler = handler.__self__._prev_handlers.get(sig, signal.SIG_DFL)
     return handler
 
 
