@@ -8,7 +8,7 @@ demo: venv
 	.venv/bin/ciuic demo
 
 lint: venv
-	.venv/bin/ruff check src tests bench
+	.venv/bin/ruff check src tests bench scripts
 	.venv/bin/mypy
 
 services:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ciuic import floatcodec
+from ciuic.format import floatcodec
 
 GB = 1e9
 
@@ -155,14 +155,21 @@ def top_plane_codec(name: str, cctx: zstandard.ZstdCompressor) -> Codec:
 def make_codecs() -> list[Codec]:
     out_buffers: dict[int, memoryview] = {}
 
+    def xor(data: bytes | memoryview, previous: bytes | None) -> bytes | memoryview:
+        """The XOR delta against the previous snapshot's chunk (done here, outside the codec:
+        ciuic does not write deltas; this measures what they would give)."""
+        if previous is None:
+            return data
+        a = np.frombuffer(data, dtype=np.uint8)
+        return np.bitwise_xor(a, np.frombuffer(previous, dtype=np.uint8)).tobytes()
+
     def fc_encode(chunk: Chunk) -> bytes | None:
-        return floatcodec.encode(
-            chunk.data, chunk.itemsize, float_kind=chunk.kind, previous=chunk.previous
-        )
+        return floatcodec.encode(xor(chunk.data, chunk.previous), chunk.itemsize,
+                                 float_kind=chunk.kind)
 
     def fc_decode(chunk: Chunk, payload: bytes) -> bytes:
         out = out_buffers.setdefault(len(chunk.data), memoryview(bytearray(len(chunk.data))))
-        return bytes(floatcodec.decode(payload, out, previous=chunk.previous))
+        return bytes(xor(floatcodec.decode(payload, out), chunk.previous))
 
     z1 = zstandard.ZstdCompressor(level=1)
     zd = zstandard.ZstdDecompressor()

@@ -277,7 +277,7 @@ class Ciuic(System):
         self.step = 1
         m.step(self.step, state=StateHolder(self.state))  # not due: buffers allocated ahead
         m.wait()
-        self.steady["reserve_s"].append(m._staging.reserve_s)
+        self.steady["reserve_s"].append(m._pipeline.staging.reserve_s)
         self.manager = m
 
     def save(self) -> float:
@@ -288,7 +288,7 @@ class Ciuic(System):
         m.step(self.step, state=StateHolder(self.state))  # type: ignore[attr-defined]
         stall = time.perf_counter() - t0
         m.wait()  # type: ignore[attr-defined]
-        self.basis = dict(m._compression.basis)  # type: ignore[attr-defined]
+        self.basis = dict(m._pipeline.compression.basis)  # type: ignore[attr-defined]
         return stall
 
     def incremental(self) -> None:
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)  # keep the recovery log out of the table
     if not os.environ.get("CIUIC_ENCRYPTION_KEY"):
-        from ciuic.crypto import generate_key_text
+        from ciuic.format.crypto import generate_key_text
 
         os.environ["CIUIC_ENCRYPTION_KEY"] = generate_key_text()  # for the ciuic+aes system
     scale = a.scale or (4 if a.quick else 1)

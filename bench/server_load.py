@@ -5,7 +5,8 @@
 Starts ``ciuic serve`` (uvicorn, SQLite catalog, a fresh store) on a free loopback port, then runs
 ``--clients`` threads, each a ``ciuic_client.CiuicClient`` on its own job: save a snapshot (a
 small model, one tensor changed each time, so every save is incremental), and every third
-iteration restore the latest and compare it, byte for byte, with what was saved. At the end every
+iteration restore the latest and compare it, byte for byte, with what was saved (``run``'s
+``min_saves`` makes each client save at least that many times whatever the time). At the end every
 snapshot any client saved is listed and read back and compared: a missing one is *lost*, a
 different one *corrupted*. Prints the counts, throughput and latency percentiles.
 """
@@ -34,8 +35,11 @@ def digest(data: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def run(url: str, key: str, clients: int = 32, seconds: float = 30.0) -> dict[str, Any]:
-    """Drive the server at ``url``; return the figures (see the module docstring)."""
+def run(url: str, key: str, clients: int = 32, seconds: float = 30.0,
+        min_saves: int = 0) -> dict[str, Any]:
+    """Drive the server at ``url``; return the figures (see the module docstring). Each client
+    saves at least ``min_saves`` times, however long that takes (a bounded amount of work, so
+    that a slow machine still exercises the restores), and then until ``seconds`` passed."""
     from ciuic_client import CiuicClient
 
     deadline = time.monotonic() + seconds
@@ -53,7 +57,7 @@ def run(url: str, key: str, clients: int = 32, seconds: float = 30.0) -> dict[st
         try:
             with CiuicClient(api_key=key, endpoint=url, job=f"load-{i}") as c:
                 n = 0
-                while time.monotonic() < deadline:
+                while n < min_saves or time.monotonic() < deadline:
                     model[f"layer{n % 4}.weight"] += 0.01  # one tensor changes per save
                     data = {"model": model, "step": n}
                     t0 = time.perf_counter()
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.test_server import new_key, serve
+    from tests.serverutil import new_key, serve
 
     with tempfile.TemporaryDirectory(prefix="ciuic-load-") as tmp:
         store = Path(tmp) / "store"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ciuic import faults
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
 
 HELPERS = Path(__file__).parent / "helpers"
 TRAIN = HELPERS / "train_mlp.py"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateMismatch
-from ciuic.capture import capture, match_model_state
+from ciuic.state.capture import capture, match_model_state
 
 
 def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object, torch.amp.GradScaler]:

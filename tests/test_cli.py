@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ciuic import SnapshotManager, cli
-from ciuic import manifest as mf
-from ciuic.chunks import chunk_key
-from ciuic.reader import chunk_refs, read_body
-from ciuic.repo import Repository
+from ciuic.chain.read import chunk_refs, read_body
+from ciuic.chain.repo import Repository
+from ciuic.format import layout
+from ciuic.format.layout import chunk_key
 
 
 def ciuic(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -93,7 +93,7 @@ def test_verify_detects_broken_chain(populated: dict[str, object],
     store = str(populated["store"])
     infos = populated["infos"]
     assert isinstance(infos, list)
-    (Path(store) / "objects" / mf.manifest_key("proj", "job1", infos[1].id)).unlink()
+    (Path(store) / "objects" / layout.manifest_key("proj", "job1", infos[1].id)).unlink()
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "proj/job1")
     assert code == 1 and "the chain is broken" in out
 
@@ -207,7 +207,7 @@ def test_a_read_only_store_is_read_with_a_catalog_in_the_cache_and_refused_for_t
     commands failed after 12 s), and a training job crashed with a traceback. (Root may write
     anywhere, so the mount is stood in for by ciuic.repo.read_only.)"""
     from ciuic import ConfigurationError
-    from ciuic import repo as repo_module
+    from ciuic.chain import repo as repo_module
 
     store = Path(str(populated["store"]))
     monkeypatch.setattr(repo_module, "read_only", lambda root: root.resolve() == store.resolve())

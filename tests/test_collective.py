@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ciuic.dist import Collective
+from ciuic.distributed.collective import Collective
 from ciuic.errors import RankError
 
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from ciuic import ConfigurationError, SnapshotManager, StateHolder
-from ciuic import chunks as ck
-from ciuic.chain import verify_job
-from ciuic.crypto import generate_key_text
+from ciuic.chain.read import chunk_refs, read_body
+from ciuic.chain.repo import Repository
+from ciuic.chain.verify import verify_job
 from ciuic.engine.compression import PAGE_CACHE_S_PER_BYTE, compression_pays
-from ciuic.reader import chunk_refs, read_body
-from ciuic.repo import Repository
+from ciuic.format import chunks as ck
+from ciuic.format import layout
+from ciuic.format.crypto import generate_key_text
 from ciuic.store import LocalStore
 
 
@@ -33,7 +34,7 @@ def chunk_headers(store_dir: Path) -> dict[str, tuple[int, int, int]]:
     _, states = read_body(repo, info)
     out = {}
     for d in chunk_refs(states):
-        blob = (store_dir / "objects" / ck.chunk_key(d)).read_bytes()
+        blob = (store_dir / "objects" / layout.chunk_key(d)).read_bytes()
         out[d] = (blob[5], blob[6], len(blob))
     return out
 
@@ -93,8 +94,8 @@ def test_auto_compresses_only_where_the_store_is_slow(tmp_path: Path) -> None:
             info = repo.catalog.latest("p", "default")
             assert info is not None
             _, states = read_body(repo, info)
-            found[name] = [repo.store.get(ck.chunk_key(d))[5] for d in chunk_refs(states)]
-            assert m._compression.basis["f32"]["compress"] == (name == "slow")
+            found[name] = [repo.store.get(layout.chunk_key(d))[5] for d in chunk_refs(states)]
+            assert m._pipeline.compression.basis["f32"]["compress"] == (name == "slow")
     assert ck.CODEC_FLOAT not in found["fast"]
     assert found["slow"].count(ck.CODEC_FLOAT) == 2
 
@@ -141,13 +142,13 @@ def test_a_local_disk_measures_its_speed_once(tmp_path: Path) -> None:
 def test_a_damaged_compressed_chunk_is_caught(store_dir: Path) -> None:
     save_and_restore(store_dir, compression="on")
     d = next(d for d, h in chunk_headers(store_dir).items() if h[0] == ck.CODEC_FLOAT)
-    path = store_dir / "objects" / ck.chunk_key(d)
+    path = store_dir / "objects" / layout.chunk_key(d)
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0x10  # inside the compressed payload
     path.write_bytes(bytes(blob))
     report = verify_job(Repository.open(store_dir), "p", "default", deep=True)
     assert not report.ok
-    assert ck.chunk_key(d) in str(report.problems)
+    assert layout.chunk_key(d) in str(report.problems)
 
 
 def test_bad_compression_mode_is_refused(store_dir: Path) -> None:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateHolder, knobs
-from ciuic.crypto import ObjectCodec
 from ciuic.engine import staging
+from ciuic.format.crypto import ObjectCodec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,7 +68,7 @@ def test_staging_buffers_are_pinned_exact_and_allocated_before_the_first_snapsho
         assert not m.step(1, model, opt)  # reserves the pinned buffers in the background
         m.wait()
         grown = rss_bytes() - before
-        buffers = dict(m._staging._buffers)
+        buffers = dict(m._pipeline.staging._buffers)
         assert buffers and all(b.is_pinned() for b in buffers.values())
         assert not staging._register_failed, caplog.text
         # page-locked pages are resident: RSS sees what was really allocated
@@ -76,7 +76,7 @@ def test_staging_buffers_are_pinned_exact_and_allocated_before_the_first_snapsho
         ptrs = {p: b.data_ptr() for p, b in buffers.items()}
         assert m.step(2, model, opt)
         m.wait()
-        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
+        assert {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()} == ptrs
         assert m.stats.failures == 0
         got = snapshot_of(m, width=1100)
     for k, v in model.state_dict().items():
@@ -159,11 +159,11 @@ def test_restore_to_the_device_is_bit_exact_and_resumes_the_cuda_rng(store_dir: 
         assert m.restore(fresh, fresh_opt) == 3
         assert torch.equal(torch.randn(16, device="cuda"), after)
         # the model was read into pinned staging buffers, which the next snapshot reuses
-        lent = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
-        assert lent and all(b.is_pinned() for b in m._staging._buffers.values())
+        lent = {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
+        assert lent and all(b.is_pinned() for b in m._pipeline.staging._buffers.values())
         m.step(4, fresh, fresh_opt)
         m.wait()
-        assert all(m._staging._buffers[p].data_ptr() == ptr for p, ptr in lent.items())
+        assert all(m._pipeline.staging._buffers[p].data_ptr() == ptr for p, ptr in lent.items())
     for k, v in fresh.state_dict().items():
         assert v.is_cuda and torch.equal(v, want[k]), k
     for a, b in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
@@ -230,7 +230,7 @@ def test_cpu_tensors_beside_cuda_ones_are_compared_and_cuda_ones_copied(
     with knobs.override(chunk_bytes=chunk), SnapshotManager(
             "p", job="mixed", store=store_dir, compression="off") as m:
         m.save(1, state=StateHolder(live))
-        assert m._staging._pinned >= {"state/gpu", "state/cpu"}
+        assert m._pipeline.staging._pinned >= {"state/gpu", "state/cpu"}
         hashed.clear()
         live["cpu"][-1] += 1.0  # the CPU tensor's last chunk; the GPU tensor unchanged
         m.save(2, state=StateHolder(live))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ciuic import ResumableSampler, SnapshotManager, knobs
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
 
 HELPER = Path(__file__).parent / "helpers" / "dist_train.py"
 
@@ -118,7 +118,7 @@ def test_a_rank_dying_mid_save_leaves_the_previous_snapshot_latest(tmp_path: Pat
     store = tmp_path / "store"
     # rank 1 dies after its part of the second snapshot (step 4) is durable, before the commit
     run = torchrun(2, store, tmp_path / "o1", "--steps", "14",
-                   env={"CIUIC_FAILPOINTS_RANK1": "dist.prepared=kill@2"})
+                   env={"CIUIC_FAILPOINTS_RANK1": "dist.written=kill@2"})
     assert run.returncode != 0
     committed = latest(store)
     assert committed is not None and committed.step == 0

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ciuic import ConfigurationError, RestoreError, SnapshotManager, cli
-from ciuic.chain import verify_job
-from ciuic.crypto import generate_key_text, parse_key_text
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
+from ciuic.chain.verify import verify_job
+from ciuic.format.crypto import generate_key_text, parse_key_text
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateHolder, faults, knobs
-from ciuic.capture import capture
-from ciuic.engine.background import lower_priority
 from ciuic.engine.own_thread import OwnThread
+from ciuic.state.capture import capture
 from ciuic.store.local import LocalStore
+from ciuic.threads import lower_priority
 
 
 def rss_bytes() -> int:
@@ -70,13 +70,13 @@ def test_staging_buffers_are_allocated_once_and_reused(store_dir: Path) -> None:
     with SnapshotManager("p", job="reuse", store=store_dir, save_interval=1) as m:
         m.step(0, model, opt)
         m.wait()
-        ptrs = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
-        size = m._staging.allocated_bytes
+        ptrs = {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
+        size = m._pipeline.staging.allocated_bytes
         for s in range(1, 5):
             m.step(s, model, opt)
         m.wait()
-        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ptrs
-        assert m._staging.allocated_bytes == size
+        assert {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()} == ptrs
+        assert m._pipeline.staging.allocated_bytes == size
         assert m.stats.last_stall_s > 0 and m.stats.snapshots == 5
 
 
@@ -85,15 +85,15 @@ def test_buffers_are_allocated_before_the_first_snapshot_is_due(store_dir: Path)
     with SnapshotManager("p", job="ahead", store=store_dir, save_interval=10) as m:
         assert not m.step(1, model, opt)  # not due: the buffers are allocated in the background
         m.wait()
-        ahead = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+        ahead = {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
         paths = {leaf.path for leaf in capture(model, opt, {}).leaves}
         assert set(ahead) == paths  # every tensor of the state, parameters and Adam's moments
-        assert m._staging.reserve_s > 0
+        assert m._pipeline.staging.reserve_s > 0
         for s in range(2, 11):
             m.step(s, model, opt)
         m.wait()
         assert m.stats.snapshots == 1 and m.stats.failures == 0
-        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == ahead
+        assert {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()} == ahead
         fresh, fresh_opt = setup()
         fresh[0].weight.data.zero_()
         assert m.restore(fresh, fresh_opt) == 10
@@ -125,7 +125,7 @@ def test_reserving_respects_the_staging_budget(store_dir: Path) -> None:
                          staging_budget_bytes=1024) as m:
         m.step(1, model, opt)
         m.wait()
-        assert m._staging.allocated_bytes == 0
+        assert m._pipeline.staging.allocated_bytes == 0
 
 
 def test_host_memory_stays_flat_across_50_async_snapshots(store_dir: Path) -> None:
@@ -142,7 +142,7 @@ def test_host_memory_stays_flat_across_50_async_snapshots(store_dir: Path) -> No
                 samples.append(rss_bytes())
         m.wait()
         assert m.stats.snapshots == 50 and m.stats.failures == 0
-        assert m._staging.allocated_bytes <= 1.1 * state_bytes
+        assert m._pipeline.staging.allocated_bytes <= 1.1 * state_bytes
     growth = samples[1] - samples[0]
     assert growth < 0.5 * state_bytes, f"RSS grew {growth / 2**20:.1f} MiB over 40 snapshots"
 
@@ -181,7 +181,7 @@ def test_state_over_the_budget_is_written_synchronously(store_dir: Path,
     with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
             "p", job="budget", store=store_dir, staging_budget_bytes=1024) as m:
         info = m.save(0, model, opt)
-        assert m._staging.allocated_bytes == 0
+        assert m._pipeline.staging.allocated_bytes == 0
     assert "over the budget of 1024" in caplog.text
     with SnapshotManager("p", job="budget", store=store_dir) as m2:
         fresh, fresh_opt = setup()
@@ -192,7 +192,7 @@ def test_state_over_the_budget_is_written_synchronously(store_dir: Path,
 
 
 def _buffer_ptrs(m: SnapshotManager) -> dict[str, int]:
-    return {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+    return {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
 
 
 def test_restore_reads_the_model_into_the_buffers_the_next_snapshot_reuses(
@@ -214,7 +214,7 @@ def test_restore_reads_the_model_into_the_buffers_the_next_snapshot_reuses(
         lent = _buffer_ptrs(m)
         sizes = {f"model/{k}": v.numel() * v.element_size() for k, v in fresh.state_dict().items()}
         assert set(lent) <= set(sizes) and "model/0.weight" in lent  # tiny ones are inline
-        assert m._staging.allocated_bytes == sum(sizes[p] for p in lent) > 0.99 * sum(
+        assert m._pipeline.staging.allocated_bytes == sum(sizes[p] for p in lent) > 0.99 * sum(
             sizes.values())
         for k, v in fresh.state_dict().items():
             assert torch.equal(v, want_model[k]), k
@@ -222,7 +222,7 @@ def test_restore_reads_the_model_into_the_buffers_the_next_snapshot_reuses(
             assert all(torch.equal(st[k], v) for k, v in want.items())
         # what the restore hands over for keeps never lives in a staging buffer (the next
         # snapshot would then be staged onto the live values)
-        staged = {b.untyped_storage().data_ptr() for b in m._staging._buffers.values()}
+        staged = {b.untyped_storage().data_ptr() for b in m._pipeline.staging._buffers.values()}
         kept = [holder.state["w"], *(v for st in fresh_opt.state.values() for v in st.values()),
                 *fresh.state_dict().values()]
         assert not {t.untyped_storage().data_ptr() for t in kept} & staged
@@ -247,7 +247,7 @@ def test_restore_over_the_staging_budget_reads_into_fresh_memory(store_dir: Path
     with SnapshotManager("p", job="tight", store=store_dir,
                          staging_budget_bytes=1024) as m:
         assert m.restore(fresh, fresh_opt) == 1
-        assert m._staging.allocated_bytes <= 1024
+        assert m._pipeline.staging.allocated_bytes <= 1024
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
 

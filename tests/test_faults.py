@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ciuic import RestoreError, SnapshotManager, knobs
-from ciuic import manifest as mf
-from ciuic.chain import verify_job
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
+from ciuic.chain.verify import verify_job
+from ciuic.format import layout
 from ciuic.store import MemoryStore, Store
 from ciuic.store.base import Data
 
@@ -147,7 +147,7 @@ def test_a_malicious_pickle_is_never_executed(store_dir: Path) -> None:
     torch_file = store_dir / "evil.pt"
     torch.save({"x": _Boom()}, torch_file)  # a torch file that would run code on load
     objects = store_dir / "objects"
-    for key in (mf.body_key("p", "evil", info.body), mf.manifest_key("p", "evil", info.id)):
+    for key in (layout.body_key("p", "evil", info.body), layout.manifest_key("p", "evil", info.id)):
         (objects / key).write_bytes(payload)
     for chunk in (objects / "chunks").rglob("*"):
         if chunk.is_file():
@@ -235,7 +235,7 @@ def test_an_io_error_at_each_write_step_keeps_the_previous_snapshot(
 
 def test_a_truncated_chunk_falls_back_to_the_previous_snapshot(
         store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from ciuic.reader import read_body
+    from ciuic.chain.read import read_body
 
     model, opt = model_opt()
     with SnapshotManager("p", job="trunc", store=store_dir) as m:
@@ -255,7 +255,7 @@ def test_a_truncated_chunk_falls_back_to_the_previous_snapshot(
 
 def test_gc_during_a_save_never_deletes_what_the_save_references(store_dir: Path) -> None:
     from ciuic import faults
-    from ciuic.gc import collect
+    from ciuic.chain.gc import collect
 
     model, opt = model_opt()
     with SnapshotManager("p", job="race", store=store_dir, save_interval=1, keep_last=1) as m:

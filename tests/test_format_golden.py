@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ciuic import canonical, tree
-from ciuic import manifest as mf
-from ciuic.chunks import HEADER_BYTES, chunk_key, frame, unframe
-from ciuic.digest import digest
-from ciuic.errors import CorruptObject
+from ciuic.errors import CorruptObject, UnsupportedFormat
+from ciuic.format import canonical, tree
+from ciuic.format import manifest as mf
+from ciuic.format.chunks import HEADER_BYTES, frame, unframe
+from ciuic.format.digest import digest
+from ciuic.format.layout import chunk_key
 
 GOLDEN_MANIFEST = (
     b'{"body":"' + b"cd" * 32 + b'","body_bytes":1234,"created":"2026-11-30T01:33:08.123456Z",'
@@ -75,8 +76,10 @@ def test_manifest_with_a_float_is_rejected() -> None:
 
 
 def test_manifest_from_newer_format_says_upgrade() -> None:
-    with pytest.raises(CorruptObject, match="upgrade ciuic"):
+    """A newer format is not damage: the type says so (readers keep and skip it)."""
+    with pytest.raises(UnsupportedFormat, match="upgrade ciuic") as e:
         mf.Manifest.decode(GOLDEN_MANIFEST.replace(b'"format":1', b'"format":2'))
+    assert not isinstance(e.value, CorruptObject)
 
 
 def test_canonical_json_rejects_floats_and_sorts_keys() -> None:

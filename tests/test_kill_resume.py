@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
 
 from .conftest import TRAIN, run_train
 

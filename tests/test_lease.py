@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager
-from ciuic.lease import FencedOut
+from ciuic.errors import FencedOut
 from ciuic.store import LocalStore
 
 

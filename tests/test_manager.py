@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from ciuic import ConfigurationError, RestoreError, SnapshotManager, SnapshotNotFound, faults, knobs
-from ciuic import manifest as mf
-from ciuic.chunks import chunk_key
-from ciuic.gc import collect
-from ciuic.reader import chunk_refs, read_body
-from ciuic.repo import Repository
+from ciuic.chain.gc import collect
+from ciuic.chain.read import chunk_refs, read_body
+from ciuic.chain.repo import Repository
+from ciuic.format import layout
+from ciuic.format.layout import chunk_key
 
 
 def model_and_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -145,15 +145,15 @@ def test_pruned_snapshots_keep_the_chain_and_free_chunks(store_dir: Path) -> Non
         one_step(model, opt)
         m.save(1, model, opt)
         repo = m.repo
-        assert repo.store.has(mf.manifest_key("p", "g", first.id))  # the link stays
-        assert not repo.store.has(mf.body_key("p", "g", first.body))
+        assert repo.store.has(layout.manifest_key("p", "g", first.id))  # the link stays
+        assert not repo.store.has(layout.body_key("p", "g", first.body))
         for d in old_chunks:
             if d not in chunk_refs(read_body(repo, m.latest())[1]):  # type: ignore[arg-type]
                 assert not repo.store.has(chunk_key(d)), "gc should have freed it"
 
 
 def test_gc_waits_for_saves_in_progress(repo: Repository) -> None:
-    from ciuic.gc import InflightSave
+    from ciuic.chain.gc import InflightSave
 
     repo.store.put("chunks/ab/" + "ab" * 32, b"orphan")
     with InflightSave(repo.store):
@@ -219,7 +219,7 @@ def test_no_loadable_snapshot_refuses_to_start_from_scratch(store_dir: Path) -> 
     model, opt = model_and_opt()
     with SnapshotManager("p", job="x", store=store_dir) as m:
         info = m.save(1, model, opt)
-    (store_dir / "objects" / mf.body_key("p", "x", info.body)).write_bytes(b"{}")
+    (store_dir / "objects" / layout.body_key("p", "x", info.body)).write_bytes(b"{}")
     with SnapshotManager("p", job="x", store=store_dir) as m2, pytest.raises(
             RestoreError, match=r"none could be\s+restored") as e:
         m2.restore(model, opt)
@@ -247,7 +247,7 @@ def test_interruption_is_detected_from_the_previous_run(store_dir: Path,
     m = SnapshotManager("p", job="i", store=store_dir, save_interval=1)
     m.step(0, model, opt)
     m.wait()
-    m._record_end("signal:SIGTERM")  # as the signal path records it
+    m._session.record_end("signal:SIGTERM")  # as the signal path records it
     with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
             "p", job="i", store=store_dir) as m2:
         assert m2.interrupted

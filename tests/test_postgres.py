@@ -13,7 +13,7 @@ from torch import nn
 from ciuic import SnapshotManager
 from ciuic.catalog import Catalog
 from ciuic.catalog.keys import audit_log, authenticate, create_key, revoke_key
-from ciuic.manifest import Manifest, utc_now
+from ciuic.format.manifest import Manifest, utc_now
 from ciuic.server import create_app
 
 

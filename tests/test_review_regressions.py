@@ -15,16 +15,18 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager, SnapshotNotFound, StateHolder, StateMismatch, faults, knobs, tree
-from ciuic import manifest as mf
-from ciuic import snapshot as snapshot_module
-from ciuic.chunks import chunk_key
+from ciuic import SnapshotManager, SnapshotNotFound, StateHolder, StateMismatch, faults, knobs
+from ciuic.chain.gc import _is_live, collect
+from ciuic.chain.read import read_body
+from ciuic.chain.repo import Repository
 from ciuic.engine import unchanged
 from ciuic.engine.own_thread import OwnThread
 from ciuic.errors import CaptureError
-from ciuic.gc import LOCK_KEY, _is_live, collect
-from ciuic.reader import read_body
-from ciuic.repo import Repository
+from ciuic.format import layout, tree
+from ciuic.format import manifest as mf
+from ciuic.format.layout import GC_LOCK as LOCK_KEY
+from ciuic.format.layout import chunk_key
+from ciuic.manager import pipeline as snapshot_module
 from ciuic.store import LocalStore
 
 
@@ -67,13 +69,13 @@ def test_gc_deletes_nothing_while_a_manifest_is_unreadable(store_dir: Path) -> N
     with SnapshotManager("p", job="g", store=store_dir) as m:
         info = m.save(0, model, opt)
     repo = Repository.open(store_dir)
-    path = store_dir / "objects" / mf.manifest_key("p", "g", info.id)
+    path = store_dir / "objects" / layout.manifest_key("p", "g", info.id)
     path.write_bytes(path.read_bytes().replace(b'"format":1', b'"format":2'))
     chunks_before = list(repo.store.list("chunks/"))
     result = collect(repo)
     assert "gc deletes nothing" in result.skipped
     assert list(repo.store.list("chunks/")) == chunks_before
-    assert repo.store.has(mf.body_key("p", "g", info.body))
+    assert repo.store.has(layout.body_key("p", "g", info.body))
 
 
 def test_new_lineage_is_not_pruned_by_an_older_ones_higher_steps(store_dir: Path) -> None:
@@ -146,7 +148,7 @@ def test_restore_falls_back_when_a_manifest_is_missing(store_dir: Path) -> None:
     with SnapshotManager("p", job="mm", store=store_dir) as m:
         m.save(1, model, opt)
         gone = m.save(2, model, opt)
-    (store_dir / "objects" / mf.manifest_key("p", "mm", gone.id)).unlink()
+    (store_dir / "objects" / layout.manifest_key("p", "mm", gone.id)).unlink()
     with SnapshotManager("p", job="mm", store=store_dir) as m2:
         assert m2.restore(model, opt) == 1
 
@@ -162,13 +164,13 @@ def test_job_at_step_of_a_pruned_snapshot_says_pruned(store_dir: Path) -> None:
 
 def test_markers_from_another_pid_namespace_are_judged_by_age(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "o")
-    from ciuic.gc import _IDENTITY
+    from ciuic.chain.runs import IDENTITY
 
     dead_pid = 2**22 + 7
-    other_ns = {**_IDENTITY, "pidns": "pid:[1]", "pid": dead_pid, "time": time.time()}
+    other_ns = {**IDENTITY, "pidns": "pid:[1]", "pid": dead_pid, "time": time.time()}
     store.put(LOCK_KEY, json.dumps(other_ns).encode())
     assert _is_live(store, LOCK_KEY, 60)  # a pid we cannot see may be alive elsewhere
-    same_ns = {**_IDENTITY, "pid": dead_pid, "time": time.time()}
+    same_ns = {**IDENTITY, "pid": dead_pid, "time": time.time()}
     store.put(LOCK_KEY, json.dumps(same_ns).encode())
     assert not _is_live(store, LOCK_KEY, 60)  # ours, and that pid is gone
     old = {**other_ns, "time": time.time() - 3600}
@@ -237,7 +239,7 @@ def test_a_restored_tensor_the_model_keeps_is_never_the_staging_buffer(store_dir
             model.table.fill_(float(step))
             m.save(step, model)
             assert not any(buf.data_ptr() == model.table.data_ptr()
-                           for buf in m._staging._buffers.values())
+                           for buf in m._pipeline.staging._buffers.values())
         snapshots = m.repo.catalog.snapshots("p", "keep")
     assert len(snapshots) == 4
     for info in snapshots:
@@ -319,7 +321,7 @@ def test_managers_closed_in_creation_order_leave_the_original_signal_handlers(
                        for s in (signal.SIGINT, signal.SIGTERM))
         # a closed manager's handler, still called by someone's chain, passes the signal on
         with pytest.raises(KeyboardInterrupt):
-            m1._on_signal(signal.SIGINT, None)
+            m1._signals._on_signal(signal.SIGINT, None)
     finally:
         signal.signal(signal.SIGINT, before)
 

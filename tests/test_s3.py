@@ -115,7 +115,7 @@ def test_encrypted_snapshots_on_s3_hold_no_plaintext(s3_url: str, s3_endpoint: s
     from torch import nn
 
     from ciuic import SnapshotManager
-    from ciuic.crypto import generate_key_text
+    from ciuic.format.crypto import generate_key_text
 
     monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
     torch.manual_seed(0)

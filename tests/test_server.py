@@ -4,7 +4,6 @@ role matrix and input validation use FastAPI's in-process client on the same app
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -21,33 +20,10 @@ from torch import nn
 
 from ciuic import SnapshotManager
 from ciuic.catalog.keys import audit_log, create_key, revoke_key
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
 from ciuic.server import create_app
-from tests.s3server import free_port, http_process
-
-KEY = re.compile(r"^ciuic_[0-9a-f]{12}_[A-Za-z0-9_-]{20,64}$")
-
-
-def cli(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store), *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "200"})
-
-
-def new_key(store: Path, project: str, role: str) -> str:
-    run = cli(store, "apikey", "create", "--project", project, "--role", role)
-    assert run.returncode == 0, run.stderr
-    key = run.stdout.strip().splitlines()[-1]
-    assert KEY.match(key), run.stdout
-    return key
-
-
-@contextlib.contextmanager
-def serve(store: Path, log: Path) -> Iterator[str]:
-    url = f"http://127.0.0.1:{(port := free_port())}"
-    cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
-    with http_process(cmd, f"{url}/health", log, "ciuic serve"):
-        yield url
+from tests.s3server import free_port
+from tests.serverutil import cli, new_key, serve
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +102,7 @@ def test_snapshot_manager_over_http_restores_and_keeps_encryption_on_the_client(
         server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     url, store = server
     key = new_key(store, "llm", "writer")
-    from ciuic.crypto import generate_key_text
+    from ciuic.format.crypto import generate_key_text
 
     monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
     model, opt = mlp()
@@ -476,7 +452,7 @@ def test_snapshot_ids_of_other_projects_stay_invisible(
     """Found by review: an ID prefix was looked up across every project, and an ambiguous one
     listed other projects' IDs."""
     from ciuic.catalog import Catalog
-    from ciuic.manifest import Manifest, utc_now
+    from ciuic.format.manifest import Manifest, utc_now
 
     http, keys, store = app_with_keys
     catalog = Catalog(f"sqlite:///{Path(store).resolve() / 'catalog.db'}")

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ciuic.catalog.keys import create_key
-from ciuic.repo import Repository
+from ciuic.chain.repo import Repository
 from ciuic.server import create_app
 
 NASTY = st.sampled_from(["..", ".", "%2e%2e", "a/../b", "", " ", "-", "x" * 300, "é", "\x00",

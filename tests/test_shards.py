@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from ciuic import knobs
-from ciuic.boxread import read_box
-from ciuic.crypto import ObjectCodec
+from ciuic.chain.repo import Repository
+from ciuic.chain.writer import ChunkCache, write_leaves
 from ciuic.errors import CaptureError, IntegrityError
-from ciuic.repo import Repository
-from ciuic.shards import assemble, meta_of, plan
-from ciuic.tree import Leaf
-from ciuic.writer import ChunkCache, write_leaves
+from ciuic.format.crypto import ObjectCodec
+from ciuic.format.shards import assemble, meta_of, plan
+from ciuic.format.tree import Leaf
+from ciuic.restore.boxread import read_box
 
 
 def boxes(shape: list[int], grid: list[int]) -> list[tuple[list[int], list[int]]]:

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from ciuic import RestoreError, SnapshotManager
-from ciuic import manifest as mf
-from ciuic.chain import verify_job
-from ciuic.chunks import chunk_key
+from ciuic.chain.read import chunk_refs, read_body
+from ciuic.chain.repo import Repository
+from ciuic.chain.verify import verify_job
 from ciuic.errors import IntegrityError, StoreAccessError
-from ciuic.reader import chunk_refs, read_body
-from ciuic.repo import Repository
+from ciuic.format import layout
+from ciuic.format.layout import chunk_key
 from ciuic.store import MemoryStore, open_store
 from ciuic.store.base import Data
 from ciuic.store.mirror import MirrorStore
@@ -152,11 +152,11 @@ def test_local_durability_drains_in_write_order_and_never_blocks_the_commit(
     finally:
         remote.gate.set()
     m.close()  # flushes the mirror
-    manifest = mf.manifest_key("proj", "j", info.id)
+    manifest = layout.manifest_key("proj", "j", info.id)
     assert manifest in remote.order
     position = remote.order.index(manifest)
     before = set(remote.order[:position])
-    assert mf.body_key("proj", "j", Repository.open(tmp_path / "local").read_manifest(
+    assert layout.body_key("proj", "j", Repository.open(tmp_path / "local").read_manifest(
         "proj", "j", info.id).body) in before
     assert all(k in before for k in remote.order if k.startswith("chunks/"))
 
@@ -241,7 +241,7 @@ def test_pull_of_an_unknown_job_lists_what_is_there(chain: tuple[Path, nn.Module
 
 
 def test_copy_verifies_on_arrival(chain: tuple[Path, nn.Module], tmp_path: Path) -> None:
-    from ciuic.transfer import copy_job
+    from ciuic.chain.transfer import copy_job
 
     class Lossy(MemoryStore):
         def put(self, key: str, data: Data, *, durable: bool = True) -> None:

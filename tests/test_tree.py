@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ciuic import canonical, tree
 from ciuic.errors import CaptureError, IntegrityError
+from ciuic.format import canonical, tree
 
 
 def round_trip(value: Any) -> Any:

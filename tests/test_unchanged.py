@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateHolder, faults, knobs
-from ciuic import chunks as ck
-from ciuic.crypto import ObjectCodec, generate_key_text
 from ciuic.engine import unchanged
+from ciuic.format import chunks as ck
+from ciuic.format.crypto import ObjectCodec, generate_key_text
 
 CHUNK = 64 * 1024
 N = 16 * CHUNK // 4  # float32 values: 16 chunks a tensor
@@ -112,11 +112,11 @@ def test_a_restore_into_the_buffers_forgets_their_digests(store_dir: Path) -> No
         with torch.no_grad():
             model.weight.add_(1.0)
         m.save(2, model)  # the buffers now hold these values, with their digests
-        lent = {p: b.data_ptr() for p, b in m._staging._buffers.items()}
+        lent = {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
         m.restore(model, snapshot=old.id)  # the older bytes, read into the same buffers
         assert torch.equal(model.weight, first["weight"])
-        assert {p: b.data_ptr() for p, b in m._staging._buffers.items()} == lent
-        assert torch.equal(m._staging._buffers["model/weight"].view(torch.float32).view(
+        assert {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()} == lent
+        assert torch.equal(m._pipeline.staging._buffers["model/weight"].view(torch.float32).view(
             256, 256), first["weight"])  # the buffer holds the older bytes now
         m.save(3, model)
         fresh = nn.Linear(256, 256)
@@ -389,5 +389,5 @@ def test_a_large_bool_tensor_keeps_its_bytes(store_dir: Path) -> None:
         m.save(1, state=StateHolder(live))
         assert m.save(2, state=StateHolder(live)).new_bytes == 0
         assert torch.equal(restored(m)["mask"].view(torch.uint8), raw)
-        buf = next(b for p, b in m._staging._buffers.items() if p.endswith("mask"))
+        buf = next(b for p, b in m._pipeline.staging._buffers.items() if p.endswith("mask"))
         assert torch.equal(buf, raw)  # the buffer holds the very bytes

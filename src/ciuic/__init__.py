@@ -6,8 +6,8 @@ content-addressed chain, and brings an interrupted job back exactly where it was
 
 from __future__ import annotations
 
-from .data import ResumableSampler
-from .errors import (
+from ciuic.chain.repo import Repository
+from ciuic.errors import (
     AmbiguousReference,
     CaptureError,
     CiuicError,
@@ -21,12 +21,11 @@ from .errors import (
     StateMismatch,
     StoreError,
 )
-from .holder import StateHolder
-from .info import SnapshotInfo
-from .repo import Repository
-from .snapshot import SnapshotManager
-
-__version__ = "0.1.0"
+from ciuic.format.info import SnapshotInfo
+from ciuic.manager import SnapshotManager
+from ciuic.state.data import ResumableSampler
+from ciuic.state.holder import StateHolder
+from ciuic.version import __version__
 
 __all__ = [
     "AmbiguousReference",

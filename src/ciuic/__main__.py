@@ -1,5 +1,5 @@
 """``python -m ciuic``: the command line, as the ``ciuic`` script."""
 
-from .cli import main
+from ciuic.cli import main
 
 main()

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from .errors import StoreError
+from ciuic.errors import StoreError
 
 _rules: dict[str, tuple[str, int]] = {}
 _hits: dict[str, int] = {}

@@ -51,8 +51,9 @@ class Knobs:
     temp_stale_s: float = 3600.0
     #: How much nicer (lower CPU priority, Linux) the threads of an asynchronous snapshot run
     #: than the training thread; 0 keeps them equal. Read when a thread starts; a lowered
-    #: thread cannot be raised again. Measured in docs/benchmarks.md (session 5): a snapshot
-    #: of the demo model slowed the overlapping training steps by 50 ms at 0, 36 ms at 10.
+    #: thread cannot be raised again. Measured in docs/benchmarks.md ("Background priority"): a
+    #: snapshot of the demo model slowed the overlapping training steps by 50 ms at 0, 36 ms at
+    #: 10.
     background_nice: int = 10
 
 

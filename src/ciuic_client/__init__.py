@@ -18,15 +18,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ciuic.crypto import ObjectCodec
+from ciuic.chain.repo import Repository, cached_catalog_url
+from ciuic.chain.writer import ChunkCache, write_snapshot
 from ciuic.engine.compression import CompressionPolicy
 from ciuic.errors import ConfigurationError, SnapshotNotFound
-from ciuic.info import SnapshotInfo
-from ciuic.reader import load_states
-from ciuic.repo import Repository, cached_catalog_url
+from ciuic.format.crypto import ObjectCodec
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import Leaf, encode
+from ciuic.restore.reader import load_states
+from ciuic.state.capture import Captured
 from ciuic.store.http import HttpStore
-from ciuic.tree import Leaf, encode
-from ciuic.writer import Captured, ChunkCache, write_snapshot
 
 __all__ = ["CiuicClient"]
 

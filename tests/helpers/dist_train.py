@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, TensorDataset
 
 from ciuic import ResumableSampler, SnapshotManager, faults
-from ciuic.capture import capture
+from ciuic.state.capture import capture
 
 
 def build(mode: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -97,9 +97,9 @@ def main() -> int:
         faults.reload(spec)
     model, optimizer = build(a.mode, world)
     if rank == a.mispredict_rank:
-        import ciuic.snapshot
+        import ciuic.manager.ranked
 
-        ciuic.snapshot.predicted_owned = lambda *_: set()  # type: ignore[assignment]
+        ciuic.manager.ranked.predicted_owned = lambda *_: set()  # type: ignore[assignment]
     if a.odd_lr and rank == 1:
         optimizer.param_groups[0]["lr"] = 2e-2
     g = torch.Generator().manual_seed(1234)

@@ -2,6 +2,8 @@
 
 Nothing here is the source of truth: a snapshot exists when its manifest is in the store. The
 catalog makes listing, lookup by step or prefix, and run history fast.
+
+May import: ``format`` and the foundation modules.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from sqlalchemy.exc import DatabaseError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from ..errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
-from ..info import SnapshotInfo
-from ..manifest import Manifest, utc_now
-from .models import SCHEMA_VERSION, Job, Meta, Project, Run, RunEvent, Snapshot
-from .schema import bring_to_head
+from ciuic.catalog.models import SCHEMA_VERSION, Job, Meta, Project, Run, RunEvent, Snapshot
+from ciuic.catalog.schema import bring_to_head
+from ciuic.errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.manifest import Manifest, utc_now
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

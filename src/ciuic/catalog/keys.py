@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from ..errors import ConfigurationError
-from ..manifest import check_name, parse_time, utc_now
-from . import Catalog
-from .models import ApiKey, AuditEvent
+from ciuic.catalog import Catalog
+from ciuic.catalog.models import ApiKey, AuditEvent
+from ciuic.errors import ConfigurationError
+from ciuic.format.layout import check_name
+from ciuic.format.manifest import parse_time, utc_now
 
 ROLES = ("reader", "writer", "admin")
 _KEY = re.compile(r"^ciuic_([0-9a-f]{12})_([A-Za-z0-9_-]{20,64})$")

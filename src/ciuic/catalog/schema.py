@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from ..errors import ConfigurationError
+from ciuic.errors import ConfigurationError
 
 #: The newest migration; a test checks that it is Alembic's head.
 HEAD = "0002"

@@ -7,6 +7,8 @@ Three processes run the same char-level GPT training (:mod:`ciuic.demo.train`):
 3. a restart of 2, which finds the latest snapshot, resumes and finishes.
 
 The final weights of 1 and 3 must be equal bit for bit.
+
+May import: ``manager`` and everything below it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..repo import Repository, default_location
+from ciuic.chain.repo import Repository, default_location
 
 
 @dataclass

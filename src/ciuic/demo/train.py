@@ -19,9 +19,9 @@ import blake3
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..data import ResumableSampler
-from ..snapshot import SnapshotManager
-from .model import CharGPT, GPTConfig
+from ciuic.demo.model import CharGPT, GPTConfig
+from ciuic.manager import SnapshotManager
+from ciuic.state.data import ResumableSampler
 
 
 def corpus() -> str:

@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import floatcodec, knobs
-from ..digest import digest
-from ..errors import ConfigurationError
-from .background import lower_priority
-from .own_thread import OwnThread
+from ciuic import knobs
+from ciuic.engine.own_thread import OwnThread
+from ciuic.errors import ConfigurationError
+from ciuic.format import floatcodec
+from ciuic.format.digest import digest
+from ciuic.threads import lower_priority
 
 log = logging.getLogger("ciuic")
 
@@ -73,7 +74,8 @@ MIN_GAIN = 0.10
 #: compressed chunk at most this fraction of its store time. Restoring decodes on as many cores
 #: (at about the encoding speed), and a CPU training job wants its cores: on the 2-core
 #: development VM, where the model without this rule chose to compress, durable time did not
-#: improve and the cold restore took 1.84 s instead of 0.9 (docs/benchmarks.md, session 4).
+#: improve and the cold restore took 1.84 s instead of 0.9 (docs/benchmarks.md,
+#: "compression=auto on this VM").
 HEADROOM = 0.5
 
 

@@ -36,19 +36,17 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from .. import knobs
-from ..errors import CiuicError
-from ..faults import failpoint
-from ..tree import Leaf
-from . import unchanged
-from .background import lower_priority
-from .own_thread import OwnThread
+from ciuic import knobs
+from ciuic.engine import unchanged
+from ciuic.engine.own_thread import OwnThread
+from ciuic.errors import StagingBudgetExceeded
+from ciuic.faults import failpoint
+from ciuic.format.tree import Leaf
+from ciuic.threads import lower_priority
 
 log = logging.getLogger("ciuic")
 
 
-class StagingBudgetExceeded(CiuicError, MemoryError):
-    """The state does not fit in the staging budget; the snapshot is written synchronously."""
 
 
 def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor | np.ndarray:

@@ -36,8 +36,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from .. import chunks as ck
-from .background import Pools
+from ciuic.format import chunks as ck
+from ciuic.threads import Pools
 
 T = TypeVar("T")
 

@@ -1,5 +1,9 @@
-"""The ciuic server (``ciuic serve``): FastAPI over any ciuic store. Needs ``ciuic[server]``."""
+"""The ciuic server (``ciuic serve``): FastAPI over any ciuic store. Needs ``ciuic[server]``.
 
-from .app import create_app
+May import: ``chain``, ``restore``, ``catalog``, ``format``, ``store`` and the foundation
+modules; never the manager.
+"""
+
+from ciuic.server.app import create_app
 
 __all__ = ["create_app"]

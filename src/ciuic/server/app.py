@@ -22,39 +22,32 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from .. import manifest as mf
-from ..catalog.keys import KeyInfo, audit, authenticate
-from ..crypto import MissingKey
-from ..errors import (
+from ciuic.catalog.keys import KeyInfo, audit, authenticate
+from ciuic.chain.repo import Repository, list_jobs
+from ciuic.chain.retention import prune_one
+from ciuic.errors import (
+    ApiError,
     CiuicError,
     ConfigurationError,
     InvalidKey,
+    MissingKey,
     ObjectNotFound,
     SnapshotNotFound,
     StoreError,
 )
-from ..faults import failpoint
-from ..repo import Repository
-from ..retention import prune_one
-from ..store.base import check_key, check_prefix
-from ..store.prefix import PrefixStore
-from . import inspect
-from .observe import install
+from ciuic.faults import failpoint
+from ciuic.format import layout
+from ciuic.server import inspect
+from ciuic.server.observe import install
+from ciuic.store.base import check_key, check_prefix
+from ciuic.store.prefix import PrefixStore
+from ciuic.version import __version__
 
 log = logging.getLogger("ciuic.server")
-_MANIFEST = re.compile(r"^jobs/([^/]+)/([^/]+)/manifests/([0-9a-f]{64})\.json$")
-_BODY = re.compile(r"^jobs/([^/]+)/([^/]+)/bodies/[0-9a-f]{64}\.json$")
-_CONTENT_ADDRESSED = re.compile(r"^(chunks/[0-9a-f]{2}/[0-9a-f]{64}|"
-                                r"jobs/[^/]+/[^/]+/bodies/[0-9a-f]{64}\.json)$")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 class MissingRequest(BaseModel):
@@ -79,7 +72,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     def repo_of(project: str) -> Repository:
         if project not in repos:
-            repos[project] = Repository(PrefixStore(root.store, f"projects/{project}/"),
+            repos[project] = Repository(PrefixStore(root.store, layout.project_prefix(project)),
                                         catalog)
         return repos[project]
 
@@ -132,7 +125,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     Caller = Annotated[KeyInfo, Depends(caller)]
 
     def allow(info: KeyInfo, project: str, role: str) -> None:
-        mf.check_name("project", project)
+        layout.check_name("project", project)
         if info.project != project:
             raise ApiError(403, "wrong_project", f"this key belongs to project "
                            f"{info.project!r}, not {project!r}")
@@ -142,7 +135,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     def object_key(project: str, key: str) -> str:
         check_key(key)
-        if key.startswith("jobs/") and not key.startswith(f"jobs/{project}/"):
+        if key.startswith(layout.JOBS) and not key.startswith(layout.jobs_prefix(project)):
             raise ApiError(400, "invalid_name", f"{key}: a project's job objects live under "
                            f"jobs/{project}/")
         return key
@@ -173,8 +166,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     @app.get("/v1/projects/{project}/jobs", tags=["snapshots"])
     def jobs(info: Caller, project: str) -> dict[str, Any]:
         allow(info, project, "reader")
-        names = sorted({k.split("/")[2] for k in repo_of(project).store.list(f"jobs/{project}/")})
-        for job in names:
+        for _, job in list_jobs(repo_of(project).store, project):
             repo_of(project).sync_job(project, job)
         return {"jobs": [j for j in catalog.jobs() if j["project"] == project]}
 
@@ -183,7 +175,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                   offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
         allow(info, project, "reader")
-        mf.check_name("job", job)
+        layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
         found = catalog.snapshots(project, job, newest_first=True)
         return {"total": len(found), "offset": offset, "limit": limit,
@@ -192,7 +184,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:
         allow(info, project, "reader")
-        mf.check_name("job", job)
+        layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
         found = catalog.latest(project, job)
         if found is None:
@@ -288,12 +280,12 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         store = repo_of(project).store
         metrics.bytes.labels("in").inc(len(body))
         await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
-        m = _MANIFEST.match(key)
+        m = layout.parse_manifest(key)
         if m is not None and not create:
             raise ApiError(403, "forbidden", "a manifest is committed once, with "
                            "PUT ...?create=true, and never replaced (it is the chain)")
         if not create:
-            if _CONTENT_ADDRESSED.match(key):  # named by their content: the first copy stays
+            if layout.is_content_addressed(key):  # named by their content: the first copy stays
                 await run_in_threadpool(store.create, key, bytes(body))
             else:
                 await run_in_threadpool(store.put, key, bytes(body))
@@ -307,10 +299,10 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             metrics.snapshots.labels(project).inc()
             try:
                 audit(catalog, f"key:{info.id}", project, "snapshot.save",
-                      f"{m.group(2)} {m.group(3)}", _remote(request))
+                      f"{m.job} {m.snapshot_id}", _remote(request))
             except Exception as e:
                 log.error("could not audit the commit of %s: %s", key, e)
-            await run_in_threadpool(_index, project, m.group(2))
+            await run_in_threadpool(_index, project, m.job)
         return {"key": key, "created": True}
 
     def _index(project: str, job: str) -> None:
@@ -325,10 +317,10 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         key = object_key(project, key)
         data = repo_of(project).store.get(key)
         metrics.bytes.labels("out").inc(len(data))
-        m = _MANIFEST.match(key)
+        m = layout.parse_manifest(key)
         if m is not None:
             audit(catalog, f"key:{info.id}", project, "snapshot.read",
-                  f"{m.group(2)} {m.group(3)}", _remote(request))
+                  f"{m.job} {m.snapshot_id}", _remote(request))
         return Response(data, media_type="application/octet-stream")
 
     @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
@@ -343,11 +335,11 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     def delete_object(info: Caller, project: str, key: str, request: Request) -> dict[str, Any]:
         allow(info, project, "writer")
         key = object_key(project, key)
-        if _MANIFEST.match(key):
+        if layout.parse_manifest(key) is not None:
             raise ApiError(403, "forbidden", "manifests are kept forever (they are the chain); "
                            "delete a snapshot with DELETE /v1/projects/P/snapshots/ID")
         repo_of(project).store.delete(key)
-        if _BODY.match(key):
+        if layout.parse_body(key) is not None:
             audit(catalog, f"key:{info.id}", project, "snapshot.prune", key, _remote(request))
         return {"key": key, "deleted": True}
 

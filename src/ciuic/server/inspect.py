@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..chain import verify_job
-from ..info import SnapshotInfo
-from ..reader import load_trees, read_body
-from ..repo import Repository
-from ..tree import flat_tensors, walk_leaves
+from ciuic.chain.read import read_body
+from ciuic.chain.repo import Repository
+from ciuic.chain.verify import verify_job
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import flat_tensors, walk_leaves
+from ciuic.restore.reader import load_trees
 
 #: statistics are computed for snapshots up to this size (they read every byte)
 STATS_MAX_BYTES = 512 * 1024 * 1024

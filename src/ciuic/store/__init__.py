@@ -9,6 +9,9 @@
 
 Backends register in ``_REGISTRY`` with a lazy import, so optional dependencies are only imported
 when their scheme is used, and a missing one produces an install hint.
+
+May import: the foundation modules only (``errors``, ``knobs``, ``threads``). Stores
+never interpret keys beyond their syntax; what keys mean is :mod:`ciuic.format.layout`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import importlib
 import os
 from urllib.parse import urlparse
 
-from ..errors import ConfigurationError
-from .base import Store, check_key
-from .local import LocalStore
-from .memory import MemoryStore
+from ciuic.errors import ConfigurationError
+from ciuic.store.base import Store, check_key
+from ciuic.store.local import LocalStore
+from ciuic.store.memory import MemoryStore
 
 # scheme -> (module, class, pip extra that provides its dependencies or None)
 _REGISTRY: dict[str, tuple[str, str, str | None]] = {

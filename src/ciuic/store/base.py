@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
-from ..errors import InvalidKey
+from ciuic.errors import InvalidKey
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, urlparse
 
-from .. import knobs
-from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
-from .base import Data, Store, check_key, check_prefix, joined
+from ciuic import knobs
+from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.store.base import Data, Store, check_key, check_prefix, joined
 
 _MISSING_BATCH = 10_000  # keys per "missing" request (the server takes up to 100 000)
 

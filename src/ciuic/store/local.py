@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import ObjectNotFound, StoreError
-from .base import Data, Store, check_key, check_prefix, parts
+from ciuic.errors import ObjectNotFound, StoreError
+from ciuic.store.base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
 

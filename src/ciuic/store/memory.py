@@ -10,8 +10,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from ..errors import ObjectNotFound
-from .base import Data, Store, check_key, check_prefix, joined
+from ciuic.errors import ObjectNotFound
+from ciuic.store.base import Data, Store, check_key, check_prefix, joined
 
 _NAMED: dict[str, MemoryStore] = {}
 _NAMED_LOCK = threading.Lock()

@@ -27,9 +27,9 @@ from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ..engine.background import Pools
-from ..errors import ConfigurationError, ObjectNotFound, StoreError
-from .base import Data, Store
+from ciuic.errors import ConfigurationError, ObjectNotFound, StoreError
+from ciuic.store.base import Data, Store
+from ciuic.threads import Pools
 
 log = logging.getLogger("ciuic")
 T = TypeVar("T")

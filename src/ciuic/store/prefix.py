@@ -7,7 +7,7 @@ import builtins
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
-from .base import Data, Store, check_key, check_prefix
+from ciuic.store.base import Data, Store, check_key, check_prefix
 
 
 class PrefixStore(Store):

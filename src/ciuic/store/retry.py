@@ -17,21 +17,24 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
-from .. import knobs
-from ..engine.background import Pools
-from ..errors import InvalidKey, ObjectNotFound, StoreAccessError, StoreError
-from .base import Data, Store
+from ciuic import knobs
+from ciuic.errors import (
+    DiskFull,
+    InvalidKey,
+    ObjectNotFound,
+    StoreAccessError,
+    StoreError,
+    StoreTimeout,
+)
+from ciuic.store.base import Data, Store
+from ciuic.threads import Pools
 
 T = TypeVar("T")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class StoreTimeout(StoreError):
-    """A store call did not finish within its timeout."""
 
 
-class DiskFull(StoreError):
-    """The store has no space left."""
 
 
 class RetryingStore(Store):

@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
-from .. import knobs
-from ..engine.background import Pools
-from ..errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
-from .base import Data, Store, check_key, check_prefix, joined, parts
+from ciuic import knobs
+from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.store.base import Data, Store, check_key, check_prefix, joined, parts
+from ciuic.threads import Pools
 
 T = TypeVar("T")
 

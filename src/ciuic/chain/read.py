@@ -1,0 +1,125 @@
+"""Verified reads of stored objects: a snapshot's manifest and body, and its chunks.
+
+Every byte is checked before use: the manifest against its ID, the body against the manifest,
+each chunk against its name and length. Damage raises :class:`~ciuic.errors.CorruptObject`
+naming the object; a missing object raises it too (as "missing"). Never unpickles.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ciuic.chain.repo import Repository
+from ciuic.errors import CorruptObject, ObjectNotFound, UnreadableObject
+from ciuic.format import chunks as ck
+from ciuic.format import layout
+from ciuic.format import manifest as mf
+from ciuic.format.digest import digest
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import walk_leaves
+from ciuic.store import Store
+
+READ_THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
+
+
+
+def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[str, Any]]:
+    """The verified manifest and body trees of a snapshot."""
+    m = repo.read_manifest(info.project, info.job, info.id)
+    return m, body_states(repo, m)
+
+
+
+def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
+    """The verified states of a manifest's body. ObjectNotFound when it was pruned."""
+    key = layout.body_key(m.project, m.job, m.body)
+
+    def read(store: Store) -> dict[str, Any]:
+        try:
+            blob = store.get(key)
+        except ObjectNotFound:
+            raise CorruptObject(key, "missing (the snapshot was pruned or its body was lost)"
+                                ) from None
+        data, name_key = repo.open_meta(key, blob)
+        if len(data) != m.body_bytes:
+            raise CorruptObject(key, f"size {len(data)} differs from the manifest's "
+                                f"{m.body_bytes}")
+        return mf.decode_body(data, key, m.body, name_key)
+
+    return repo.read_verified(key, read)
+
+
+
+def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
+    """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it."""
+    key = layout.chunk_key(d)
+
+    def read(store: Store) -> None:
+        header = bytearray(ck.HEADER_BYTES)
+        try:
+            size = store.get_into(key, [memoryview(header), dest])
+            if ck.is_sealed(header):
+                check_chunk_blob(repo, key, store.get(key), d, n, dest)
+                return
+        except ObjectNotFound:
+            raise CorruptObject(key, "missing") from None
+        ck.check_read(key, header, size, dest, d, n)
+
+    repo.read_verified(key, read)
+
+
+
+def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,
+                     dest: memoryview | None = None) -> None:
+    """Check a whole stored chunk (plain or sealed) against its name; optionally copy its
+    plaintext into ``dest``. ``n``: the expected length (None: the header's)."""
+    if not ck.is_sealed(blob[:ck.HEADER_BYTES]):
+        n = ck.header_length(blob[:ck.HEADER_BYTES]) if n is None else n
+        plain = ck.unframe(key, blob, d, n)
+    else:
+        opened, used = repo.keyring.open(key, blob)
+        if n is not None and len(opened) != n:
+            raise CorruptObject(key, f"length {len(opened)} differs from the expected {n}")
+        if digest(opened, key=used.name_key) != d:
+            raise CorruptObject(key, "content hash does not match its name")
+        plain = memoryview(opened)
+    if dest is not None:
+        dest[:] = plain
+
+
+
+def get_chunk(repo: Repository, d: str, n: int) -> None:
+    read_chunk(repo, d, n, memoryview(bytearray(n)))
+
+
+
+def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
+    """digest -> plaintext length of every chunk a body's states reference."""
+    refs: dict[str, int] = {}
+    for _path, _kind, desc in walk_leaves(states):
+        for piece in desc.get("shards", [desc]):
+            for d, n in piece.get("chunks", []):
+                refs[str(d)] = int(n)
+    return refs
+
+
+
+def verify_chunks(repo: Repository, refs: dict[str, int], deep: bool,
+                  pool: ThreadPoolExecutor) -> list[tuple[str, UnreadableObject | None]]:
+    """Problems with chunks, as (key, the error, or None for a missing chunk): existence, or
+    (``deep``) a full re-read and re-hash."""
+
+    def check(d: str, n: int) -> tuple[str, UnreadableObject | None] | None:
+        key = layout.chunk_key(d)
+        try:
+            if deep:
+                get_chunk(repo, d, n)
+            elif not repo.store.has(key):
+                return key, None
+        except UnreadableObject as e:
+            return e.key, e
+        return None
+
+    return [r for r in pool.map(lambda item: check(*item), refs.items()) if r is not None]

@@ -1,0 +1,357 @@
+"""A repository: one object store plus the catalog that indexes it.
+
+The embedded default is a directory (``$CIUIC_HOME``, else ``./.ciuic``) holding ``objects/``
+(a :class:`~ciuic.store.LocalStore`) and ``catalog.db`` (SQLite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlparse
+
+from ciuic.catalog import Catalog
+from ciuic.errors import (
+    ConfigurationError,
+    CorruptObject,
+    IntegrityError,
+    ObjectNotFound,
+    SnapshotNotFound,
+    StoreError,
+    UnreadableObject,
+)
+from ciuic.format import chunks as ck
+from ciuic.format import layout
+from ciuic.format import manifest as mf
+from ciuic.format.crypto import Keyring
+from ciuic.format.digest import digest, is_digest
+from ciuic.format.info import SnapshotInfo
+from ciuic.store import LocalStore, Store, open_store
+from ciuic.store.mirror import MirrorStore
+from ciuic.store.retry import RetryingStore
+
+DEFAULT_HOME = ".ciuic"
+log = logging.getLogger("ciuic")
+T = TypeVar("T")
+
+
+def list_manifests(store: Store, project: str | None = None, job: str | None = None
+                   ) -> list[layout.ManifestKey]:
+    """Every manifest in a store, or in one project, or in one job (the one listing that gc,
+    the repository, transfers, the server and the CLI use)."""
+    if job is not None:
+        if project is None:
+            raise ValueError("list_manifests: a job needs its project")
+        prefix = layout.manifests_prefix(project, job)
+    else:
+        prefix = layout.jobs_prefix(project)
+    return [k for k in map(layout.parse_manifest, store.list(prefix)) if k is not None]
+
+
+def list_jobs(store: Store, project: str | None = None) -> list[tuple[str, str]]:
+    """(project, job) of every job with at least one manifest, sorted."""
+    return sorted({(k.project, k.job) for k in list_manifests(store, project)})
+
+
+def passphrase_salt(store: Store) -> bytes:
+    """The store's random salt for passphrase-derived keys, created on first use
+    (create-if-absent: every writer of the store derives the same key)."""
+    store.create(layout.PASSPHRASE_SALT, secrets.token_bytes(16))
+    return store.get(layout.PASSPHRASE_SALT)
+
+
+def default_location() -> str:
+    """Where the embedded store lives: ``$CIUIC_HOME``, else ``./.ciuic``."""
+    return os.environ.get("CIUIC_HOME") or DEFAULT_HOME
+
+
+def read_only(root: Path) -> bool:
+    """Whether ``root`` holds a store that cannot be written (a read-only mount, no
+    permission): its ``objects/`` exists and is not writable."""
+    objects = root / "objects"
+    return objects.is_dir() and not os.access(objects, os.W_OK)
+
+
+def cached_catalog_url(store_url: str) -> str:
+    """The local SQLite catalog (an index, rebuilt from the store when lost) of a remote store:
+    ``$XDG_CACHE_HOME/ciuic/<hash of the URL>.db``."""
+    tag = hashlib.sha256(store_url.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ciuic"
+    return f"sqlite:///{cache / (tag + '.db')}"
+
+
+class Repository:
+    def __init__(self, store: Store, catalog: Catalog) -> None:
+        self.store = store
+        self.catalog = catalog
+        self._keyring: Keyring | None = None
+
+    @property
+    def keyring(self) -> Keyring:
+        """The keys configured in the environment (loaded on first use)."""
+        if self._keyring is None:
+            self._keyring = Keyring.from_env(lambda: passphrase_salt(self.store))
+        return self._keyring
+
+    def open_meta(self, key: str, blob: bytes) -> tuple[bytes, bytes | None]:
+        """The plaintext of a manifest or body and the name key its digest uses (None: plain)."""
+        if ck.is_framed(blob):
+            plain, used = self.keyring.open(key, blob)
+            return plain, used.name_key
+        return blob, None
+
+    @classmethod
+    def open(cls, location: str | os.PathLike[str] | Store | None = None,
+             catalog_url: str | None = None, *, mirror: str | Store | None = None,
+             durability: str | None = None, writable: bool = False) -> Repository:
+        """Open (creating if needed) the repository at ``location``: a directory, a URL, or a
+        :class:`Store` instance (its catalog is then ``catalog_url``, or an in-process SQLite
+        database shared by every opening of the same store). Every store is wrapped in a
+        :class:`RetryingStore` (bounded retries, timeouts).
+
+        ``mirror`` (or ``$CIUIC_MIRROR``): a second, durable tier (a URL such as
+        ``s3://bucket/prefix``) that the store is mirrored to; ``durability`` (or
+        ``$CIUIC_DURABILITY``, default ``"local"``) says which tier's write is the commit
+        (:class:`~ciuic.store.mirror.MirrorStore`). ``writable``: refuse a local store that
+        cannot be written (a reader opens one with its catalog in the user's cache)."""
+        catalog_url = catalog_url or os.environ.get("CIUIC_CATALOG")
+        mirror = mirror if mirror is not None else os.environ.get("CIUIC_MIRROR") or None
+        durability = durability or os.environ.get("CIUIC_DURABILITY") or "local"
+        if isinstance(location, Store):
+            return cls._shared(location, catalog_url, mirror, durability)
+        text = os.fspath(location) if location is not None else default_location()
+        scheme = urlparse(text).scheme.lower()
+        if scheme in ("", "file"):
+            root = Path(urlparse(text).path if scheme == "file" else text).expanduser()
+            if root.exists() and not root.is_dir():
+                raise ConfigurationError(f"store location {root} exists and is not a directory")
+            store: Store = LocalStore(root / "objects")
+            url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
+            if read_only(root) and writable:
+                raise ConfigurationError(
+                    f"the store {root} cannot be written (a read-only file system, or no "
+                    "permission), so no snapshot could be saved there: point store= or "
+                    "CIUIC_HOME at a writable folder (`ciuic --store` can still read this one)")
+            if catalog_url is None and read_only(root):
+                # a read-only store (a mounted copy, an archive) can still be read: its catalog
+                # is an index of the store, rebuilt in the user's cache as for a remote store
+                url = cached_catalog_url(f"file://{root.resolve()}")
+                log.info("%s is read-only: indexing it in %s", root, url)
+        elif scheme == "memory":
+            return cls._shared(open_store(text), catalog_url, mirror, durability)
+        else:
+            store = open_store(text)
+            url = catalog_url or cached_catalog_url(store.url)
+        repo = cls(_tiers(store, mirror, durability), Catalog(url))
+        if repo.catalog.recreated_from is not None:
+            counts = repo.reindex()
+            log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "
+                        "(%d snapshot(s), %d pruned): nothing is lost, since the store is the "
+                        "truth; run history before this point is in the damaged file",
+                        repo.catalog.recreated_from, counts["snapshots"], counts["pruned"])
+        return repo
+
+    @classmethod
+    def _shared(cls, store: Store, catalog_url: str | None, mirror: str | Store | None,
+                durability: str) -> Repository:
+        wrapped = _tiers(store, mirror, durability)
+        if catalog_url is not None:
+            return cls(wrapped, Catalog(catalog_url))
+        cached = _MEMORY_CATALOGS.get(store.url)
+        if cached is None:
+            cached = _MEMORY_CATALOGS[store.url] = Catalog("sqlite://")
+        return cls(wrapped, cached)
+
+    def read_verified(self, key: str, read: Callable[[Store], T]) -> T:
+        """``read(store)`` from the nearest copy of ``key`` that is present and intact.
+
+        ``read`` fetches and checks the object (raising :class:`ObjectNotFound` or an
+        :class:`IntegrityError`); on a mirror, a copy that fails is skipped with a warning, the
+        next tier is tried, and the good bytes are written back over the bad copy. With one
+        tier this is just ``read(self.store)``.
+        """
+        copies = self.store.copies()
+        first: Exception | None = None
+        for i, tier in enumerate(copies):
+            try:
+                result = read(tier)
+            except (IntegrityError, StoreError) as e:  # missing, damaged, or unreachable
+                first = first or e
+                if i + 1 < len(copies):
+                    log.warning("%s is unusable in %s (%s); reading it from %s", key,
+                                tier.url, e, copies[i + 1].url)
+                continue
+            for bad in copies[:i]:
+                try:
+                    bad.put(key, tier.get(key))
+                except Exception as e:
+                    log.warning("could not repair %s in %s: %s", key, bad.url, e)
+            return result
+        assert first is not None
+        raise first
+
+    def close(self) -> None:
+        self.store.close()
+        if self.catalog not in _MEMORY_CATALOGS.values():
+            self.catalog.close()
+
+    def location(self, key: str = "") -> str:
+        return self.store.location(key)
+
+    # -- manifests ---------------------------------------------------------------------------
+
+    def read_manifest(self, project: str, job: str, snapshot_id: str) -> mf.Manifest:
+        """Read a manifest and check that its bytes hash to its ID."""
+        key = layout.manifest_key(project, job, snapshot_id)
+
+        def read(store: Store) -> mf.Manifest:
+            data, name_key = self.open_meta(key, store.get(key))
+            actual = digest(data, key=name_key)
+            if actual != snapshot_id:
+                raise CorruptObject(key, f"manifest hashes to {actual[:16]}..., not to its ID")
+            return mf.Manifest.decode(data, key)
+
+        m = self.read_verified(key, read)
+        if (m.project, m.job) != (project, job):
+            raise CorruptObject(
+                key, f"manifest belongs to {m.project}/{m.job}, not {project}/{job}")
+        return m
+
+    def manifest_ids(self, project: str, job: str) -> list[str]:
+        return [k.snapshot_id for k in list_manifests(self.store, project, job)]
+
+    def sync_job(self, project: str, job: str) -> int:
+        """Add catalog rows for manifests in the store that the catalog lacks. Returns how many.
+
+        A crash between the commit (manifest) and the catalog insert leaves exactly this gap;
+        the store is the truth, so the next run heals it here.
+        """
+        known = {i.id for i in self.catalog.snapshots(project, job, status=None)}
+        found: dict[str, mf.Manifest] = {}
+        for sid in self.manifest_ids(project, job):
+            if sid in known:
+                continue
+            try:
+                found[sid] = self.read_manifest(project, job, sid)
+            except (UnreadableObject, ObjectNotFound):
+                continue  # damaged manifests are reported by `ciuic verify`
+        for sid in commit_order(found):
+            m = found[sid]
+            status = ("committed" if self.store.has(layout.body_key(project, job, m.body))
+                      else "pruned")
+            self.catalog.add_snapshot(m, sid, status)
+        return len(found)
+
+    def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
+        """Rebuild the catalog's snapshot rows from the store alone."""
+        counts = {"snapshots": 0, "pruned": 0, "damaged": 0, "removed": 0}
+        seen: set[str] = set()
+        found: dict[str, mf.Manifest] = {}
+        for mk in list_manifests(self.store):
+            if progress:
+                progress(mk.key)
+            try:
+                found[mk.snapshot_id] = self.read_manifest(mk.project, mk.job, mk.snapshot_id)
+            except (UnreadableObject, ObjectNotFound):
+                counts["damaged"] += 1
+        for sid in commit_order(found):
+            m = found[sid]
+            status = ("committed" if self.store.has(layout.body_key(m.project, m.job, m.body))
+                      else "pruned")
+            self.catalog.add_snapshot(m, sid, status)
+            seen.add(sid)
+            counts["pruned" if status == "pruned" else "snapshots"] += 1
+        for stale in self.catalog.all_snapshot_ids() - seen:
+            self.catalog.remove_snapshot(stale)
+            counts["removed"] += 1
+        return counts
+
+    # -- references --------------------------------------------------------------------------
+
+    def split_job(self, text: str) -> tuple[str, str]:
+        """``project/job`` -> (project, job); a bare ``job`` must be unique across projects."""
+        if "/" in text:
+            project, job = text.split("/", 1)
+            project, job = layout.check_name("project", project), layout.check_name("job", job)
+            named = self.catalog.find_jobs(job)
+            if (project, job) not in named and not any(self.manifest_ids(project, job)):
+                hint = (" (jobs of that name: " + ", ".join(f"{p}/{j}" for p, j in named) + ")"
+                        if named else "")
+                raise SnapshotNotFound(f"no job {project}/{job} in this store{hint}; "
+                                       "`ciuic ls` lists the jobs")
+            return project, job
+        matches = self.catalog.find_jobs(text)
+        if not matches:
+            raise SnapshotNotFound(f"no job named {text!r}; `ciuic ls` lists the jobs")
+        if len(matches) > 1:
+            names = ", ".join(f"{p}/{j}" for p, j in matches)
+            raise SnapshotNotFound(f"job name {text!r} is in several projects ({names}); "
+                                   "write PROJECT/JOB")
+        return matches[0]
+
+    def resolve(self, ref: str) -> SnapshotInfo:
+        """Resolve a full ID, a unique ID prefix, ``JOB@STEP`` or ``JOB@latest``."""
+        ref = ref.strip()
+        if "@" in ref:
+            job_text, _, at = ref.rpartition("@")
+            project, job = self.split_job(job_text)
+            self.sync_job(project, job)
+            if at == "latest":
+                info = self.catalog.latest(project, job)
+                if info is None:
+                    raise SnapshotNotFound(f"job {project}/{job} has no snapshot")
+                return info
+            try:
+                step = int(at)
+            except ValueError:
+                raise SnapshotNotFound(
+                    f"bad reference {ref!r}: after '@' put a step number or 'latest'"
+                ) from None
+            return self.catalog.by_step(project, job, step)
+        if is_digest(ref):
+            return self.catalog.get(ref)
+        if re.fullmatch(r"[0-9a-f]{4,63}", ref):
+            return self.catalog.find_prefix(ref)
+        raise SnapshotNotFound(
+            f"cannot understand snapshot reference {ref!r}: use a snapshot ID, a unique ID "
+            "prefix (4+ hex characters), JOB@STEP or JOB@latest"
+        )
+
+
+_MEMORY_CATALOGS: dict[str, Catalog] = {}
+
+
+def _tiers(store: Store, mirror: str | Store | None, durability: str) -> Store:
+    """``store`` with retries, mirrored to ``mirror`` (with retries too) when one is given."""
+    fast = store if isinstance(store, RetryingStore) else RetryingStore(store)
+    if mirror is None:
+        return fast
+    remote = open_store(mirror) if isinstance(mirror, str) else mirror
+    if not isinstance(remote, RetryingStore):
+        remote = RetryingStore(remote)
+    return MirrorStore(fast, remote, durability)
+
+
+def commit_order(manifests: dict[str, mf.Manifest]) -> list[str]:
+    """IDs ordered as they were most plausibly committed: by time, but parents always first."""
+    ordered: list[str] = []
+    done: set[str] = set()
+
+    def visit(sid: str) -> None:
+        if sid in done:
+            return
+        done.add(sid)
+        parent = manifests[sid].parent
+        if parent in manifests:
+            visit(parent)
+        ordered.append(sid)
+
+    for sid in sorted(manifests, key=lambda i: (manifests[i].created, manifests[i].step)):
+        visit(sid)
+    return ordered

@@ -1,0 +1,359 @@
+"""The ``ciuic`` command line (Typer + Rich)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from ciuic.chain.gc import collect
+from ciuic.chain.read import read_body
+from ciuic.chain.repo import Repository, default_location, list_jobs
+from ciuic.chain.retention import prune as prune_job
+from ciuic.chain.verify import Problem, verify_job
+from ciuic.cli.app import (
+    app,
+    console,
+    current_repo,
+    err,
+    open_existing,
+    options,
+    progress_bar,
+    size_text,
+    time_text,
+)
+from ciuic.errors import CiuicError
+from ciuic.format.tree import walk_leaves
+
+
+@app.command("ls")
+def ls() -> None:
+    """List projects and jobs with their snapshot counts."""
+    repo = current_repo()
+    for project, job in list_jobs(repo.store):
+        repo.sync_job(project, job)
+    rows = repo.catalog.jobs()
+    if not rows:
+        console.print("No jobs yet.")
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("job", no_wrap=True)
+    for col in ("snaps", "last step"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("latest, UTC", no_wrap=True)
+    t.add_column("stored", justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(f"{r['project']}/{r['job']}", str(r["snapshots"]), str(r["max_step"] or "-"),
+                  time_text(r["latest"]), size_text(r["new_bytes"]))
+    console.print(t)
+
+
+@app.command("log")
+def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
+            all_: Annotated[bool, typer.Option("--all", help="Include pruned snapshots")] = False
+            ) -> None:
+    """Show a job's chain, newest first: step, time, size, new bytes."""
+    repo = current_repo()
+    project, name = repo.split_job(job)
+    repo.sync_job(project, name)
+    snaps = repo.catalog.snapshots(project, name, status=None if all_ else "committed",
+                                   newest_first=True)
+    if not snaps:
+        console.print(f"Job {project}/{name} has no snapshots.")
+        return
+    t = Table(title=f"{project}/{name}", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
+    t.add_column("id", no_wrap=True, min_width=12)
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("time, UTC", no_wrap=True)
+    for col in ("size", "new"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("parent", no_wrap=True)
+    t.add_column("notes", min_width=10)  # metrics; "pruned" when the data is gone
+    for s in snaps:
+        notes = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in s.metrics.items())
+        if s.status != "committed":
+            notes = f"{s.status} {notes}".strip()
+        t.add_row(s.short_id, str(s.step), time_text(s.created), size_text(s.total_bytes),
+                  size_text(s.new_bytes), s.parent[:8] or "(root)", notes)
+    console.print(t)
+
+
+@app.command("show")
+def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+         as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False
+         ) -> None:
+    """Show one snapshot: its manifest and its tensors."""
+    repo = current_repo()
+    info = repo.resolve(snap)
+    m = repo.read_manifest(info.project, info.job, info.id)
+    if as_json:
+        console.print_json(json.dumps({"id": info.id, **m.to_json()}))
+        return
+    console.print(f"[bold]snapshot[/bold] {info.id}")
+    for label, value in (("job", f"{m.project}/{m.job}"), ("step", m.step),
+                         ("created", m.created), ("parent", m.parent or "(root)"),
+                         ("size", f"{size_text(m.total_bytes)} ({size_text(m.new_bytes)} new)"),
+                         ("tensors", m.tensors), ("ranks", m.world_size),
+                         ("status", info.status), ("metrics", m.metrics or "-")):
+        console.print(f"  {label:8} {value}")
+    if info.status != "committed":
+        return
+    _, states = read_body(repo, info)
+    t = Table("tensor", "dtype", "shape", "bytes", "chunks")
+    for path, _kind, desc in walk_leaves(states):
+        t.add_row(path, str(desc["dtype"]), str(tuple(desc["shape"])),
+                  size_text(int(desc["nbytes"])),
+                  _pieces(desc))
+    console.print(t)
+
+
+def _pieces(desc: dict[str, Any]) -> str:
+    """How a tensor is stored: inline, N chunks, or S shards of N chunks in all."""
+    if "shards" in desc:
+        n = sum(len(s.get("chunks", [])) for s in desc["shards"])
+        return f"{len(desc['shards'])} shards, {n} chunks"
+    return "inline" if "inline" in desc else str(len(desc["chunks"]))
+
+
+@app.command("verify")
+def verify(target: Annotated[str | None, typer.Argument(
+               help="A snapshot (ID, prefix, JOB@STEP) or a job (PROJECT/JOB); default: all")
+           ] = None,
+           deep: Annotated[bool, typer.Option(help="Re-read and re-hash every chunk")] = False
+           ) -> None:
+    """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
+    re-read and re-hashed, which finds a damaged chunk)."""
+    repo = current_repo()
+    jobs: list[tuple[str, str, str | None]] = []
+    if target is None:
+        jobs = [(p, j, None) for p, j in list_jobs(repo.store)]
+    elif "@" in target or not _looks_like_job(repo, target):
+        info = repo.resolve(target)
+        jobs = [(info.project, info.job, info.id)]
+    else:
+        project, job = repo.split_job(target)
+        jobs = [(project, job, None)]
+    cache: dict[str, Problem | None] = {}
+    bad = 0
+    with progress_bar() as bar:
+        for project, job, only in jobs:
+            task = bar.add_task(f"verify {project}/{job}", total=None)
+
+            def tick(n: int, total: int, task: TaskID = task) -> None:
+                bar.update(task, completed=n, total=total)
+
+            report = verify_job(repo, project, job, deep=deep, only=only, _chunk_cache=cache,
+                                progress=tick)
+            problems = report.problems or []
+            bad += len(problems)
+            status = "[green]ok[/green]" if not problems else f"[red]{len(problems)} problem(s)"
+            console.print(f"{project}/{job}: {report.snapshots} snapshot(s), {report.pruned} "
+                          f"pruned, {report.chunks_checked} chunk(s) "
+                          f"{'re-hashed' if deep else 'present'}: {status}")
+            locked: dict[str, int] = {}  # a key not configured: one line, not one per object
+            for p in problems:
+                if p.key_id is not None:
+                    locked[p.key_id] = locked.get(p.key_id, 0) + 1
+                    continue
+                console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
+                              highlight=False)
+            for key_id, n in locked.items():
+                console.print(f"  [red]{n} object(s) sealed with key {key_id}[/red], which is not "
+                              "configured, could not be checked: set CIUIC_ENCRYPTION_KEY_FILE "
+                              "(or CIUIC_ENCRYPTION_KEY) to it, or add it to "
+                              "CIUIC_DECRYPTION_KEYS", highlight=False)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _looks_like_job(repo: Repository, text: str) -> bool:
+    if "/" in text:
+        return True
+    return bool(repo.catalog.find_jobs(text))
+
+
+@app.command("restore")
+def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+            to: Annotated[Path, typer.Option("--to", help="Output file (.safetensors or .pt)")],
+            fmt: Annotated[str | None, typer.Option("--format",
+                                                    help="safetensors or torch")] = None,
+            state: Annotated[list[str] | None, typer.Option(
+                "--state", help="State(s) to export (default: model)")] = None) -> None:
+    """Export a snapshot's tensors as plain safetensors or torch file."""
+    from ciuic.restore.export import export
+
+    repo = current_repo()
+    info = repo.resolve(snap)
+    tensors = export(repo, info, to, fmt, state)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}) of {info.ref} "
+                  f"({info.short_id}) to {to}")
+
+
+@app.command("prune")
+def prune(job: Annotated[str, typer.Argument(help="PROJECT/JOB")],
+          keep_last: Annotated[int | None, typer.Option(help="Keep the N highest steps")] = None,
+          keep_every: Annotated[int | None, typer.Option(
+              help="Keep steps that are multiples of K")] = None,
+          dry_run: Annotated[bool, typer.Option(help="Only show what would go")] = False) -> None:
+    """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
+    if keep_last is None and keep_every is None:
+        raise CiuicError("say what to keep: --keep-last N and/or --keep-every K")
+    repo = current_repo()
+    project, name = repo.split_job(job)
+    repo.sync_job(project, name)
+    doomed = prune_job(repo, project, name, keep_last, keep_every, dry_run=dry_run)
+    verb = "would prune" if dry_run else "pruned"
+    console.print(f"{verb} {len(doomed)} snapshot(s)"
+                  + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""))
+
+
+@app.command("gc")
+def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be deleted")] = False,
+       wait: Annotated[float, typer.Option(help="Seconds to wait for saves in progress")] = 30.0
+       ) -> None:
+    """Delete chunks and bodies no snapshot references."""
+    repo = current_repo()
+    with progress_bar() as bar:
+        task = bar.add_task("gc: reading manifests", total=None)
+        result = collect(repo, dry_run=dry_run, wait_s=wait,
+                         progress=lambda key: bar.advance(task))
+    if result.skipped:
+        err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
+        raise typer.Exit(2)
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {result.deleted_chunks} chunk(s) and {result.deleted_bodies} "
+                  f"body(ies); kept {result.kept_chunks} chunk(s)")
+    for key in result.damaged:
+        err.print(f"[red]damaged, skipped: {key}[/red]")
+
+
+@app.command("reindex")
+def reindex() -> None:
+    """Rebuild the catalog from the store alone (the store is the truth)."""
+    repo = current_repo()
+    with progress_bar() as bar:
+        task = bar.add_task("reindex", total=None)
+        counts = repo.reindex(progress=lambda key: bar.advance(task))
+    console.print(f"indexed {counts['snapshots']} snapshot(s) and {counts['pruned']} pruned; "
+                  f"{counts['removed']} stale row(s) removed; {counts['damaged']} damaged "
+                  "manifest(s) skipped")
+
+
+def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:
+    from ciuic.chain.transfer import CopyStats, copy_job
+
+    total = CopyStats()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[size]}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        for project, job in jobs:
+            tasks: dict[str, TaskID] = {}
+
+            def tick(phase: str, done: int, count: int, sent: int, project: str = project,
+                     job: str = job, tasks: dict[str, TaskID] = tasks) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(f"{project}/{job}: {phase}", total=count,
+                                                size="")
+                bar.update(tasks[phase], completed=done, total=count, size=size_text(sent))
+
+            stats = copy_job(src, dst.store, project, job, verify=verify, progress=tick)
+            dst.sync_job(project, job)
+            total.add(stats)
+            console.print(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
+                          f"object(s) sent ({size_text(stats.sent_bytes)}), {stats.present} "
+                          "already there")
+            if stats.skipped_damaged:
+                err.print(f"[yellow]{project}/{job}: {stats.skipped_damaged} damaged "
+                          "manifest(s) not copied; `ciuic verify` names them[/yellow]")
+    if len(jobs) > 1:
+        console.print(f"copied {len(jobs)} jobs: {total.sent} object(s), "
+                      f"{size_text(total.sent_bytes)}")
+
+
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify/--no-verify", help="Read every object back from the destination and compare")]
+
+
+@app.command("push")
+def push(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
+         url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
+         verify: VerifyOpt = True) -> None:
+    """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
+    src = current_repo()
+    project, name = src.split_job(job)
+    _copy(src, Repository.open(url), [(project, name)], verify)
+
+
+@app.command("pull")
+def pull(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique there")],
+         url: Annotated[str, typer.Argument(help="Source store URL or directory")],
+         verify: VerifyOpt = True) -> None:
+    """Fetch a job's chain from another store into this one (created if needed)."""
+    from ciuic.chain.transfer import find_job
+
+    src = open_existing(url)
+    _copy(src, Repository.open(options.get("store") or default_location()),
+          [find_job(src.store, job)], verify)
+
+
+@app.command("copy")
+def copy(src_url: Annotated[str, typer.Argument(help="Source store URL or directory")],
+         dst_url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
+         job: Annotated[list[str] | None, typer.Option(
+             "--job", "-j", help="PROJECT/JOB to copy (repeatable; default: every job)")] = None,
+         verify: VerifyOpt = True) -> None:
+    """Copy jobs' chains from one store to another, only what the destination lacks."""
+    from ciuic.chain.transfer import find_job
+
+    src = open_existing(src_url)
+    jobs = [find_job(src.store, j) for j in job] if job else list_jobs(src.store)
+    if not jobs:
+        raise CiuicError(f"{src_url} holds no snapshots: nothing to copy")
+    _copy(src, Repository.open(dst_url), jobs, verify)
+
+
+@app.command("keygen")
+def keygen() -> None:
+    """Print a new encryption key (keep it secret and safe: without it, snapshots sealed
+    with it cannot be read)."""
+    from ciuic.format.crypto import generate_key_text, parse_key_text
+
+    text = generate_key_text()
+    err.print(f"key ID {parse_key_text(text).id}; use it with CIUIC_ENCRYPTION_KEY or "
+              "CIUIC_ENCRYPTION_KEY_FILE", highlight=False)
+    print(text)
+
+
+@app.command("demo")
+def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
+         save_every: Annotated[int, typer.Option(help="Snapshot every N steps")] = 20,
+         kill_at: Annotated[int | None, typer.Option(help="Kill after this step "
+                                                     "(default: random)")] = None,
+         seed: Annotated[int | None, typer.Option(help="Seed for the random kill step")] = None
+         ) -> None:
+    """Train a small char-level GPT, SIGKILL it, resume, and check the weights bit for bit."""
+    from ciuic.demo import run_demo
+
+    if steps < save_every + 25:
+        raise CiuicError(f"--steps must be at least --save-every + 25 ({save_every + 25})")
+    result = run_demo(options.get("store"), steps=steps, save_every=save_every, kill_at=kill_at,
+                      seed=seed, console=console)
+    if not result.identical:
+        raise typer.Exit(1)
+
+

@@ -1,0 +1,93 @@
+"""``ciuic serve`` and ``ciuic apikey``: the server and its keys (registered on the main app)."""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import socket
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ciuic.catalog.keys import ROLES, create_key, list_keys, revoke_key
+from ciuic.chain.repo import Repository, default_location
+from ciuic.cli.app import app, console, options
+
+apikey_app = typer.Typer(help="Create, list and revoke the server's API keys.",
+                         no_args_is_help=True)
+app.add_typer(apikey_app, name="apikey")
+
+
+def _server_repo() -> Repository:
+    """The server's store and catalog (created if new: keys come before the first snapshot)."""
+    return Repository.open(options.get("store") or default_location())
+
+
+def _actor() -> str:
+    return f"cli:{getpass.getuser()}@{socket.gethostname()}"
+
+
+@app.command("serve")
+def serve(host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="Port to listen on")] = 8470,
+          catalog: Annotated[str | None, typer.Option(
+              help="Catalog database URL (default: the store's SQLite; "
+                   "postgresql://... for a team)")] = None) -> None:
+    """Serve the store (--store / CIUIC_HOME) to clients: the API under /v1, its schema at
+    /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish."""
+    try:
+        import uvicorn
+
+        from ciuic.server import create_app
+    except ImportError as e:  # pragma: no cover - depends on optional packages
+        raise typer.BadParameter("the server needs extra packages: pip install "
+                                 "'ciuic[server]'") from e
+    location = options.get("store") or default_location()
+    console.print(f"serving {location} on http://{host}:{port} (API schema: /docs)")
+    # one JSON line per request on stderr (ciuic.server.observe), instead of uvicorn's own
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("ciuic.server.access", "ciuic.server"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    uvicorn.run(create_app(location, catalog), host=host, port=port, log_level="info",
+                access_log=False, timeout_graceful_shutdown=30)
+
+
+@apikey_app.command("create")
+def apikey_create(project: Annotated[str, typer.Option(help="The key's project (created if "
+                                                       "new)")],
+                  role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}")],
+                  name: Annotated[str, typer.Option(help="A note: who or what uses it")] = "",
+                  expires_days: Annotated[float | None, typer.Option(
+                      help="Expire after this many days (default: never)")] = None) -> None:
+    """Create a key. It is shown once, on the last line: store it now."""
+    repo = _server_repo()
+    key, info = create_key(repo.catalog, project, role, name, expires_days, actor=_actor())
+    console.print(f"created API key {info.id} for project {info.project} ({info.role})"
+                  + (f", expires {info.expires[:19]}Z" if info.expires else ""))
+    console.print("the key is shown only now; keep it secret:", style="bold")
+    print(key)
+
+
+@apikey_app.command("list")
+def apikey_list(project: Annotated[str | None, typer.Option(help="Only this project")] = None
+                ) -> None:
+    """Every key: id, project, role, state (never the key itself)."""
+    t = Table("id", "project", "role", "name", "created", "expires", "state", "last used")
+    for k in list_keys(_server_repo().catalog, project):
+        state = "revoked" if k.revoked else "active"
+        t.add_row(k.id, k.project, k.role, k.name, k.created[:19], (k.expires or "never")[:19],
+                  state, (k.last_used or "-")[:19])
+    console.print(t)
+
+
+@apikey_app.command("revoke")
+def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (from `list`)")]
+                  ) -> None:
+    """Revoke a key: every request with it is refused from now on."""
+    info = revoke_key(_server_repo().catalog, key_id, actor=_actor())
+    console.print(f"revoked API key {info.id} of project {info.project}")

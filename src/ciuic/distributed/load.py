@@ -1,0 +1,190 @@
+"""Multi-rank restore: each rank reads exactly the boxes of the global tensors its target state
+dicts hold, and its own per-rank states, checks everything, and applies nothing until told to.
+
+Every rank builds its *target* state dicts with ``get_state_dict`` (so a DTensor target tells
+which box of each global tensor this rank needs), reads those boxes
+(:func:`ciuic.restore.boxread.read_box`, any world size) into fresh memory and checks them
+against the live objects: :func:`prepare`. The manager applies the result only when every rank
+prepared (``Prepared.apply``). Per-rank states come from rank ``r % N`` of the N ranks that
+saved (docs/architecture.md, "Multi-rank").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ciuic.chain.read import READ_THREADS
+from ciuic.chain.repo import Repository
+from ciuic.errors import ConfigurationError, StateMismatch
+from ciuic.format.tree import (
+    decode,
+    dtensor_shard,
+    dtype_name,
+    flat_tensors,
+    walk_leaves,
+)
+from ciuic.restore.reader import load_trees
+from ciuic.state.capture import (
+    _mismatch_message,
+    check_loadable,
+    load_object,
+    set_rng_state,
+)
+
+log = logging.getLogger("ciuic")
+
+
+def is_distributed(states: Mapping[str, Any]) -> bool:
+    """Whether a body's states are a multi-rank snapshot's."""
+    return "dist" in states and "ranks" in states
+
+
+
+@dataclass
+class Prepared:
+    """A restore read and checked on this rank, not yet applied."""
+
+    apply: Callable[[], None]
+    values: dict[str, Any]  # per-rank values not loaded into an object (restored_values)
+
+
+
+def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
+            extras: Mapping[str, Any], rank: int, world_size: int) -> Prepared:
+    """Read this rank's part of a multi-rank snapshot into fresh memory and check it against
+    the live objects. Nothing live changes until ``apply()``."""
+    saved_world = int(trees["dist"]["world_size"])
+    parts = trees["ranks"]
+    if not isinstance(parts, list) or len(parts) != saved_world:
+        raise StateMismatch(f"the snapshot lists {len(parts)} rank parts for a world of "
+                            f"{saved_world}")
+    part = parts[rank % saved_world]
+    if saved_world != world_size and rank == 0:
+        log.warning("the snapshot was taken on %d rank(s), this job runs %d: model and "
+                    "optimizer are resharded; per-rank state (RNG, data position, extras) of "
+                    "rank r comes from saved rank r %% %d", saved_world, world_size,
+                    saved_world)
+    missing = [n for n in extras if n not in part]
+    if missing:
+        raise StateMismatch(f"the snapshot has no state for {missing} (it has: "
+                            f"{', '.join(sorted(part)) or 'nothing'}); pass only objects that "
+                            "were saved")
+    for name, obj in extras.items():
+        check_loadable(name, obj)
+    saved_opt = trees.get("optimizer")
+    opt_empty = isinstance(saved_opt, dict) and saved_opt.get("state") == {}
+    targets: dict[str, Any] = {}
+    if model is not None:
+        if "model" not in trees:
+            raise StateMismatch("the snapshot holds no model state")
+        if optimizer is not None and "optimizer" not in trees:
+            raise StateMismatch("the snapshot holds no optimizer state")
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if optimizer is None or opt_empty:
+            targets["model"] = get_model_state_dict(model)
+        else:  # creates a fresh optimizer's state (a zero step at lr 0), to learn its shapes
+            targets["model"], targets["optimizer"] = get_state_dict(model, optimizer)
+    elif optimizer is not None:
+        raise ConfigurationError("restoring an optimizer from a multi-rank snapshot needs its "
+                                 "model too (optimizer state is named by parameter names)")
+    loaded = _read_targets(repo, trees, targets)
+    own = load_trees(repo, part)
+    hyper: list[dict[str, Any]] | None = None
+    if opt_empty and optimizer is not None:
+        assert isinstance(saved_opt, dict)
+        hyper = load_trees(repo, {"optimizer": {"param_groups": saved_opt["param_groups"]}})[
+            "optimizer"]["param_groups"]
+        assert hyper is not None
+        if len(hyper) != len(optimizer.param_groups):
+            raise StateMismatch(f"the snapshot's optimizer has {len(hyper)} parameter groups, "
+                                f"this one has {len(optimizer.param_groups)}")
+
+    def apply() -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        for name, obj in extras.items():  # first: they may still reject their state
+            load_object(name, obj, own[name])
+        if model is not None:
+            log.info("Loading model state...")
+            if "optimizer" in loaded:
+                log.info("Loading optimizer state...")
+                set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                               optim_state_dict=loaded["optimizer"])
+            else:
+                set_model_state_dict(model, loaded["model"])
+        if hyper is not None:
+            for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+                group.update(saved)
+        if "rng" in own:
+            set_rng_state(own["rng"])
+
+    values = {k: v for k, v in own.items() if k != "rng" and k not in extras}
+    return Prepared(apply, values)
+
+
+
+def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """For each target state dict, the saved values, every tensor read as the box this rank's
+    target holds (a DTensor's local shard, else the whole tensor), as new tensors shaped and
+    placed like the target's."""
+    from ciuic.restore.boxread import read_box
+
+    live: dict[str, torch.Tensor] = {}
+    for name, sd in targets.items():
+        flat_tensors(sd, name, live)
+    saved = {p: d for name in targets for p, kind, d in walk_leaves(trees[name], name)
+             if kind == "tensor"}
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    changed = []
+    for path in sorted(set(live) & set(saved)):
+        t, d = live[path], saved[path]
+        if dtype_name(t.dtype) != d.get("dtype") or list(t.shape) != d.get("shape"):
+            changed.append(f"{path}: snapshot {d.get('dtype')} {d.get('shape')}, live "
+                           f"{dtype_name(t.dtype)} {list(t.shape)}")
+    if missing or unexpected or changed:
+        raise StateMismatch(_mismatch_message("model and optimizer", missing, unexpected,
+                                              changed))
+    boxes: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
+            ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors:
+        def one(path: str) -> torch.Tensor:
+            t = live[path]
+            shard = dtensor_shard(t, path)  # this rank's box of a DTensor; else the whole
+            if shard is None:
+                return read_box(repo, path, saved[path], None, None, pool)
+            local = list(t.to_local().shape)  # type: ignore[attr-defined]
+            return read_box(repo, path, saved[path], shard[1], local, pool)
+
+        futures = {p: tensors.submit(one, p) for p in sorted(live)}
+        for p, fut in futures.items():
+            boxes[p] = fut.result()
+
+    def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
+        if kind != "tensor":
+            raise StateMismatch(f"{path}: the snapshot holds a NumPy value where the live "
+                                "state has none")
+        return _placed(boxes[path], live[path])
+
+    return {name: decode(trees[name], name, load_leaf) for name in targets}
+
+
+
+def _placed(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's box, on the CPU) as a tensor like ``like``: a DTensor on the same
+    mesh and placements, or a plain tensor on the same device."""
+    if type(like).__name__ == "DTensor":
+        cls: Any = type(like)
+        local = value.to(like.to_local().device)  # type: ignore[attr-defined]
+        return cls.from_local(local, like.device_mesh,  # type: ignore[attr-defined, no-any-return]
+                              like.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=like.shape, stride=like.stride())
+    return value.to(like.device)

@@ -1,0 +1,49 @@
+"""What the API returns about a snapshot."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic.format.manifest import Manifest, parse_time
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    id: str
+    project: str
+    job: str
+    step: int
+    parent: str
+    created: str
+    total_bytes: int
+    new_bytes: int
+    tensors: int
+    world_size: int = 1
+    body: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    status: str = "committed"  # committed | pruned (body deleted, manifest kept)
+    seq: int = 0  # commit order in the catalog (0 when not from the catalog)
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    @property
+    def created_at(self) -> dt.datetime:
+        return parse_time(self.created)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.project}/{self.job}@{self.step}"
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, snapshot_id: str,
+                      status: str = "committed") -> SnapshotInfo:
+        return cls(
+            id=snapshot_id, project=m.project, job=m.job, step=m.step, parent=m.parent,
+            created=m.created, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
+            tensors=m.tensors, world_size=m.world_size, body=m.body, metrics=dict(m.metrics),
+            status=status,
+        )

@@ -1,0 +1,181 @@
+"""The store's key layout: every key ciuic writes is built here, and every key it reads back is
+parsed here, so that nothing else splits key strings (as restic's ``layout`` package does for
+its repository).
+
+::
+
+    chunks/<d[:2]>/<d>                              a chunk (content-addressed: d is its digest)
+    jobs/<project>/<job>/manifests/<id>.json        a snapshot's manifest (its ID is its digest)
+    jobs/<project>/<job>/bodies/<digest>.json       a snapshot's body (content-addressed)
+    jobs/<project>/<job>/leases/<token:012d>.json   a run's lease (fencing token)
+    jobs/<project>/<job>/commit                     the job's commit lock (a lock name)
+    locks/gc.json, locks/gc-epoch.json              the gc lock and the gc epoch
+    inflight/<name>                                 a save in progress (gc leaves its chunks)
+    keys/passphrase-salt                            the salt of a passphrase-derived key
+    probes/<run>.json                               a multi-rank job's shared-store probe
+    projects/<project>/...                          a server's store: one store per project
+
+Project and job names are checked here (:func:`check_name`): they become parts of keys.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ciuic.errors import ConfigurationError, InvalidKey
+from ciuic.format.digest import is_digest
+
+CHUNKS = "chunks/"
+JOBS = "jobs/"
+INFLIGHT = "inflight/"
+GC_LOCK = "locks/gc.json"
+GC_EPOCH = "locks/gc-epoch.json"
+PASSPHRASE_SALT = "keys/passphrase-salt"
+PROJECTS = "projects/"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_HEX = r"[0-9a-f]{64}"
+_MANIFEST = re.compile(rf"^jobs/({_PART})/({_PART})/manifests/({_HEX})\.json$")
+_BODY = re.compile(rf"^jobs/({_PART})/({_PART})/bodies/({_HEX})\.json$")
+_JOB = re.compile(rf"^jobs/({_PART})/({_PART})/")
+_CHUNK = re.compile(rf"^chunks/[0-9a-f]{{2}}/({_HEX})$")
+_LEASE = re.compile(r"/leases/(\d{12})\.json$")
+
+
+def check_name(what: str, name: str) -> str:
+    """Validate a project or job name (it becomes part of store keys)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigurationError(
+            f"invalid {what} name {name!r}: use 1-128 characters from letters, digits, "
+            "'.', '_' and '-', starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ManifestKey:
+    """A parsed manifest key: whose snapshot it is and its ID."""
+
+    project: str
+    job: str
+    snapshot_id: str
+
+    @property
+    def key(self) -> str:
+        return manifest_key(self.project, self.job, self.snapshot_id)
+
+
+# -- building ----------------------------------------------------------------------------------
+
+def chunk_key(d: str) -> str:
+    """The store key of the chunk whose digest is ``d``."""
+    if not is_digest(d):
+        raise InvalidKey(f"invalid chunk digest {d!r}: expected 64 lowercase hex characters")
+    return f"{CHUNKS}{d[:2]}/{d}"
+
+
+def jobs_prefix(project: str | None = None) -> str:
+    """The prefix of every job's keys, or of one project's jobs."""
+    return JOBS if project is None else f"{JOBS}{check_name('project', project)}/"
+
+
+def job_prefix(project: str, job: str) -> str:
+    return f"{jobs_prefix(project)}{check_name('job', job)}/"
+
+
+def manifests_prefix(project: str, job: str) -> str:
+    return f"{job_prefix(project, job)}manifests/"
+
+
+def manifest_key(project: str, job: str, snapshot_id: str) -> str:
+    return f"{manifests_prefix(project, job)}{snapshot_id}.json"
+
+
+def body_key(project: str, job: str, body_digest: str) -> str:
+    return f"{bodies_prefix(project, job)}{body_digest}.json"
+
+
+def leases_prefix(project: str, job: str) -> str:
+    return f"{job_prefix(project, job)}leases/"
+
+
+def lease_key(project: str, job: str, token: int) -> str:
+    return f"{leases_prefix(project, job)}{token:012d}.json"
+
+
+def commit_lock_name(project: str, job: str) -> str:
+    """The name of the job's commit lock (``Store.lock``)."""
+    return f"{job_prefix(project, job)}commit"
+
+
+def inflight_key(name: str) -> str:
+    return f"{INFLIGHT}{name}"
+
+
+def probe_key(run_id: str) -> str:
+    """The object rank 0 writes for every rank to look for (one shared store)."""
+    return f"probes/{run_id}.json"
+
+
+def bodies_prefix(project: str, job: str) -> str:
+    return f"{job_prefix(project, job)}bodies/"
+
+
+def project_prefix(project: str) -> str:
+    """Where a server keeps a project's store inside its own."""
+    return f"{PROJECTS}{check_name('project', project)}/"
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+def parse_manifest(key: str) -> ManifestKey | None:
+    """The manifest a key names, or None for any other key."""
+    m = _MANIFEST.match(key)
+    return ManifestKey(m[1], m[2], m[3]) if m else None
+
+
+def parse_body(key: str) -> tuple[str, str, str] | None:
+    """(project, job, body digest) of a body key, or None for any other key."""
+    m = _BODY.match(key)
+    return (m[1], m[2], m[3]) if m else None
+
+
+def parse_job(key: str) -> tuple[str, str] | None:
+    """(project, job) of any key under a job's prefix, or None."""
+    m = _JOB.match(key)
+    return (m[1], m[2]) if m else None
+
+
+def chunk_digest(key: str) -> str | None:
+    """The digest a chunk key names, or None for any other key."""
+    m = _CHUNK.match(key)
+    return m[1] if m else None
+
+
+def digest_of_key(key: str) -> str:
+    """The digest a chunk key names (inverse of :func:`chunk_key`); raises for another key."""
+    d = chunk_digest(key)
+    if d is None:
+        raise InvalidKey(f"{key!r} is not a chunk key")
+    return d
+
+
+def lease_token(key: str) -> int:
+    """The fencing token of a lease key."""
+    m = _LEASE.search(key)
+    if m is None:
+        raise InvalidKey(f"{key!r} is not a lease key")
+    return int(m[1])
+
+
+def is_content_addressed(key: str) -> bool:
+    """Whether a key names its content (a chunk or a body): writing it twice writes the same
+    bytes, so a second writer may skip it."""
+    return chunk_digest(key) is not None or parse_body(key) is not None
+
+
+def name_of(key: str) -> str:
+    """The last part of a key, without ``.json`` (a snapshot ID, a digest, a token)."""
+    return key.rsplit("/", 1)[-1].removesuffix(".json")

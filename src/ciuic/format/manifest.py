@@ -1,0 +1,169 @@
+"""Snapshot manifests and bodies (docs/format.md, "Manifest" and "Body").
+
+A snapshot is two JSON objects in canonical form:
+
+* the **body** (``jobs/<project>/<job>/bodies/<digest>.json``) holds the state trees with every
+  tensor's descriptor (dtype, shape, chunk digests); it is named by its own digest;
+* the **manifest** (``jobs/<project>/<job>/manifests/<id>.json``) is small: project, job, step,
+  parent ID, time, sizes, metrics and the body's digest. The snapshot ID is the BLAKE3-256
+  digest of the manifest's canonical bytes. Creating the manifest is the commit.
+
+Pruning deletes a body but keeps its manifest, so the chain of IDs stays verifiable end to end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic.errors import CorruptObject, UnsupportedFormat
+from ciuic.format import canonical, tree
+from ciuic.format.digest import digest, is_digest
+
+FORMAT_VERSION = 1
+#: The body format of a multi-rank snapshot (sharded descriptors, per-rank states).
+DIST_BODY_FORMAT = 2
+MANIFEST_KIND = "ciuic.snapshot"
+BODY_KIND = "ciuic.body"
+
+
+def utc_now() -> str:
+    """The current time as the format writes it: ``2026-11-30T01:33:08.123456Z``."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The committed description of one snapshot; its digest is the snapshot ID."""
+
+    project: str
+    job: str
+    step: int
+    parent: str  # "" for the first snapshot of a lineage
+    created: str
+    body: str
+    body_bytes: int
+    total_bytes: int
+    new_bytes: int
+    tensors: int
+    world_size: int = 1
+    metrics: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "body": self.body,
+            "body_bytes": self.body_bytes,
+            "created": self.created,
+            "format": self.format,
+            "job": self.job,
+            "kind": MANIFEST_KIND,
+            "metrics": tree.encode(self.metrics, "metrics", []),
+            "new_bytes": self.new_bytes,
+            "parent": self.parent,
+            "project": self.project,
+            "step": self.step,
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "world_size": self.world_size,
+        }
+
+    def encode(self) -> bytes:
+        return canonical.dumps(self.to_json())
+
+    @property
+    def id(self) -> str:
+        return digest(self.encode())
+
+    @property
+    def created_at(self) -> dt.datetime:
+        return parse_time(self.created)
+
+    @classmethod
+    def decode(cls, data: bytes, key: str = "manifest") -> Manifest:
+        """Parse and validate manifest bytes. Raises :class:`CorruptObject` on any defect."""
+        obj = _load(data, key, MANIFEST_KIND, "manifest")
+        try:
+            m = cls(
+                project=_typed(obj, "project", str),
+                job=_typed(obj, "job", str),
+                step=_typed(obj, "step", int),
+                parent=_typed(obj, "parent", str),
+                created=_typed(obj, "created", str),
+                body=_typed(obj, "body", str),
+                body_bytes=_typed(obj, "body_bytes", int),
+                total_bytes=_typed(obj, "total_bytes", int),
+                new_bytes=_typed(obj, "new_bytes", int),
+                tensors=_typed(obj, "tensors", int),
+                world_size=_typed(obj, "world_size", int),
+                metrics=tree.decode(obj.get("metrics", {}), "metrics", _no_leaf),
+            )
+            parse_time(m.created)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptObject(key, f"malformed manifest: {e}") from e
+        if not is_digest(m.body) or (m.parent and not is_digest(m.parent)):
+            raise CorruptObject(key, "malformed manifest: bad body or parent digest")
+        if m.encode() != data:
+            raise CorruptObject(key, "manifest bytes are not in canonical form")
+        return m
+
+
+def _load(data: bytes, key: str, kind: str, what: str,
+          formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict[str, Any]:
+    """Parse a canonical-JSON object of ``kind`` and check its format version."""
+    try:
+        obj = canonical.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptObject(key, f"not canonical JSON: {e}") from e
+    if not isinstance(obj, dict) or obj.get("kind") != kind:
+        raise CorruptObject(key, f"not a ciuic snapshot {what}")
+    if obj.get("format") not in formats:
+        raise UnsupportedFormat(
+            key, f"{what} format {obj.get('format')!r} is not supported by this version of ciuic "
+            f"(it reads format {', '.join(map(str, formats))}); upgrade ciuic"
+        )
+    return obj
+
+
+def _typed(obj: dict[str, Any], name: str, kind: type) -> Any:
+    value = obj[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"field {name!r} should be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
+    raise TypeError(f"{path}: tensors are not allowed in metrics")
+
+
+def encode_body(states: dict[str, Any], salt: str | None = None,
+                distributed: bool = False) -> bytes:
+    """Canonical bytes of a body holding ``states`` (already-encoded trees).
+
+    The random ``salt`` makes every snapshot's body a distinct object, so pruning one snapshot
+    never deletes a body another snapshot with bit-identical state still uses. A multi-rank
+    snapshot's body is format 2 (it may hold sharded descriptors, which format-1 readers would
+    misread): readers of format 1 only refuse it with "upgrade ciuic".
+    """
+    salt = secrets.token_hex(8) if salt is None else salt
+    fmt = DIST_BODY_FORMAT if distributed else FORMAT_VERSION
+    return canonical.dumps({"format": fmt, "kind": BODY_KIND, "salt": salt, "states": states})
+
+
+def decode_body(data: bytes, key: str, expected_digest: str,
+                name_key: bytes | None = None) -> dict[str, Any]:
+    """Check a body (plaintext) against its digest and return its ``states`` trees."""
+    actual = digest(data, key=name_key)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    obj = _load(data, key, BODY_KIND, "body", (FORMAT_VERSION, DIST_BODY_FORMAT))
+    states = obj.get("states")
+    if not isinstance(states, dict):
+        raise CorruptObject(key, "body has no states")
+    return states

@@ -1,0 +1,155 @@
+"""Global tensors across ranks: who writes what, and the sharded descriptor (docs/format.md,
+"Distributed snapshots").
+
+Every rank describes the tensors of its global states (model, optimizer) as *metas*: path,
+dtype, global shape, and for a DTensor shard its offsets and local shape. From every rank's metas,
+:func:`plan` decides, identically on every rank, who writes each piece:
+
+- a plain tensor at a path that several ranks hold is a replica (DDP, or a replicated module): it
+  is written once, by one of its holders; a replica marked not ``spread`` (a buffer, such as
+  BatchNorm's running statistics, which ranks may hold differently until DDP re-broadcasts rank
+  0's) is written by the lowest rank that holds it;
+- a DTensor shard is written by one of the ranks holding that same box (replicated shards, as in
+  HSDP, are written once too).
+
+Owners are chosen greedily, largest piece first, to the holder with the fewest bytes so far, so
+the writing is spread across ranks. :func:`assemble` then turns the owners' descriptors into the
+snapshot's: a plain descriptor, or ``{"dtype", "shape", "nbytes", "shards": [...]}`` where each
+shard has ``offsets``, ``shape``, ``nbytes`` and ``chunks`` (or ``inline``), checked to tile the
+global tensor exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ciuic.errors import CaptureError, IntegrityError
+from ciuic.format.tree import Leaf, dtype_name, torch_dtype
+
+Meta = dict[str, Any]
+
+
+def piece_key(path: str, offsets: list[int] | None) -> str:
+    """The key of one written piece: the path, plus the box's offsets for a shard."""
+    return path if offsets is None else f"{path}@{','.join(map(str, offsets))}"
+
+
+def meta_of(leaf: Leaf) -> Meta:
+    """What the plan needs to know about one leaf of a global state."""
+    v = leaf.value
+    dtype = dtype_name(v.dtype) if isinstance(v.dtype, torch.dtype) else str(v.dtype)
+    local = [int(x) for x in v.shape]
+    if leaf.shard is None:
+        return {"path": leaf.path, "dtype": dtype, "shape": local, "offsets": None,
+                "local": local, "nbytes": leaf.nbytes}
+    shape, offsets = leaf.shard
+    return {"path": leaf.path, "dtype": dtype, "shape": shape, "offsets": offsets,
+            "local": local, "nbytes": leaf.nbytes}
+
+
+def plan(metas: list[list[Meta]]) -> dict[str, int]:
+    """piece key -> the rank that writes it, from every rank's metas (index = rank).
+
+    Raises :class:`CaptureError` when ranks disagree about a tensor (dtype, global shape, plain
+    on one rank and sharded on another).
+    """
+    seen: dict[str, Meta] = {}
+    holders: dict[str, list[int]] = {}
+    pinned: set[str] = set()  # replicas that may differ between ranks: the lowest rank's
+    sizes: dict[str, int] = {}
+    for rank, rank_metas in enumerate(metas):
+        for meta in rank_metas:
+            path = meta["path"]
+            first = seen.setdefault(path, meta)
+            for field in ("dtype", "shape"):
+                if first[field] != meta[field]:
+                    raise CaptureError(
+                        f"{path}: {field} {first[field]} on one rank but {meta[field]} on rank "
+                        f"{rank}; a tensor at the same path on several ranks must be a replica "
+                        "or a shard of one global tensor")
+            if (first["offsets"] is None) != (meta["offsets"] is None):
+                raise CaptureError(f"{path}: a plain tensor on one rank but a DTensor shard on "
+                                   f"rank {rank}")
+            key = piece_key(path, meta["offsets"])
+            holders.setdefault(key, []).append(rank)
+            sizes[key] = int(meta["nbytes"])
+            if not meta.get("spread", True):
+                pinned.add(key)
+    load = [0] * len(metas)
+    owners: dict[str, int] = {}
+    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+        rank = (min(holders[key]) if key in pinned
+                else min(holders[key], key=lambda r: (load[r], r)))
+        owners[key] = rank
+        load[rank] += sizes[key]
+    return owners
+
+
+def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
+    """Fill the coordinator's global-state descriptors (in place) from every owner's.
+
+    ``leaves``: the coordinator's leaves of the global states (their descriptors are the tree's);
+    ``written``: one ``{"path", "offsets", "desc"}`` per piece, ``desc`` as its owner wrote it
+    (dtype, local shape, nbytes, chunks or inline).
+    """
+    plain: dict[str, dict[str, Any]] = {}
+    sharded: dict[str, list[dict[str, Any]]] = {}
+    for w in written:
+        if w["offsets"] is None:
+            plain[w["path"]] = dict(w["desc"])  # a copy: it may be the leaf's own descriptor
+        else:
+            d = w["desc"]
+            shard = {k: v for k, v in d.items() if k in ("nbytes", "chunks", "inline")}
+            sharded.setdefault(w["path"], []).append(
+                {"offsets": w["offsets"], "shape": d["shape"], "dtype": d["dtype"], **shard})
+    for leaf in leaves:
+        if leaf.shard is None:
+            desc = plain.get(leaf.path)
+            if desc is None:
+                raise IntegrityError(f"{leaf.path}: no rank wrote this tensor")
+        else:
+            shape, _ = leaf.shard
+            shards = sorted(sharded.get(leaf.path, []), key=lambda s: s["offsets"])
+            check_tiling(leaf.path, shape, shards)
+            dtype = shards[0].pop("dtype")
+            for s in shards[1:]:
+                if s.pop("dtype") != dtype:
+                    raise IntegrityError(f"{leaf.path}: shards of different dtypes")
+            desc = {"dtype": dtype, "shape": shape, "shards": shards,
+                    "nbytes": math.prod(shape) * torch_dtype(dtype).itemsize}
+        leaf.descriptor.clear()
+        leaf.descriptor.update(desc)
+
+
+def check_tiling(path: str, shape: list[int], shards: list[dict[str, Any]]) -> None:
+    """The shards lie inside the global tensor, at distinct offsets, and their volumes add up
+    to its volume (DTensor shards never overlap, so this means they tile it)."""
+    if not shards:
+        raise IntegrityError(f"{path}: no shard of this tensor was written")
+    volume = 0
+    offsets = set()
+    for s in shards:
+        off, size = s["offsets"], s["shape"]
+        if len(off) != len(shape) or len(size) != len(shape) or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(off, size, shape, strict=True)):
+            raise IntegrityError(f"{path}: shard at {off} of shape {size} lies outside the "
+                                 f"global shape {shape}")
+        if tuple(off) in offsets and math.prod(size):
+            raise IntegrityError(f"{path}: two shards at offsets {off}")
+        offsets.add(tuple(off))
+        volume += math.prod(size)
+    if volume != math.prod(shape):
+        raise IntegrityError(f"{path}: shards cover {volume} of {math.prod(shape)} elements")
+
+
+def overlap(a_off: list[int], a_shape: list[int], b_off: list[int], b_shape: list[int]
+            ) -> tuple[list[int], list[int]] | None:
+    """The intersection of two boxes as (offsets, shape), or None when they do not meet."""
+    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, [h - low for low, h in zip(lo, hi, strict=True)]

@@ -1,0 +1,275 @@
+"""State values <-> canonical-JSON trees with tensor leaves (docs/format.md, "State trees").
+
+A state value (a ``state_dict()``, RNG states, user extras) is a nest of dicts, lists, tuples,
+scalars, tensors and NumPy arrays. ``encode`` turns it into a JSON tree that canonical JSON accepts
+and collects the tensors as :class:`Leaf` objects; the writer later fills each leaf's descriptor in
+place. ``decode`` walks the tree back, asking a callback for each tensor. Nothing here unpickles or
+imports code by name: the only types that come back are the ones listed below.
+
+Tagged forms (an object with exactly one key that starts with ``$``)::
+
+    {"$float": "0.41"}            float, by Python's round-trip repr ("nan", "inf", "-inf" too)
+    {"$tuple": [...]}             tuple
+    {"$dict": [[k, v], ...]}      dict whose keys are not all strings, or start with "$"
+    {"$bytes": "<base64>"}        bytes
+    {"$dtype": "float32"}         torch.dtype
+    {"$tensor": {descriptor}}     torch.Tensor, bytes in chunks or inline
+    {"$ndarray": {descriptor}}    numpy.ndarray
+    {"$npscalar": {descriptor}}   NumPy scalar (np.float32(0.1) comes back as np.float32)
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ciuic.errors import CaptureError, IntegrityError
+
+Json = Any
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16",
+              "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _TORCH_DTYPES[_name] = getattr(torch, _name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The format's name for a torch dtype ("float32", "bfloat16", ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise CaptureError(f"tensors of dtype {dtype} cannot be stored")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a format dtype name; IntegrityError for unknown names."""
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise IntegrityError(f"unknown dtype {name!r} in snapshot body") from None
+
+
+@dataclass
+class Leaf:
+    """One tensor (or NumPy array) found while encoding; ``descriptor`` is filled by the writer."""
+
+    path: str
+    value: torch.Tensor | np.ndarray
+    descriptor: dict[str, Json]
+    #: For one shard of a distributed tensor (DTensor): its (global shape, offsets); ``value``
+    #: is then the local shard.
+    shard: tuple[list[int], list[int]] | None = None
+    #: (chunk size, the digest of each chunk of ``value``'s raw bytes or None where not known):
+    #: staging sets the digests of chunks that did not change since the last snapshot, so the
+    #: writer does not hash them again; the writer fills in the rest.
+    digests: tuple[int, list[str | None]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.value, torch.Tensor):
+            return self.value.numel() * self.value.element_size()
+        return int(self.value.nbytes)
+
+
+def escape(component: str) -> str:
+    """Escape one path component so that "/" only ever separates components."""
+    return component.replace("%", "%25").replace("/", "%2F")
+
+
+def join(path: str, component: object) -> str:
+    c = escape(str(component))
+    return f"{path}/{c}" if path else c
+
+
+def _plain_keys(d: dict[Any, Any]) -> bool:
+    return all(isinstance(k, str) and not k.startswith("$") for k in d)
+
+
+def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
+    """Encode ``value`` found at ``path``; tensors are appended to ``leaves``."""
+    if isinstance(value, np.generic):  # before float/int: np.float64 subclasses float
+        if value.dtype.hasobject or value.dtype.kind in "SUV":
+            return encode(value.item(), path, leaves)
+        desc: dict[str, Json] = {}
+        leaves.append(Leaf(path, np.asarray(value), desc))
+        return {"$npscalar": desc}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return {"$float": float.__repr__(value)}
+    if isinstance(value, torch.Tensor):
+        shard = dtensor_shard(value, path)
+        if shard is not None:
+            value = value.to_local()  # type: ignore[attr-defined]
+        _check_tensor(value, path)
+        desc = {}
+        leaves.append(Leaf(path, value, desc, shard))
+        return {"$tensor": desc}
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.names is not None:
+            raise CaptureError(f"{path}: NumPy arrays of Python objects or structured dtypes "
+                               "cannot be stored; store plain numeric arrays")
+        desc = {}
+        leaves.append(Leaf(path, value, desc))
+        return {"$ndarray": desc}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        if _plain_keys(value):
+            return {k: encode(v, join(path, k), leaves) for k, v in value.items()}
+        _check_distinct(value, path)
+        return {
+            "$dict": [
+                [encode(k, join(path, f"<key {i}>"), []), encode(v, join(path, k), leaves)]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
+    if isinstance(value, tuple):  # also torch.Size and named tuples (as plain tuples)
+        return {"$tuple": [encode(v, join(path, i), leaves) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, join(path, i), leaves) for i, v in enumerate(value)]
+    raise CaptureError(
+        f"{path or 'value'}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
+        "stored. Snapshots hold tensors, NumPy arrays and JSON-like values (dict, list, tuple, "
+        "str, int, float, bool, None, bytes); convert it, or give the object "
+        "state_dict()/load_state_dict() methods that return such values."
+    )
+
+
+def _check_distinct(d: dict[Any, Any], path: str) -> None:
+    """A value's place in a snapshot is named by its key's text: ``{0: a, "0": b}`` would give
+    two tensors one name (one staging buffer, one restored value)."""
+    seen: dict[str, Any] = {}
+    for k in d:
+        name = str(k)
+        if name in seen:
+            raise CaptureError(
+                f"{path or 'value'}: the keys {seen[name]!r} and {k!r} of one dict have the same "
+                f"text {name!r}, which a snapshot names them by; use keys whose text differs "
+                "(all str, or all int)")
+        seen[name] = k
+
+
+def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
+    """(global shape, offsets) of a DTensor's local shard, from the chunk list DCP itself
+    saves (``__create_chunk_list__``); None for a plain tensor."""
+    if type(t).__name__ != "DTensor" or not hasattr(t, "__create_chunk_list__"):
+        return None
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise CaptureError(f"{path}: a DTensor whose local part is {len(chunks)} boxes of the "
+                           "global tensor (strided sharding) is not supported yet")
+    box = chunks[0]
+    if list(box.sizes) != list(t.to_local().shape):  # type: ignore[attr-defined]
+        raise CaptureError(f"{path}: the DTensor's local shard {list(t.to_local().shape)} "  # type: ignore[attr-defined]
+                           f"is not the box {list(box.sizes)} it reports")
+    return [int(x) for x in t.shape], [int(x) for x in box.offsets]
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.is_sparse or t.layout != torch.strided:
+        raise CaptureError(f"{path}: sparse tensors ({t.layout}) are not supported; "
+                           "call .to_dense() first")
+    if t.is_quantized:
+        raise CaptureError(f"{path}: quantized tensors are not supported; dequantize first")
+    if t.device.type == "meta":
+        raise CaptureError(f"{path}: tensor is on the meta device and holds no data")
+    dtype_name(t.dtype)
+
+
+LoadLeaf = Callable[[str, str, dict[str, Json]], Any]
+
+
+def decode(tree: Json, path: str, load_leaf: LoadLeaf) -> Any:
+    """Decode a tree; ``load_leaf(path, kind, descriptor)`` returns each tensor or array."""
+    if tree is None or isinstance(tree, (bool, str, int)):
+        return tree
+    if isinstance(tree, list):
+        return [decode(v, join(path, i), load_leaf) for i, v in enumerate(tree)]
+    if not isinstance(tree, dict):
+        raise IntegrityError(f"{path}: unexpected {type(tree).__name__} in snapshot body")
+    if len(tree) == 1:
+        (tag, inner), = tree.items()
+        if tag.startswith("$"):
+            try:
+                return _decode_tagged(tag, inner, path, load_leaf)
+            except IntegrityError:
+                raise
+            except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+                raise IntegrityError(f"{path}: malformed {tag} value in snapshot body: {e}") from e
+    return {k: decode(v, join(path, k), load_leaf) for k, v in tree.items()}
+
+
+def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf) -> Any:
+    if tag == "$float":
+        return float(inner)
+    if tag == "$tuple":
+        return tuple(decode(v, join(path, i), load_leaf) for i, v in enumerate(inner))
+    if tag == "$dict":
+        out = {}
+        for i, (k, v) in enumerate(inner):
+            key = decode(k, join(path, f"<key {i}>"), load_leaf)
+            out[key] = decode(v, join(path, key), load_leaf)
+        return out
+    if tag == "$bytes":
+        return base64.b64decode(inner)
+    if tag == "$dtype":
+        return torch_dtype(inner)
+    if tag in ("$tensor", "$ndarray", "$npscalar"):
+        if not isinstance(inner, dict):
+            raise IntegrityError(f"{path}: malformed {tag} descriptor")
+        return load_leaf(path, tag[1:], inner)
+    raise IntegrityError(f"{path}: unknown tag {tag!r} in snapshot body (written by a newer "
+                         "ciuic? upgrade to read it)")
+
+
+def flat_tensors(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor (NumPy arrays as tensors) inside ``value`` by path, paths as :func:`encode`
+    makes them (at the top, with ``path`` empty, keys are used as they are)."""
+    if isinstance(value, torch.Tensor):
+        out[path] = value
+    elif isinstance(value, np.ndarray):
+        out[path] = torch.from_numpy(value)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            flat_tensors(v, join(path, k) if path else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            flat_tensors(v, join(path, i), out)
+
+
+def walk_leaves(tree: Json, path: str = "") -> list[tuple[str, str, dict[str, Json]]]:
+    """Every (path, kind, descriptor) in a tree, in order, without loading anything."""
+    found: list[tuple[str, str, dict[str, Json]]] = []
+
+    def visit(path: str, kind: str, desc: dict[str, Json]) -> None:
+        found.append((path, kind, desc))
+
+    decode(tree, path, visit)
+    return found

@@ -1,0 +1,80 @@
+"""The manager's configuration: every argument of :class:`~ciuic.manager.SnapshotManager`,
+checked once, when the manager is built, and read-only after that."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ciuic.engine.compression import MODES as COMPRESSION_MODES
+from ciuic.errors import ConfigurationError
+from ciuic.format import layout
+from ciuic.store import Store
+
+Location = str | os.PathLike[str] | Store | None
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """What a manager was asked to do (see :class:`~ciuic.manager.SnapshotManager`)."""
+
+    project: str
+    job: str
+    api_key: str | None = None
+    encryption: bool = False
+    save_interval: int | None = 1000
+    time_interval_s: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+    handle_signals: bool = True
+    asynchronous: bool = True
+    on_busy: str = "wait"
+    staging_budget_bytes: int | None = None
+    store: Location = None
+    mirror: str | Store | None = None
+    durability: str | None = None
+    compression: str = "auto"
+    overlap: bool = False
+    endpoint: str | None = None
+    distributed: bool | None = None
+
+    @classmethod
+    def build(cls, project_id: str, job: str | None = None, **kwargs: Any) -> ManagerConfig:
+        """Check every argument; raise :class:`ConfigurationError` naming the first bad one."""
+        project = layout.check_name("project", project_id)
+        job = layout.check_name("job", job or "default")
+        _positive("time_interval_s", kwargs.get("time_interval_s"))
+        save_interval = kwargs.get("save_interval", 1000)
+        if save_interval is not None and (not isinstance(save_interval, int)
+                                          or isinstance(save_interval, bool) or save_interval < 0):
+            raise ConfigurationError(f"save_interval must be a step count >= 0 or None, "
+                                     f"got {save_interval!r}")
+        kwargs["save_interval"] = save_interval or None
+        for name in ("keep_last", "keep_every"):
+            value = kwargs.get(name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        endpoint = kwargs.get("endpoint") or os.environ.get("CIUIC_ENDPOINT") or None
+        if endpoint is not None and kwargs.get("store") is not None:
+            raise ConfigurationError("pass either store= or a server endpoint (endpoint= or "
+                                     "CIUIC_ENDPOINT), not both")
+        kwargs["endpoint"] = endpoint
+        compression = kwargs.get("compression", "auto")
+        if compression not in COMPRESSION_MODES:
+            raise ConfigurationError(f"compression must be one of {COMPRESSION_MODES}, got "
+                                     f"{compression!r}")
+        if kwargs.get("on_busy", "wait") not in ("skip", "wait"):
+            raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got "
+                                     f"{kwargs['on_busy']!r}")
+        return cls(project=project, job=job, **kwargs)
+
+    @property
+    def retains(self) -> bool:
+        """Whether snapshots are pruned after each commit (``keep_last`` / ``keep_every``)."""
+        return self.keep_last is not None or self.keep_every is not None
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigurationError(f"{name} must be a positive number or None, got {value!r}")

@@ -1,0 +1,361 @@
+"""``SnapshotManager``: the one object a training loop talks to.
+
+    from ciuic.snapshot import SnapshotManager
+    manager = SnapshotManager(project_id="deepseek_v2", save_interval=1000)
+    start = (manager.restore(model, optimizer) or -1) + 1
+    for step in range(start, total_steps):
+        ...  # forward, backward, optimizer.step()
+        manager.step(step, model, optimizer)
+
+A step number is the step whose optimizer update has just been applied; a snapshot taken at step
+N holds the state after N's update, and a resumed run continues at N + 1.
+
+The manager is a facade over parts that never import it: the configuration
+(:mod:`~ciuic.manager.config`), the run session (:mod:`~ciuic.manager.session`), the save policy
+(:mod:`~ciuic.manager.policy`), the pipeline (:mod:`~ciuic.manager.pipeline`, local or
+:mod:`~ciuic.manager.ranked`, chosen here once), recovery (:mod:`~ciuic.manager.recovery`) and
+signals (:mod:`~ciuic.manager.signals`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from ciuic.chain import runs
+from ciuic.distributed.collective import Collective
+from ciuic.errors import CiuicError, ConfigurationError
+from ciuic.format.crypto import ObjectCodec
+from ciuic.format.info import SnapshotInfo
+from ciuic.manager.config import ManagerConfig
+from ciuic.manager.pipeline import LocalPipeline, Pipeline
+from ciuic.manager.policy import SavePolicy
+from ciuic.manager.ranked import RankedPipeline
+from ciuic.manager.recovery import Recovery
+from ciuic.manager.session import RunSession
+from ciuic.manager.signals import SignalGuard
+from ciuic.manager.stats import ManagerStats
+from ciuic.store import Store
+
+log = logging.getLogger("ciuic")
+
+
+class SnapshotManager:
+    """Snapshots a training job as it runs and restores it after an interruption.
+
+    Args:
+        project_id: the project (a name: letters, digits, ``.``, ``_``, ``-``).
+        api_key: the key for a ciuic server (or ``CIUIC_API_KEY``); unused with the embedded
+            store.
+        save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
+        encryption: seal every object with AES-256-GCM on the client, with the key from
+            ``CIUIC_ENCRYPTION_KEY`` or ``CIUIC_ENCRYPTION_KEY_FILE`` (``ciuic keygen``).
+        job: the job within the project (default ``"default"``). The same project and job
+            restarted means the same chain.
+        store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
+            else ``./.ciuic``.
+        time_interval_s: also snapshot when this many seconds passed since the last one.
+        keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
+        keep_every: also keep every snapshot whose step is a multiple of K.
+        handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
+        asynchronous: ``step()`` blocks only while the state is copied into reused host
+            buffers; chunking, hashing, writing and the commit run in a background thread.
+            With False, ``step()`` returns once the snapshot is committed.
+        on_busy: what ``step()`` does when a snapshot is due while the previous one is still
+            being written: ``"wait"`` for it (the default, like Orbax: every due snapshot is
+            taken; the wait is logged once) or ``"skip"`` the new one (counted in
+            ``stats.skipped``; training never waits).
+        staging_budget_bytes: the most host memory the staging buffers may take (default: the
+            state's size). A state over the budget is written synchronously, with a warning.
+        mirror: a second, durable tier (e.g. ``"s3://bucket/prefix"``; or ``$CIUIC_MIRROR``)
+            that every object is mirrored to; restores fall back to it when the store has lost
+            or damaged an object.
+        durability: with a mirror, when a snapshot counts as committed: ``"local"`` (the
+            default; uploaded in the background, in write order) or ``"remote"`` (once the
+            mirror holds it).
+        overlap: (opt-in, asynchronous only) copy the parameters and optimizer state while the
+            next forward/backward runs instead of inside ``step()``; the optimizer's next
+            ``step()`` waits for the copy to finish (a step pre-hook). Only the optimizer may
+            change parameters or optimizer state between ``manager.step()`` and the next
+            ``optimizer.step()``; buffers, RNG and extras are still copied inside ``step()``.
+        endpoint: a ciuic server (``ciuic serve``), e.g. ``"https://ciuic.example.com"``; or
+            ``CIUIC_ENDPOINT``. The project's snapshots then live on the server; everything
+            else (encryption, incremental uploads, restore) works as with a local store.
+        distributed: under ``torchrun`` (an initialized process group of two or more ranks)
+            snapshots are multi-rank and every rank must build its manager at the same point
+            (default: detected). ``False``: this process snapshots alone, as if it were the only
+            one (e.g. a manager built on rank 0 only, for rank 0's own state).
+        compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
+            ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
+            ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
+    """
+
+    def __init__(self, project_id: str, api_key: str | None = None,
+                 save_interval: int | None = 1000, encryption: bool = False, *,
+                 job: str | None = None,
+                 store: str | os.PathLike[str] | Store | None = None,
+                 time_interval_s: float | None = None,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 handle_signals: bool = True, asynchronous: bool = True,
+                 on_busy: str = "wait", staging_budget_bytes: int | None = None,
+                 mirror: str | Store | None = None, durability: str | None = None,
+                 compression: str = "auto", overlap: bool = False,
+                 endpoint: str | None = None, distributed: bool | None = None) -> None:
+        self.config = c = ManagerConfig.build(
+            project_id, job, api_key=api_key, save_interval=save_interval,
+            encryption=encryption, store=store, time_interval_s=time_interval_s,
+            keep_last=keep_last, keep_every=keep_every, handle_signals=handle_signals,
+            asynchronous=asynchronous, on_busy=on_busy,
+            staging_budget_bytes=staging_budget_bytes, mirror=mirror, durability=durability,
+            compression=compression, overlap=overlap, endpoint=endpoint,
+            distributed=distributed)
+        self.project, self.job = c.project, c.job
+        _ensure_log_handler()
+        # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
+        # single process or with distributed=False
+        self.coll = Collective(None if distributed is None else bool(distributed))
+        if self.coll.enabled:
+            _quiet_other_ranks(self.coll.rank)
+        self._session = RunSession(c, self.coll)
+        self.repo = self._session.repo
+        # a key that is not configured is refused here, before the run is recorded
+        codec = ObjectCodec(self.repo.keyring if c.encryption else None)
+        self._session.start()
+        self.stats = ManagerStats()
+        self._policy = SavePolicy(c, self.coll, self.stats)
+        self._pipeline: Pipeline = (RankedPipeline if self.coll.enabled else LocalPipeline)(
+            c, self._session, self.coll, self.stats, codec)
+        self._recovery = Recovery(self._session, self.coll, self._pipeline.suspect)
+        self.restored: SnapshotInfo | None = None
+        self.restored_values: dict[str, Any] = {}
+        self._restore_called = False
+        self._first_step_checked = False
+        self._closed = False
+        self._signals = SignalGuard(self._session.record_end)
+        if c.handle_signals:
+            self._signals.install()
+
+    # -- what the run is ---------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        return self._session.run_id
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the previous run of this job ended other than cleanly."""
+        return self._session.interrupted
+
+    @property
+    def previous_run(self) -> Any:
+        return self._session.previous_run
+
+    @property
+    def lease(self) -> Any:
+        return self._session.lease
+
+    # -- the training loop's calls -----------------------------------------------------------
+
+    def step(self, step: int, model: Any = None, optimizer: Any = None, **extras: Any) -> bool:
+        """Call after the optimizer update of ``step``; snapshots when due.
+
+        Returns whether a snapshot was taken: started (its state staged, the write running in
+        the background) when ``asynchronous``, committed otherwise. A failure to snapshot never
+        stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
+        latest.
+        """
+        self._check_open()
+        if not self._first_step_checked:
+            self._first_step_checked = True
+            self._warn_if_not_resuming(step)
+        now = time.monotonic()
+        if self.coll.enabled:
+            try:
+                due, sig = self._policy.agree(step)
+                if sig:  # a signal on any rank stops every rank here
+                    self._signals.pending = self._signals.pending or sig
+                    self._emergency(step, model, optimizer, extras)
+                self._session.heartbeat(step, now)
+                return due and self._take(step, model, optimizer, extras)
+            finally:
+                if not self._closed:
+                    self._policy.post_agreement(step, self._signals.pending)
+        if self._signals.pending is not None:
+            self._emergency(step, model, optimizer, extras)
+        self._session.heartbeat(step, now)
+        if not self._policy.due(step, self._policy.time_due(now)):
+            if not self._pipeline.reserved:
+                self._pipeline.reserve(model, optimizer, extras)
+            return False
+        return self._take(step, model, optimizer, extras)
+
+    def _take(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> bool:
+        """A snapshot is due: take it (the rest of :meth:`step`)."""
+        if model is None and optimizer is None and not extras:
+            log.warning("step(%d): a snapshot is due but step() was given no state to save "
+                        "(pass the model and optimizer)", step)
+            return False
+        if self._pipeline.busy() and not self._policy.proceed_while_busy(step, self.wait):
+            return False
+        try:  # never let a snapshot failure stop training
+            future = self._submit(step, model, optimizer, extras,
+                                  inline=not self.config.asynchronous)
+        except Exception as e:
+            self._pipeline.failed(step, e)
+            return False
+        if not self.config.asynchronous:
+            try:
+                future.result()
+            except Exception:
+                return False  # already logged and counted by the writer
+        return True
+
+    def save(self, step: int, model: Any = None, optimizer: Any = None,
+             **extras: Any) -> SnapshotInfo:
+        """Snapshot now, wait until it is committed, and return its info. Raises on failure
+        (unlike :meth:`step`)."""
+        self._check_open()
+        self.wait()
+        # written on this thread, at its priority: the caller waits for it
+        return self._submit(step, model, optimizer, extras, inline=True).result()
+
+    def save_async(self, step: int, model: Any = None, optimizer: Any = None,
+                   **extras: Any) -> Future[SnapshotInfo]:
+        """Snapshot now; return once the state is staged, with a future of the committed info.
+
+        The values are those of the moment of the call, although training may change the live
+        tensors right after. Waits first if a previous snapshot is still in flight.
+        """
+        self._check_open()
+        self.wait()
+        return self._submit(step, model, optimizer, extras)
+
+    def _submit(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],
+                inline: bool = False) -> Future[SnapshotInfo]:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
+        return self._pipeline.submit(step, model, optimizer, extras,
+                                     lambda: self._policy.taken(step), inline=inline)
+
+    def wait(self) -> None:
+        """Block until every started snapshot is durable and committed (or has failed: failures
+        are logged and counted in ``stats``, not raised here), and until staging buffers being
+        allocated ahead of the first snapshot are ready."""
+        self._pipeline.wait()
+
+    def latest(self) -> SnapshotInfo | None:
+        """The newest committed snapshot of this job, or None."""
+        self.repo.sync_job(self.project, self.job)
+        return self.repo.catalog.latest(self.project, self.job)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore(self, model: Any = None, optimizer: Any = None, *, snapshot: str | None = None,
+                **extras: Any) -> int | None:
+        """Load the latest complete snapshot (or ``snapshot``) into the given objects.
+
+        Returns the step it recorded (training continues at that step + 1), or None when the job
+        has no snapshot. A damaged latest snapshot is skipped for the previous one, with a
+        warning; if snapshots exist but none loads, raises :class:`RestoreError`.
+        """
+        self._check_open()
+        self.wait()
+        self._restore_called = True
+        done = self._recovery.restore(model, optimizer, extras, snapshot,
+                                      self._pipeline.lend_buffers(model))
+        if done is None:
+            return None
+        info = done.info
+        self.restored, self.restored_values = info, done.values
+        self._pipeline.restored(info, same_job=(info.project, info.job) == (self.project,
+                                                                             self.job))
+        self._policy.taken(info.step)
+        self._session.event("restore", info.step, info.id)
+        log.info("Resuming training at step %d", info.step + 1)
+        return info.step
+
+    # -- start-up checks, signals, lifecycle -------------------------------------------------
+
+    def _warn_if_not_resuming(self, step: int) -> None:
+        if self._restore_called:
+            return
+        latest = self.repo.catalog.latest(self.project, self.job)
+        if latest is None:
+            return
+        prev = self._session.previous_run
+        how = ("the previous run was interrupted: " + runs.describe_end(prev)
+               if self.interrupted and prev is not None else "")
+        log.warning(
+            "!!! job %s/%s already has snapshots (latest at step %d, %s) but this run did not "
+            "call restore(): it is NOT resuming. It trains from step %d and its snapshots start "
+            "a new lineage; the old ones are kept. %s To resume, call "
+            "manager.restore(model, optimizer) before the loop.",
+            self.project, self.job, latest.step, latest.created[:19] + "Z", step,
+            (how + ".") if how else "",
+        )
+
+    def _emergency(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
+        """A signal was received: snapshot this step (unless it is the latest) and exit."""
+        name = self._signals.name
+        code = 128 + (self._signals.pending or 0)
+        self.wait()
+        if (step != self._pipeline.last_committed_step
+                and (model is not None or optimizer is not None)):
+            try:
+                info = self.save(step, model, optimizer, **extras)
+                log.warning("Emergency snapshot at step %d saved (%s); exiting", step,
+                            info.short_id)
+            except (CiuicError, OSError) as e:
+                log.error("Emergency snapshot at step %d failed: %s", step, e)
+        self._session.record_end(f"signal:{name}", step)
+        self.close()
+        raise SystemExit(code)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("this SnapshotManager is closed; create a new one")
+
+    def close(self) -> None:
+        """Finish: record a clean end of the run and release resources. Idempotent."""
+        if self._closed:
+            return
+        self._pipeline.close()
+        self._policy.close()
+        self._session.record_end("clean")
+        self._signals.close()
+        self._closed = True
+        self.coll.close()
+        self._session.close()
+
+    def __enter__(self) -> SnapshotManager:
+        return self
+
+    def __exit__(self, tp: type[BaseException] | None, value: BaseException | None,
+                 tb: Any) -> None:
+        if tp is not None and not issubclass(tp, SystemExit):
+            self._session.record_end(f"exception:{tp.__name__}")
+        self.close()
+
+
+def _ensure_log_handler() -> None:
+    """Show ciuic's INFO lines (the recovery log) when the application configured no logging."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    handler.set_name("ciuic")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _quiet_other_ranks(rank: int) -> None:
+    """Multi-rank: rank 0 alone prints the recovery log; the others print warnings and errors,
+    marked with their rank (only through the handler ciuic installed itself)."""
+    for handler in log.handlers:
+        if handler.get_name() == "ciuic" and rank != 0:
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"[%(levelname)s rank {rank}] %(message)s"))

@@ -1,0 +1,315 @@
+"""The snapshot pipeline: capture -> stage (the only stall) -> write in the background ->
+commit -> bookkeeping. One interface, two implementations chosen once when the manager is
+built: :class:`LocalPipeline` for a process that snapshots alone, and
+:class:`~ciuic.manager.ranked.RankedPipeline` under torchrun (replica ownership and the
+two-phase commit). One snapshot is in flight at a time: the staging buffers are reused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ciuic.chain.writer import ChunkCache, write_snapshot
+from ciuic.distributed.collective import Collective
+from ciuic.distributed.plan import DistCaptured, capture_dist
+from ciuic.distributed.save import write_dist
+from ciuic.engine import StagingArea
+from ciuic.engine.compression import CompressionPolicy
+from ciuic.engine.staging import PendingCopy
+from ciuic.errors import FencedOut, StagingBudgetExceeded
+from ciuic.format import manifest as mf
+from ciuic.format.crypto import ObjectCodec
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import Leaf
+from ciuic.manager.config import ManagerConfig
+from ciuic.manager.session import RunSession
+from ciuic.manager.stats import ManagerStats
+from ciuic.state.capture import Captured, capture
+from ciuic.threads import lower_priority
+
+log = logging.getLogger("ciuic")
+BufferFor = Callable[[str, int], "torch.Tensor | None"]
+
+
+class Pipeline:
+    """What both pipelines share: staging, the writer thread, the snapshot in flight, the chunk
+    cache, the codec and the compression policy, the parent link and the stats."""
+
+    def __init__(self, config: ManagerConfig, session: RunSession, coll: Collective,
+                 stats: ManagerStats, codec: ObjectCodec) -> None:
+        self.config = config
+        self.session = session
+        self.coll = coll
+        self.stats = stats
+        self.repo = session.repo
+        self.staging = StagingArea(config.staging_budget_bytes)
+        self.cache = ChunkCache()
+        self.codec = codec
+        store = self.repo.store
+        probe = coll.coordinator  # other ranks use the default speed
+        self.compression = CompressionPolicy(config.compression,
+                                             lambda: store.write_speed(measure=probe))
+        if config.compression == "auto" and probe:
+            session.probe_write_speed()
+        self.parent = ""  # the snapshot the next one links to
+        self.last_committed_step: int | None = None
+        self.reserved = False  # staging buffers allocated ahead of the first snapshot
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot",
+                                            initializer=lower_priority)
+        self._inflight: Future[SnapshotInfo] | None = None
+        self._pending_copy: PendingCopy | None = None
+        #: id(optimizer) -> (the optimizer, weakly; its step pre-hook's handle)
+        self._hooks: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._warned_budget = False
+
+    # -- what the two pipelines do differently ---------------------------------------------
+
+    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
+        raise NotImplementedError
+
+    def to_stage(self, captured: Captured) -> list[Leaf]:
+        """The leaves this process copies into staging buffers."""
+        return captured.leaves
+
+    def capture_failed(self, e: Exception) -> Captured:
+        """Capturing or staging raised: raise it (a single process), or carry it into the
+        snapshot's collectives (multi-rank)."""
+        raise e
+
+    def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
+        """Chunks, body and commit; the manifest, the snapshot ID and the bytes written."""
+        raise NotImplementedError
+
+    def written(self, captured: Captured, ok: bool) -> None:
+        """After a write, committed (``ok``) or not."""
+
+    # -- the shared path -------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def wait(self) -> None:
+        """Until the snapshot in flight is committed or failed, and staging buffers being
+        allocated ahead of the first snapshot are ready."""
+        self.staging.join()
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+
+    def reserve(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
+        """At the first ``step()`` that is given state and takes no snapshot: allocate the
+        staging buffers on a background thread, so that the first snapshot only copies
+        (allocating 5.6 GB of pinned memory takes 2.9 s on the H200, the copy 0.1 s)."""
+        if model is None and optimizer is None and not extras:
+            return
+        self.reserved = True
+        if not self.config.asynchronous or sharded(model):
+            return  # sharded layouts allocate at their first snapshot
+        try:
+            leaves = capture(model, optimizer, extras).leaves
+            self.staging.reserve([(leaf.path, leaf.nbytes) for leaf in leaves],
+                                 pin=StagingArea.pin_device(leaves))
+        except Exception as e:  # the first snapshot allocates them instead
+            log.debug("staging buffers not reserved ahead: %s", e)
+
+    def submit(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],
+               staged_hook: Callable[[], None], inline: bool = False) -> Future[SnapshotInfo]:
+        """Capture and stage (then ``staged_hook()``); then write on the (lowered) writer
+        thread, or with ``inline`` or when nothing could be staged, on this thread before
+        returning."""
+        t0 = time.perf_counter()
+        staged = False
+        pending: PendingCopy | None = None
+        self.reserved = True  # a snapshot allocates its own buffers: none to reserve after it
+        try:
+            captured = self.capture(model, optimizer, extras)
+            if self.config.asynchronous:
+                leaves = self.to_stage(captured)
+                self.stats.last_staged_bytes = sum(leaf.nbytes for leaf in leaves)
+                try:
+                    if self.config.overlap and optimizer is not None:
+                        pending = self._stage_overlapped(leaves, model, optimizer)
+                    else:
+                        self.staging.stage(leaves)  # the only part that blocks
+                    staged = True
+                except StagingBudgetExceeded as e:
+                    if not self._warned_budget:
+                        self._warned_budget = True
+                        log.warning("%s", e)
+        except Exception as e:
+            captured = self.capture_failed(e)
+            staged = True
+        staged_hook()
+        if inline or not staged:  # (unstaged, it reads live tensors: finish before returning)
+            future: Future[SnapshotInfo] = Future()
+            try:
+                future.set_result(self._write(step, captured, t0, pending))
+            except Exception as e:  # logged and counted by _write; the caller may raise it
+                future.set_exception(e)
+        else:
+            future = self._executor.submit(self._write, step, captured, t0, pending)
+        self._inflight = future
+        self.stats.last_stall_s = time.perf_counter() - t0
+        return future
+
+    def _stage_overlapped(self, leaves: list[Leaf], model: Any, optimizer: Any) -> PendingCopy:
+        """Stage what only the optimizer changes in the background, the rest now."""
+        guarded: set[int] = set()
+        for obj in (model, optimizer):
+            for t in _tensors_of(obj):
+                guarded.add(t.untyped_storage().data_ptr())
+        hooked = self._hooks.get(id(optimizer))
+        if hooked is None or hooked[0]() is not optimizer:  # a new optimizer may reuse an id
+            self._hooks[id(optimizer)] = (weakref.ref(optimizer),
+                                          optimizer.register_step_pre_hook(
+                                              self._before_optimizer_step))
+        pending = self.staging.stage_overlapped(
+            leaves, lambda leaf: isinstance(leaf.value, torch.Tensor)
+            and leaf.value.untyped_storage().data_ptr() in guarded)
+        self._pending_copy = pending
+        return pending
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        pending, self._pending_copy = self._pending_copy, None
+        if pending is not None:
+            t0 = time.perf_counter()
+            with contextlib.suppress(Exception):  # the writer reports it; training goes on
+                pending.wait()
+            self.stats.overlap_wait_s += time.perf_counter() - t0
+
+    def _write(self, step: int, captured: Captured, t0: float,
+               pending: PendingCopy | None = None) -> SnapshotInfo:
+        """The background part: chunks, body, commit, catalog, retention (writer thread)."""
+        try:
+            if pending is not None:
+                try:
+                    pending.wait()
+                except Exception as e:
+                    if not isinstance(captured, DistCaptured):
+                        raise
+                    captured.error = f"{type(e).__name__}: {e}"  # goes into the plan
+            m, sid, written = self.write(step, captured)
+        except BaseException as e:
+            self.written(captured, ok=False)
+            self.failed(step, e)
+            raise
+        self.written(captured, ok=True)
+        self.parent = sid
+        self.last_committed_step = step
+        s = self.stats
+        s.snapshots += 1
+        s.consecutive_failures = 0
+        s.bytes_total += m.total_bytes
+        s.bytes_new += m.new_bytes
+        s.bytes_written += written
+        s.last_save_s = time.perf_counter() - t0
+        # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
+        self.session.committed(step, sid)
+        return SnapshotInfo.from_manifest(m, sid)
+
+    def failed(self, step: int, e: BaseException) -> None:
+        """Count and log a snapshot that failed; training goes on."""
+        s = self.stats
+        s.failures += 1
+        s.consecutive_failures += 1
+        s.last_error = str(e) or type(e).__name__
+        latest = (f"step {self.last_committed_step}" if self.last_committed_step is not None
+                  else "none")
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the process stops
+            log.warning("snapshot at step %d interrupted (%s); the latest snapshot is %s",
+                        step, type(e).__name__, latest)
+            return
+        level = logging.CRITICAL if s.consecutive_failures >= 3 or isinstance(
+            e, FencedOut) else logging.ERROR
+        log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
+                "snapshot is still %s (%d failure(s) in a row)", step,
+                str(e) or type(e).__name__, latest, s.consecutive_failures)
+
+    # -- restore support -------------------------------------------------------------------
+
+    def lend_buffers(self, model: Any) -> BufferFor | None:
+        """Lend the staging buffers to the model's tensors for a restore: ``load_state_dict``
+        copies out of them, and the first snapshot after the resume stages into them without
+        allocating. Only the model's: an optimizer's ``load_state_dict`` keeps the tensors it
+        is given."""
+        if model is None or not self.config.asynchronous:
+            return None
+        fn = getattr(model, "state_dict", None)
+        live = fn() if callable(fn) else None
+        values = live.values() if isinstance(live, dict) else ()
+        pin = next((t.device.index or 0 for t in values
+                    if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+        def buffer_for(path: str, nbytes: int) -> torch.Tensor | None:
+            if not path.startswith("model/"):
+                return None
+            return self.staging.lend(path, nbytes, pin)
+
+        return buffer_for
+
+    def suspect(self, digest: str) -> None:
+        """A chunk a restore found damaged: the next snapshot holding its bytes writes it again
+        (else every later snapshot would reuse the damaged copy as already stored)."""
+        self.cache.suspect.add(digest)
+        self.cache.digests.discard(digest)  # "known to be stored" no longer holds
+
+    def restored(self, info: SnapshotInfo, same_job: bool) -> None:
+        self.parent = info.id if same_job else ""
+        self.last_committed_step = info.step
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown(wait=True)
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self.staging.release()
+
+
+class LocalPipeline(Pipeline):
+    """A process that snapshots alone. A model holding DTensors (FSDP2 on a world of one) takes
+    the sharded layout, written as a world of one."""
+
+    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
+        if sharded(model):
+            return capture_dist(model, optimizer, extras)
+        return capture(model, optimizer, extras)
+
+    def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
+        c = self.config
+        if isinstance(captured, DistCaptured):
+            return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent,
+                              captured, self.cache, lease=self.session.lease, codec=self.codec,
+                              compression=self.compression)
+        m, sid = write_snapshot(self.repo, c.project, c.job, step, self.parent, captured,
+                                self.cache, lease=self.session.lease, codec=self.codec,
+                                compression=self.compression)
+        return m, sid, m.new_bytes
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The parameters of a module, or every tensor in an optimizer's state (a DTensor's local
+    shard: that is the memory the staging copies)."""
+    found: list[torch.Tensor] = []
+    if isinstance(obj, torch.nn.Module):
+        found = list(obj.parameters())
+    elif isinstance(obj, torch.optim.Optimizer):
+        found = [v for st in obj.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor)]
+    return [t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
+            for t in found]
+
+
+def sharded(model: Any) -> bool:
+    """Whether a model holds DTensors (FSDP2, tensor parallel): then its snapshots take the
+    multi-rank layout (sharded descriptors), even on a world of one."""
+    return isinstance(model, torch.nn.Module) and any(
+        type(p).__name__ == "DTensor" for p in model.parameters())

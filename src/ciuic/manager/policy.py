@@ -1,0 +1,127 @@
+"""When a snapshot is taken: the triggers (a step count, a time interval, a signal), what a due
+snapshot does while the previous one is still being written (``on_busy``), and, multi-rank, the
+agreement that makes every rank decide the same at the same step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ciuic import knobs
+from ciuic.distributed.collective import Collective
+from ciuic.manager.config import ManagerConfig
+from ciuic.manager.stats import ManagerStats
+
+log = logging.getLogger("ciuic")
+
+
+class SavePolicy:
+    """Decides, at each ``step()``, whether a snapshot is due."""
+
+    def __init__(self, config: ManagerConfig, coll: Collective, stats: ManagerStats) -> None:
+        self.save_interval = config.save_interval
+        self.time_interval_s = config.time_interval_s
+        # under torchrun, skipping would have to be agreed by every rank: they all wait
+        self.on_busy = "wait" if coll.enabled else config.on_busy
+        self.coll = coll
+        self.stats = stats
+        self.last_save_step: int | None = None
+        self.last_save_time = time.monotonic()
+        self._warned_busy = False
+        self._warned_steps = False
+        self._agreement: Callable[[], list[int]] | None = None
+        self._step_calls = 0
+        self._steps_disagree = False
+        if coll.enabled and config.on_busy == "skip" and coll.coordinator:
+            log.warning("on_busy='skip' is not used under torchrun: skipping would have to "
+                        "be agreed by every rank, so a due snapshot waits for the previous "
+                        "one on every rank instead")
+
+    def due(self, step: int, time_due: bool) -> bool:
+        """Whether step ``step`` takes a snapshot: by its number, or because ``time_due``."""
+        if step == self.last_save_step:
+            return False
+        return bool(self.save_interval and step % self.save_interval == 0) or time_due
+
+    def time_due(self, now: float) -> bool:
+        """Whether ``time_interval_s`` has passed since the last snapshot."""
+        return bool(self.time_interval_s and now - self.last_save_time >= self.time_interval_s)
+
+    def taken(self, step: int) -> None:
+        """A snapshot of ``step`` was started (or restored): the intervals count from here."""
+        self.last_save_step = step
+        self.last_save_time = time.monotonic()
+
+    def proceed_while_busy(self, step: int, wait: Callable[[], None]) -> bool:
+        """A snapshot is due while the previous one is being written: wait for it (``"wait"``)
+        and return True, or count a skip and return False (``"skip"``)."""
+        if self.on_busy == "skip":
+            self.stats.skipped += 1
+            if not self._warned_busy:
+                self._warned_busy = True
+                log.warning("snapshot at step %d skipped: the previous one is still being "
+                            "written (last took %.2f s). Snapshots are skipped, not queued, "
+                            "while one is in flight; see stats.skipped, or pass "
+                            "on_busy='wait'", step, self.stats.last_save_s)
+            return False
+        t0 = time.perf_counter()
+        wait()
+        waited = time.perf_counter() - t0
+        self.stats.waited_s += waited
+        if not self._warned_busy and waited > 0.05:
+            self._warned_busy = True
+            log.warning("snapshot at step %d waited %.2f s for the previous one to be "
+                        "written: snapshots are due faster than they are written. Consider "
+                        "a larger save_interval, or on_busy='skip'", step, waited)
+        return True
+
+    # -- multi-rank ------------------------------------------------------------------------
+
+    def agree(self, step: int) -> tuple[bool, int]:
+        """Multi-rank: (whether a snapshot is due, a signal any rank received), decided
+        identically on every rank.
+
+        A step count makes a snapshot due on every rank at once. What one rank alone can see (a
+        signal, the elapsed time interval) is shared by a small all-reduce that every rank
+        starts at the end of every ``dist_agree_every_steps``-th ``step()`` without waiting for
+        it (:meth:`post_agreement`) and reads at the next ``step()``: its latency hides behind
+        a training step, and every rank acts on the same values at the same step. A signal
+        stops every rank at that step, whether the ranks' steps agree or not.
+        """
+        self._step_calls += 1
+        due_t = 0
+        pending, self._agreement = self._agreement, None
+        if pending is not None:
+            sig, due_t, hi, neg_lo = pending()
+            if sig:
+                return True, sig
+            if hi != -neg_lo:
+                if not self._warned_steps:
+                    self._warned_steps = True
+                    log.error("ranks called step() with different steps (%d to %d): no snapshot "
+                              "is taken until they agree; call manager.step(step, ...) with the "
+                              "same step on every rank", -neg_lo, hi)
+                self._steps_disagree = True
+                return False, 0
+            self._steps_disagree = False
+        if self._steps_disagree:
+            return False, 0
+        return self.due(step, bool(due_t)), 0
+
+    def post_agreement(self, step: int, signal: int | None) -> None:
+        """Start the all-reduce that the next ``step()`` reads (see :meth:`agree`)."""
+        if (self._step_calls - 1) % knobs.get().dist_agree_every_steps:
+            return
+        time_due = self.time_due(time.monotonic())
+        self._agreement = self.coll.start_max([signal or 0, int(time_due), step, -step])
+
+    def close(self) -> None:
+        """Let a started agreement finish before the groups go (a dead peer fails it: the
+        error is ignored)."""
+        pending, self._agreement = self._agreement, None
+        if pending is not None:
+            try:
+                pending()
+            except Exception as e:
+                log.debug("the last step agreement failed at close: %s", e)

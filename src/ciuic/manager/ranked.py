@@ -1,0 +1,79 @@
+"""The pipeline under torchrun: every rank captures through DCP's state-dict API, copies only
+the replicas it will write, and takes part in the two-phase commit
+(:mod:`ciuic.distributed.save`).
+
+Replica ownership: a replicated tensor (DDP) is written by one rank only. When this rank's
+layout is the one of the previous snapshot, the plan assigns the same owners; before that, for
+plain (DDP) layouts, they are predicted locally. So the replicas other ranks write are not
+copied here: the stall and the staging memory of a DDP rank shrink by the world size. After a
+failed snapshot the next one copies everything (no prediction) and learns the owners from the
+plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ciuic.distributed.plan import (
+    DistCaptured,
+    capture_dist,
+    layout_signature,
+    leaf_key,
+    predicted_owned,
+)
+from ciuic.distributed.save import write_dist
+from ciuic.format import manifest as mf
+from ciuic.format.shards import Meta
+from ciuic.format.tree import Leaf
+from ciuic.manager.pipeline import Pipeline
+from ciuic.state.capture import Captured
+
+
+class RankedPipeline(Pipeline):
+    """Every rank of a torchrun job (see the module's docstring)."""
+
+    #: (this rank's layout signature, the pieces it wrote) of the last committed snapshot
+    _owned: tuple[tuple[int, list[Meta]], set[str]] | None = None
+    _predict = True  # off for the snapshot after a failed one
+    _seq = 0  # snapshots attempted: every rank counts the same
+
+    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
+        return capture_dist(model, optimizer, extras)
+
+    def to_stage(self, captured: Captured) -> list[Leaf]:
+        assert isinstance(captured, DistCaptured)
+        world = self.coll.world_size
+        captured.signature = layout_signature(captured, world)
+        if self._owned is not None and self._owned[0] == captured.signature:
+            owned: set[str] | None = self._owned[1]
+        elif self._predict:  # the first snapshot (or a new layout) of a DDP job
+            owned = predicted_owned(captured, self.coll.rank, world)
+        else:
+            owned = None
+        if owned is None:
+            return captured.leaves
+        captured.unstaged = {leaf_key(leaf) for leaf in captured.global_leaves} - owned
+        return captured.to_stage()
+
+    def capture_failed(self, e: Exception) -> Captured:
+        # every rank must still take part in this snapshot's collectives; the failure travels
+        # in the plan, and every rank fails the snapshot together
+        return DistCaptured(states={}, leaves=[], error=f"{type(e).__name__}: {e}")
+
+    def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
+        assert isinstance(captured, DistCaptured)
+        self._seq += 1
+        c = self.config
+        return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent, captured,
+                          self.cache, lease=self.session.lease, codec=self.codec,
+                          compression=self.compression, seq=self._seq)
+
+    def written(self, captured: Captured, ok: bool) -> None:
+        if not ok:
+            self._owned = None  # the next snapshot copies everything
+            self._predict = False
+            return
+        assert isinstance(captured, DistCaptured)
+        self._owned = (None if captured.signature is None
+                       else (captured.signature, captured.owned))
+        self._predict = True

@@ -1,0 +1,221 @@
+"""Recovery: find the snapshots to try, then for each one *prepare* (read and verify every
+byte, check it against the live objects, touching none of them), *agree* (multi-rank: the worst
+outcome of any rank, for every rank) and *apply* (load the objects). One path for a single
+process and for every rank of a torchrun job; a single process is a world of one.
+
+A damaged snapshot is skipped for the previous one, with a warning; one that does not fit the
+live objects stops the restore (an older snapshot would not fit either); if snapshots exist but
+none loads, :class:`~ciuic.errors.RestoreError` is raised: recovery never starts from scratch
+while snapshots exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ciuic.chain import runs
+from ciuic.chain.read import read_body
+from ciuic.distributed.collective import Collective
+from ciuic.distributed.load import Prepared, is_distributed, prepare
+from ciuic.errors import (
+    ConfigurationError,
+    CorruptObject,
+    IntegrityError,
+    MissingKey,
+    ObjectNotFound,
+    RestoreError,
+    StateMismatch,
+)
+from ciuic.format import layout
+from ciuic.format.info import SnapshotInfo
+from ciuic.manager.session import RunSession
+from ciuic.restore.reader import load_trees
+from ciuic.state.capture import (
+    check_loadable,
+    check_optimizer_state,
+    load_object,
+    match_model_state,
+    set_rng_state,
+)
+
+log = logging.getLogger("ciuic")
+BufferFor = Callable[[str, int], Any]
+
+
+@dataclass
+class Restored:
+    """What a restore loaded: the snapshot, and the values it holds that no object took."""
+
+    info: SnapshotInfo
+    values: dict[str, Any]
+
+
+class Recovery:
+    """Restores a job's latest complete snapshot (or a named one) into live objects."""
+
+    def __init__(self, session: RunSession, coll: Collective,
+                 suspect: Callable[[str], None]) -> None:
+        self.session = session
+        self.coll = coll
+        self.repo = session.repo
+        self._suspect = suspect
+
+    def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
+                snapshot: str | None, buffer_for: BufferFor | None) -> Restored | None:
+        project, job = self.session.project, self.session.job
+        candidates = self.candidates(snapshot)
+        if not candidates:
+            log.info("No snapshot of %s/%s in %s: starting from scratch", project, job,
+                     self.repo.location())
+            return None
+        problems: list[str] = []
+        for info in candidates:
+            log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
+            log.info("Downloading snapshot from %s",
+                     self.repo.location(layout.manifest_key(info.project, info.job, info.id)))
+            prepared: Prepared | None = None
+            outcome, detail = "ok", ""
+            try:
+                prepared = self.prepare(info, model, optimizer, extras, buffer_for)
+            except MissingKey as e:  # not damage: an older snapshot is no answer to it
+                outcome, detail = "error", f"{e}; nothing was restored"
+            except (IntegrityError, ObjectNotFound) as e:
+                outcome, detail = "damaged", str(e)
+                if isinstance(e, CorruptObject) and (d := layout.chunk_digest(e.key)):
+                    self._suspect(d)
+                    log.warning("%s will be written again by the next snapshot that holds its "
+                                "bytes", e.key)
+            except (StateMismatch, ConfigurationError) as e:
+                outcome, detail = "mismatch", str(e)
+            except Exception as e:
+                if not self.coll.enabled:
+                    raise
+                outcome, detail = "error", f"{type(e).__name__}: {e}"  # every rank stops
+            outcome, detail = self.agree(outcome, detail)
+            if outcome == "mismatch":
+                raise StateMismatch(detail)
+            if outcome == "error":
+                raise RestoreError(f"restoring snapshot {info.short_id} failed:\n{detail}")
+            if outcome == "damaged":
+                problems.append(f"step {info.step} ({info.short_id}): {detail}")
+                if snapshot is not None:
+                    raise RestoreError(f"snapshot {info.short_id} cannot be restored: {detail}")
+                log.warning("Snapshot at step %d (%s) is damaged: %s; falling back to the "
+                            "previous snapshot", info.step, info.short_id, detail)
+                continue
+            assert prepared is not None
+            prepared.apply()
+            return Restored(info, prepared.values)
+        raise RestoreError(
+            f"job {project}/{job} has {len(candidates)} snapshot(s) but none could be "
+            "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
+            f"{project}/{job}` for details; refusing to start from scratch."
+        )
+
+    def candidates(self, snapshot: str | None) -> list[SnapshotInfo]:
+        """The snapshots to try, newest first. Multi-rank: rank 0 decides, every rank follows."""
+        found: list[SnapshotInfo] = []
+        error = None
+        s = self.session
+        if self.coll.coordinator:
+            try:
+                if snapshot is not None:
+                    found = [self.repo.resolve(snapshot)]
+                else:
+                    self.repo.sync_job(s.project, s.job)
+                    found = self.repo.catalog.snapshots(s.project, s.job, newest_first=True)
+            except Exception as e:
+                if not self.coll.enabled:
+                    raise
+                error = f"{type(e).__name__}: {e}"
+            prev = s.previous_run
+            if s.interrupted and prev is not None:
+                # progress is recorded now and then: the last snapshot may be later
+                steps = [x for x in (prev.last_step, *(i.step for i in found[:1]))
+                         if x is not None]
+                log.info("Detected training interruption at step %s (%s)",
+                         max(steps) if steps else "unknown",
+                         "no exit was recorded: it may still be running" if
+                         runs.may_still_run(prev) else runs.describe_end(prev))
+            log.info("Searching for latest snapshot...")
+        if not self.coll.enabled:
+            return found
+        shared = self.coll.broadcast({"error": error, "found": [asdict(i) for i in found]})
+        if shared["error"]:
+            raise RestoreError(f"rank 0 could not list the snapshots: {shared['error']}")
+        if self.coll.coordinator:
+            return found
+        return [SnapshotInfo(**info) for info in shared["found"]]  # what rank 0's catalog says
+
+    def prepare(self, info: SnapshotInfo, model: Any, optimizer: Any, extras: dict[str, Any],
+                buffer_for: BufferFor | None) -> Prepared:
+        """Read and verify a snapshot and check it against the live objects; nothing live
+        changes until the result's ``apply()``."""
+        _, trees = read_body(self.repo, info)
+        if is_distributed(trees):
+            return prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
+                           self.coll.world_size)
+        skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
+        states = load_trees(self.repo, {k: v for k, v in trees.items() if k not in skip},
+                            buffer_for)
+        return _prepare_local(info, states, model, optimizer, extras)
+
+    def agree(self, outcome: str, detail: str) -> tuple[str, str]:
+        """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
+        every rank; damage anywhere moves every rank to the previous snapshot)."""
+        if not self.coll.enabled:
+            return outcome, detail
+        everyone = self.coll.all_gather([outcome, detail])
+        for worst in ("error", "mismatch", "damaged"):
+            ranks: dict[str, list[int]] = {}  # one line per distinct message
+            for r, (o, d) in enumerate(everyone):
+                if o == worst:
+                    ranks.setdefault(d, []).append(r)
+            if ranks:
+                return worst, "\n".join(
+                    f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}"
+                    for d, rs in ranks.items())
+        return "ok", ""
+
+
+def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
+                   extras: dict[str, Any]) -> Prepared:
+    """Check a single-process snapshot's states against the live objects (all of them, before
+    any is touched), and return how to load them."""
+    model_state = None
+    if model is not None:
+        if "model" not in states:
+            raise StateMismatch(f"snapshot {info.short_id} holds no model state")
+        model_state = match_model_state(states["model"], model.state_dict())
+    if optimizer is not None:
+        if "optimizer" not in states:
+            raise StateMismatch(f"snapshot {info.short_id} holds no optimizer state")
+        check_optimizer_state(states["optimizer"], optimizer)
+    missing = [n for n in extras if n not in states]
+    if missing:
+        have = ", ".join(sorted(states)) or "nothing"
+        raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
+                            f"(it has: {have}); pass only objects that were saved")
+    for name, obj in extras.items():
+        check_loadable(name, obj)
+
+    def apply() -> None:
+        # extras first: their load_state_dict may still reject the state (a sampler over a
+        # dataset of another length), and then the model and optimizer are untouched
+        for name, obj in extras.items():
+            load_object(name, obj, states[name])
+        if model is not None:
+            log.info("Loading model state...")
+            model.load_state_dict(model_state)
+        if optimizer is not None:
+            log.info("Loading optimizer state...")
+            optimizer.load_state_dict(states["optimizer"])
+        if "rng" in states:
+            set_rng_state(states["rng"])
+
+    values = {k: v for k, v in states.items()
+              if k not in ("model", "optimizer", "rng") and k not in extras}
+    return Prepared(apply, values)

@@ -1,0 +1,220 @@
+"""The run session: the repository a manager writes to, its run's record in the catalog (start,
+progress heartbeats, events, how it ended), the job's lease, and the bookkeeping after each
+commit (events, retention).
+
+Multi-rank, rank 0 alone keeps the catalog, the lease and the mirror; the other ranks learn the
+run's ID and whether the previous run was interrupted from it, and a failure there stops every
+rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import secrets
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from ciuic import knobs
+from ciuic.catalog.models import Run
+from ciuic.chain import runs
+from ciuic.chain.gc import collect
+from ciuic.chain.lease import Lease
+from ciuic.chain.lease import acquire as acquire_lease
+from ciuic.chain.repo import Repository, cached_catalog_url
+from ciuic.chain.retention import prune
+from ciuic.chain.transfer import copy_job
+from ciuic.distributed.collective import Collective
+from ciuic.distributed.save import check_shared_store
+from ciuic.errors import RankError
+from ciuic.manager.config import ManagerConfig
+from ciuic.store.mirror import MirrorStore
+
+log = logging.getLogger("ciuic")
+
+
+def quietly(what: str, fn: Callable[..., Any], *args: Any) -> None:
+    """Run bookkeeping that must never stop training or fail a committed snapshot."""
+    try:
+        fn(*args)
+    except Exception as e:
+        log.warning("could not %s (training and snapshots go on): %s", what, e)
+
+
+class RunSession:
+    """One process's run of a job (see the module's docstring)."""
+
+    def __init__(self, config: ManagerConfig, coll: Collective) -> None:
+        """Open the repository (every rank); :meth:`start` then records the run."""
+        self.config = config
+        self.coll = coll
+        self.project, self.job = config.project, config.job
+        coll.run("opening the store", self._open_repo)
+        self.run_id = secrets.token_hex(8)
+        self.previous_run: Run | None = None
+        self.interrupted = False
+        self.lease: Lease | None = None
+        self._last_heartbeat = 0.0
+
+    def start(self) -> None:
+        """Record the run, take the lease, catch the mirror up (rank 0, which shares the run's
+        ID and whether the previous run was interrupted with every rank)."""
+        coll = self.coll
+        if not coll.enabled:
+            self._start()
+        else:
+            error = None
+            if coll.coordinator:
+                try:
+                    self._start()
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+            shared = coll.broadcast([self.run_id, self.interrupted, error])
+            self.run_id, self.interrupted = shared[0], shared[1]
+            if shared[2]:
+                raise RankError("starting the run", {0: str(shared[2])})
+            check_shared_store(coll, self.repo.store, self.run_id)
+        self._warn_if_taken_over()
+        _track(self)
+
+    def _open_repo(self) -> None:
+        c = self.config
+        if c.endpoint is not None:  # a ciuic server: this project's objects over HTTP
+            from ciuic.store.http import HttpStore
+
+            server = HttpStore(c.endpoint, self.project, c.api_key)
+            self.repo = Repository.open(server, cached_catalog_url(server.url), mirror=c.mirror,
+                                        durability=c.durability)
+        else:
+            self.repo = Repository.open(c.store, mirror=c.mirror, durability=c.durability,
+                                        writable=True)
+
+    def _start(self) -> None:
+        """Rank 0 (or the single process): index the job, record the run, take the lease,
+        catch the mirror up."""
+        self.repo.sync_job(self.project, self.job)
+        self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
+        self.interrupted = runs.was_interrupted(self.previous_run)
+        self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
+        self._catch_up_mirror()
+
+    def _warn_if_taken_over(self) -> None:
+        prev, lease = self.previous_run, self.lease
+        if prev is not None and lease is not None and runs.may_still_run(prev):
+            log.warning(
+                "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
+                "seen %s). This process takes the job over (lease %d): the other one can no "
+                "longer commit snapshots and will say so. Stop it if it is still running.",
+                self.project, self.job, prev.pid, prev.host, prev.id, prev.last_seen,
+                lease.token)
+
+    def _catch_up_mirror(self) -> None:
+        """On a mirror, send in the background what an earlier run left unmirrored."""
+        mirror = self.repo.store
+        if not isinstance(mirror, MirrorStore) or mirror.durability != "local":
+            return
+        fast = Repository(mirror.fast, self.repo.catalog)
+
+        def catch_up() -> None:
+            try:
+                stats = copy_job(fast, mirror.remote, self.project, self.job, verify=False)
+            except Exception as e:  # never fatal: the next run tries again
+                log.warning("catching up the mirror %s failed: %s", mirror.remote.url, e)
+                return
+            if stats.sent:
+                log.info("mirror %s caught up: %d snapshot(s), %d object(s) sent",
+                         mirror.remote.url, stats.snapshots, stats.sent)
+
+        mirror.submit(catch_up)
+
+    def probe_write_speed(self) -> None:
+        """Measure the store's write speed in the background (rank 0 only: not 256 MiB more
+        per rank on a shared file system), so that no snapshot waits for it."""
+        threading.Thread(target=quietly, name="ciuic-probe", daemon=True,
+                         args=("measure the store's write speed",
+                               self.repo.store.write_speed)).start()
+
+    # -- records ---------------------------------------------------------------------------
+
+    def heartbeat(self, step: int, now: float) -> None:
+        """Record progress now and then (rank 0), so that the next run knows where this one
+        got to."""
+        if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
+                ).heartbeat_interval_s:
+            self._last_heartbeat = now
+            quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
+
+    def event(self, kind: str, step: int, snapshot_id: str) -> None:
+        if self.coll.coordinator:
+            quietly(f"record the {kind} event", self.repo.catalog.event, self.run_id,
+                    self.project, self.job, kind, step, snapshot_id)
+
+    def committed(self, step: int, snapshot_id: str) -> None:
+        """After a commit (rank 0): record it, then prune what retention no longer keeps."""
+        if not self.coll.coordinator:
+            return
+        self.event("snapshot", step, snapshot_id)
+        if self.config.retains:
+            quietly("apply retention", self._apply_retention, snapshot_id)
+
+    def _apply_retention(self, current: str) -> None:
+        pruned = prune(self.repo, self.project, self.job, self.config.keep_last,
+                       self.config.keep_every, protect=[current])
+        if pruned:
+            result = collect(self.repo)  # skips when a save is in flight or data is damaged
+            log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
+                      result.deleted_chunks, result.skipped)
+
+    def record_end(self, kind: str, step: int | None = None) -> None:
+        """How the run ended (``clean``, ``exit``, ``exception:T``, ``signal:NAME``); the
+        first record wins."""
+        _untrack(self)
+        if not self.coll.coordinator:
+            return
+        try:
+            self.repo.catalog.end_run(self.run_id, kind, step)
+        except Exception as e:  # the catalog may be gone at interpreter exit
+            log.debug("could not record the end of run %s: %s", self.run_id, e)
+
+    def close(self) -> None:
+        self.repo.close()
+
+
+# -- uncaught exceptions and interpreter exit end every live session's run --------------------
+
+_live: weakref.WeakSet[RunSession] = weakref.WeakSet()
+_prev_excepthook: Callable[..., Any] | None = None
+
+
+def _excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if not issubclass(tp, SystemExit):
+        for s in list(_live):
+            s.record_end(f"exception:{tp.__name__}")
+    hook = _prev_excepthook or sys.__excepthook__
+    hook(tp, value, tb)
+
+
+def _at_exit() -> None:
+    for s in list(_live):
+        s.record_end("exit")
+
+
+def _track(session: RunSession) -> None:
+    """Record ``session``'s run end on uncaught exceptions and at interpreter exit."""
+    global _prev_excepthook
+    if _prev_excepthook is None:
+        _prev_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+        atexit.register(_at_exit)
+    _live.add(session)
+
+
+def _untrack(session: RunSession) -> None:
+    _live.discard(session)
+
+
+__all__ = ["RunSession", "quietly"]

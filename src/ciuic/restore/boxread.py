@@ -1,0 +1,138 @@
+"""Reading a box of a global tensor from its stored pieces: a resharded restore.
+
+A tensor is stored as one piece (a plain descriptor: the whole tensor) or as shards
+(``{"shards": [{"offsets", "shape", "nbytes", "chunks" | "inline"}, ...]}``, see
+:mod:`ciuic.shards`). :func:`read_box` returns any box of it (a rank's new shard, or the whole
+tensor), reading only the chunks that hold bytes of the box: for each stored piece that meets
+the box, the byte range from the first to the last element of the intersection (in the piece's
+C order), rounded out to whole chunks, each verified against its name.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ciuic.chain.read import read_chunk
+from ciuic.chain.repo import Repository
+from ciuic.errors import IntegrityError
+from ciuic.format.shards import overlap
+from ciuic.restore.leaves import bytes_view, chunk_list, inline_bytes, leaf_layout, uninitialized
+
+
+def pieces_of(path: str, desc: dict[str, Any], shape: list[int]) -> list[dict[str, Any]]:
+    """The stored pieces of a tensor descriptor, each with ``offsets`` and ``shape``."""
+    if "shards" not in desc:
+        return [{**desc, "offsets": [0] * len(shape), "shape": shape}]
+    shards = desc["shards"]
+    if not isinstance(shards, list):
+        raise IntegrityError(f"{path}: malformed shard list")
+    return shards
+
+
+def _flat(index: list[int], shape: list[int]) -> int:
+    f = 0
+    for i, n in zip(index, shape, strict=True):
+        f = f * n + i
+    return f
+
+
+def _strides(shape: list[int]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+class _Piece:
+    """The part of one stored piece a box needs: a buffer holding the chunks that cover it."""
+
+    def __init__(self, base: int, buf: torch.Tensor, shape: list[int], ov_off: list[int],
+                 ov_shape: list[int], local: list[int]) -> None:
+        self.base, self.buf, self.shape = base, buf, shape
+        self.ov_off, self.ov_shape, self.local = ov_off, ov_shape, local
+
+
+def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[int] | None,
+             box_shape: list[int] | None, pool: ThreadPoolExecutor) -> torch.Tensor:
+    """The box (``box_off``, ``box_shape``; None: the whole tensor) of a stored tensor, as a new
+    tensor of that shape, every byte read verified."""
+    dtype, shape = leaf_layout(path, "tensor", desc)
+    item = torch.empty((), dtype=dtype).element_size()
+    box_off = [0] * len(shape) if box_off is None else box_off
+    box_shape = shape if box_shape is None else box_shape
+    if len(box_off) != len(shape) or len(box_shape) != len(shape):
+        raise IntegrityError(f"{path}: a box of rank {len(box_shape)} asked of a tensor of rank "
+                             f"{len(shape)}")
+    parts: list[_Piece] = []
+    futures: list[Future[None]] = []
+    covered = 0
+    try:
+        for piece in pieces_of(path, desc, shape):
+            part = _plan_piece(repo, path, piece, item, box_off, box_shape, pool, futures)
+            if part is not None:
+                parts.append(part)
+                covered += math.prod(part.ov_shape)
+        for fut in futures:
+            fut.result()
+    finally:
+        for fut in futures:
+            fut.cancel()
+    if covered != math.prod(box_shape):
+        raise IntegrityError(f"{path}: the stored shards cover {covered} of the "
+                             f"{math.prod(box_shape)} elements asked for")
+    if len(parts) == 1 and parts[0].shape == box_shape and parts[0].base == 0:
+        # the box is exactly one stored piece (a restore on the same world size): its buffer
+        # already holds the box in C order
+        return parts[0].buf[:math.prod(box_shape) * item].view(dtype).reshape(box_shape)
+    out = torch.empty(box_shape, dtype=dtype)
+    for part in parts:
+        first = _flat(part.local, part.shape) * item - part.base
+        typed = part.buf.view(dtype)
+        src = typed.as_strided(part.ov_shape, _strides(part.shape), first // item)
+        dst = out[tuple(slice(o - b, o - b + n) for o, b, n in
+                        zip(part.ov_off, box_off, part.ov_shape, strict=True))]
+        dst.copy_(src)
+    return out
+
+
+def _plan_piece(repo: Repository, path: str, piece: dict[str, Any], item: int,
+                box_off: list[int], box_shape: list[int], pool: ThreadPoolExecutor,
+                futures: list[Future[None]]) -> _Piece | None:
+    try:
+        off = [int(x) for x in piece["offsets"]]
+        pshape = [int(x) for x in piece["shape"]]
+        nbytes = int(piece["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed shard: {e}") from e
+    if (math.prod(pshape) * item != nbytes or len(off) != len(box_off)
+            or len(pshape) != len(box_off)):
+        raise IntegrityError(f"{path}: shard at {off} of shape {pshape} does not hold "
+                             f"{nbytes} bytes")
+    ov = overlap(off, pshape, box_off, box_shape)
+    if ov is None:
+        return None
+    ov_off, ov_shape = ov
+    local = [o - p for o, p in zip(ov_off, off, strict=True)]
+    lo = _flat(local, pshape) * item
+    hi = (_flat([x + n - 1 for x, n in zip(local, ov_shape, strict=True)], pshape) + 1) * item
+    if "inline" in piece:
+        return _Piece(0, inline_bytes(path, piece, nbytes), pshape, ov_off, ov_shape, local)
+    refs = chunk_list(path, piece, nbytes)
+    needed, pos = [], 0
+    for d, n in refs:
+        if pos < hi and pos + n > lo:
+            needed.append((d, n, pos))
+        pos += n
+    start, end = needed[0][2], needed[-1][2] + needed[-1][1]
+    base = start - start % item  # the buffer starts on an element boundary
+    size = -(-(end - base) // item) * item
+    buf = uninitialized(size)
+    view = bytes_view(buf)
+    for d, n, at in needed:
+        futures.append(pool.submit(read_chunk, repo, d, n, view[at - base:at - base + n]))
+    return _Piece(base, buf, pshape, ov_off, ov_shape, local)

@@ -1,0 +1,107 @@
+"""Tensor leaves of a body: their descriptors checked, their buffers allocated (or lent) and
+filled by verified chunk reads, and their bytes viewed as the tensor or array they hold."""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from ciuic.chain.read import read_chunk
+from ciuic.chain.repo import Repository
+from ciuic.errors import IntegrityError
+from ciuic.format.tree import torch_dtype
+
+
+def uninitialized(nbytes: int) -> torch.Tensor:
+    """A flat byte tensor whose memory is not zero-filled first: every byte is about to be
+    overwritten by a read, and zero-filling a large buffer costs as much as reading it."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+
+def bytes_view(flat: torch.Tensor) -> memoryview:
+    return flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
+
+
+
+def inline_bytes(path: str, desc: dict[str, Any], nbytes: int) -> torch.Tensor:
+    """The bytes of an inline descriptor (or shard), checked against ``nbytes``."""
+    raw = base64.b64decode(desc["inline"])
+    if len(raw) != nbytes:
+        raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else uninitialized(0)
+
+
+
+def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, int]]:
+    """The ``[digest, length]`` list of a descriptor (or shard), checked to add up."""
+    try:
+        refs = [(str(d), int(n)) for d, n in desc["chunks"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
+    if sum(n for _, n in refs) != nbytes:
+        raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
+    return refs
+
+
+
+BufferFor = Callable[[str, int], "torch.Tensor | None"]
+
+
+
+def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
+                 pool: ThreadPoolExecutor, buffer_for: BufferFor | None
+                 ) -> tuple[torch.Tensor, list[Future[None]]]:
+    """A buffer for one leaf (lent by ``buffer_for``, else fresh) and the reads, already
+    submitted, that fill and verify it."""
+    leaf_layout(path, kind, desc)
+    nbytes = int(desc["nbytes"])
+    if "inline" in desc:
+        return inline_bytes(path, desc, nbytes), []
+    refs = chunk_list(path, desc, nbytes)
+    lent = buffer_for(path, nbytes) if buffer_for is not None else None
+    out = lent if lent is not None and lent.numel() == nbytes else uninitialized(nbytes)
+    view = bytes_view(out)
+    futures = []
+    off = 0
+    for d, n in refs:
+        futures.append(pool.submit(read_chunk, repo, d, n, view[off:off + n]))
+        off += n
+    return out, futures
+
+
+
+def leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[int]]:
+    """(dtype, shape) of a leaf, checked against its byte count before anything is read."""
+    try:
+        shape = [int(x) for x in desc["shape"]]
+        nbytes = int(desc["nbytes"])
+        if kind == "tensor":
+            dtype: Any = torch_dtype(str(desc["dtype"]))
+            itemsize = torch.empty((), dtype=dtype).element_size()
+        else:
+            dtype = np.dtype(str(desc["dtype"]))
+            if dtype.hasobject or dtype.names is not None:
+                raise IntegrityError(f"{path}: object or structured arrays are never loaded")
+            itemsize = dtype.itemsize
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: malformed tensor descriptor: {e}") from e
+    if any(d < 0 for d in shape) or math.prod(shape) * itemsize != nbytes:
+        raise IntegrityError(f"{path}: shape {shape} of {desc['dtype']} does not hold "
+                             f"{nbytes} bytes")
+    return dtype, shape
+
+
+
+def materialize(path: str, kind: str, desc: dict[str, Any], flat: torch.Tensor) -> Any:
+    dtype, shape = leaf_layout(path, kind, desc)
+    if kind == "tensor":
+        return flat.view(dtype).reshape(shape)
+    arr = flat.numpy().view(dtype).reshape(shape) if flat.numel() else np.zeros(shape, dtype)
+    return arr[()] if kind == "npscalar" else arr
