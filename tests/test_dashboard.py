@@ -84,13 +84,13 @@ def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
         driver.find_element(By.LINK_TEXT, "dash").click()
         wait_ready(driver, "/p/dash")
         jobs = driver.find_element(By.ID, "jobs").text
-        assert "train" in jobs and "4" in jobs
+        assert "train" in jobs and "5" in jobs  # steps 0, 10, 20, 30 and the final 39
         shot("jobs")
         driver.find_element(By.LINK_TEXT, "train").click()
         wait_ready(driver, "/p/dash/j/train")
         rows = driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step]")
-        assert [r.get_attribute("data-step") for r in rows] == ["30", "20", "10", "0"]
-        assert len(driver.find_elements(By.CSS_SELECTOR, "#chart circle")) == 4
+        assert [r.get_attribute("data-step") for r in rows] == ["39", "30", "20", "10", "0"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#chart circle")) == 5
         assert "loss" in driver.find_element(By.ID, "chart").text
         rows[0].find_element(By.CSS_SELECTOR, "button[data-verify]").click()
         WebDriverWait(driver, 30).until(lambda d: "verified" in rows[0].text)
@@ -101,7 +101,7 @@ def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
         assert driver.find_element(By.ID, "error").text == ""
         table = driver.find_element(By.ID, "tensors").text
         assert "model/0.weight" in table and "float32" in table and "(64, 32)" in table
-        assert "step 30" in driver.find_element(By.TAG_NAME, "h2").text
+        assert "step 39" in driver.find_element(By.TAG_NAME, "h2").text
         shot("snapshot")
         # names from the URL are text, never markup (a crafted link cannot run script)
         driver.get(f"{url}/#/p/%22%3E%3Cimg%20id%3Dpwned%20src%3Dx%3E")

@@ -257,7 +257,7 @@ def test_interruption_is_detected_from_the_previous_run(store_dir: Path,
     assert "stopped by SIGTERM" in lines[0]
     assert lines[1] == "Searching for latest snapshot..."
     assert lines[2].startswith("Found snapshot at step 0, timestamp: ")
-    assert lines[3].startswith("Downloading snapshot from ")
+    assert lines[3].startswith("Loading snapshot from ")
     assert lines[4:] == ["Loading model state...", "Loading optimizer state...",
                          "Resuming training at step 1"]
     with SnapshotManager("p", job="i", store=store_dir) as m3:

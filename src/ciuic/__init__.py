@@ -6,7 +6,9 @@ content-addressed chain, and brings an interrupted job back exactly where it was
 
 from __future__ import annotations
 
-from ciuic.chain.repo import Repository
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ciuic.errors import (
     AmbiguousReference,
     CaptureError,
@@ -21,11 +23,37 @@ from ciuic.errors import (
     StateMismatch,
     StoreError,
 )
-from ciuic.format.info import SnapshotInfo
-from ciuic.manager import SnapshotManager
-from ciuic.state.data import ResumableSampler
-from ciuic.state.holder import StateHolder
 from ciuic.version import __version__
+
+if TYPE_CHECKING:
+    from ciuic.chain.repo import Repository
+    from ciuic.format.info import SnapshotInfo
+    from ciuic.manager import SnapshotManager
+    from ciuic.state.data import ResumableSampler
+    from ciuic.state.holder import StateHolder
+
+#: imported on first use, so that ``import ciuic`` (and the command line, whose commands mostly
+#: need no torch) does not import torch until a name that needs it is used
+_LAZY = {
+    "Repository": "ciuic.chain.repo",
+    "SnapshotInfo": "ciuic.format.info",
+    "SnapshotManager": "ciuic.manager",
+    "ResumableSampler": "ciuic.state.data",
+    "StateHolder": "ciuic.state.holder",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ciuic' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AmbiguousReference",

@@ -296,6 +296,13 @@ class Catalog:
             raise SnapshotNotFound(
                 f"job {project}/{job} has no snapshot at step {step} (latest steps: {near})"
             )
+        if len(rows) > 1:  # two lineages (or branches) of the job reached this step
+            which = "; ".join(f"{r[0].id[:12]} (taken {r[0].created[:19]}Z, parent "
+                              f"{r[0].parent[:8] or 'none: a root'})" for r in rows)
+            raise AmbiguousReference(
+                f"job {project}/{job} has {len(rows)} snapshots at step {step}, in different "
+                f"lineages: {which}. Name one by its ID prefix (`ciuic log {project}/{job}` "
+                "shows the lineages)")
         return self._info(*rows[0])
 
     # -- runs --------------------------------------------------------------------------------
@@ -314,6 +321,26 @@ class Catalog:
             if prev is not None:
                 s.expunge(prev)
             return prev
+
+    def runs(self, project: str, job: str) -> list[Run]:
+        """The job's runs, oldest first."""
+        with self.session() as s:
+            jid = self._job_id(s, project, job, create=False)
+            if jid is None:
+                return []
+            rows = list(s.scalars(select(Run).where(Run.job_id == jid)
+                                  .order_by(Run.started)).all())
+            for r in rows:
+                s.expunge(r)
+            return rows
+
+    def stopped_at(self, run_id: str, step: int) -> None:
+        """Record the last step a run that ended without a record made (learnt after it died,
+        from its progress file), when it is later than what its heartbeats recorded."""
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is not None and (run.last_step is None or run.last_step < step):
+                run.last_step = step
 
     def heartbeat(self, run_id: str, step: int) -> None:
         with self.session() as s:

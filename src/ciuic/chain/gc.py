@@ -93,10 +93,19 @@ class InflightSave:
             self.store.delete(self.key)
 
 
+def _size(store: Store, key: str) -> int:
+    """An object's stored size, reading at most its first 16 bytes (0 when it went away)."""
+    try:
+        return store.get_into(key, [memoryview(bytearray(16))])
+    except ObjectNotFound:
+        return 0
+
+
 @dataclass
 class GcResult:
     deleted_chunks: int = 0
     deleted_bodies: int = 0
+    deleted_bytes: int = 0  # the stored size of the chunks and bodies deleted
     deleted_markers: int = 0
     deleted_temporaries: int = 0
     kept_chunks: int = 0
@@ -190,11 +199,13 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
                 result.kept_chunks += 1
                 continue
             digest_of_key(key)  # only ever delete well-formed chunk keys
+            result.deleted_bytes += _size(store, key)
             if not dry_run:
                 store.delete(key)
             result.deleted_chunks += 1
         for key in list(store.list(layout.JOBS)):
             if layout.parse_body(key) is not None and key not in keep_bodies:
+                result.deleted_bytes += _size(store, key)
                 if not dry_run:
                     store.delete(key)
                 result.deleted_bodies += 1

@@ -24,12 +24,10 @@ from ciuic.store import Store
 READ_THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
-
 def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[str, Any]]:
     """The verified manifest and body trees of a snapshot."""
     m = repo.read_manifest(info.project, info.job, info.id)
     return m, body_states(repo, m)
-
 
 
 def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
@@ -51,7 +49,6 @@ def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
     return repo.read_verified(key, read)
 
 
-
 def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
     """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it."""
     key = layout.chunk_key(d)
@@ -68,7 +65,6 @@ def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
         ck.check_read(key, header, size, dest, d, n)
 
     repo.read_verified(key, read)
-
 
 
 def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,
@@ -89,10 +85,8 @@ def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | N
         dest[:] = plain
 
 
-
 def get_chunk(repo: Repository, d: str, n: int) -> None:
     read_chunk(repo, d, n, memoryview(bytearray(n)))
-
 
 
 def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
@@ -103,7 +97,6 @@ def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
             for d, n in piece.get("chunks", []):
                 refs[str(d)] = int(n)
     return refs
-
 
 
 def verify_chunks(repo: Repository, refs: dict[str, int], deep: bool,

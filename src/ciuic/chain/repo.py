@@ -91,6 +91,9 @@ class Repository:
         self.store = store
         self.catalog = catalog
         self._keyring: Keyring | None = None
+        #: how a person names this store in a message: the folder given for a local store
+        #: (not its objects/ inside), else the store's URL
+        self.name = store.url
 
     @property
     def keyring(self) -> Keyring:
@@ -149,6 +152,8 @@ class Repository:
             store = open_store(text)
             url = catalog_url or cached_catalog_url(store.url)
         repo = cls(_tiers(store, mirror, durability), Catalog(url))
+        if scheme in ("", "file"):
+            repo.name = str(root)
         if repo.catalog.recreated_from is not None:
             counts = repo.reindex()
             log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "
@@ -204,6 +209,12 @@ class Repository:
     def location(self, key: str = "") -> str:
         return self.store.location(key)
 
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- manifests ---------------------------------------------------------------------------
 
     def read_manifest(self, project: str, job: str, snapshot_id: str) -> mf.Manifest:
@@ -227,12 +238,24 @@ class Repository:
         return [k.snapshot_id for k in list_manifests(self.store, project, job)]
 
     def sync_job(self, project: str, job: str) -> int:
-        """Add catalog rows for manifests in the store that the catalog lacks. Returns how many.
+        """Make the catalog follow the store for one job: add rows for manifests it lacks, and
+        mark pruned the snapshots whose body is gone. Returns how many rows were added.
 
-        A crash between the commit (manifest) and the catalog insert leaves exactly this gap;
-        the store is the truth, so the next run heals it here.
+        A crash between the commit (manifest) and the catalog insert leaves the first gap; a
+        body deleted through another catalog (another client's retention, a server's
+        ``DELETE``, ``ciuic prune`` on another machine) the second. The store is the truth, so
+        every catalog heals here, with one listing of the job's manifests and one of its bodies.
         """
-        known = {i.id for i in self.catalog.snapshots(project, job, status=None)}
+        rows = self.catalog.snapshots(project, job, status=None)
+        known = {i.id for i in rows}
+        bodies = {b[2] for b in map(layout.parse_body,
+                                    self.store.list(layout.bodies_prefix(project, job)))
+                  if b is not None}
+        partial = len(self.store.copies()) > 1  # a mirror lists its fast tier only
+        for row in rows:
+            if row.status == "committed" and row.body not in bodies and not (
+                    partial and self.store.has(layout.body_key(project, job, row.body))):
+                self.catalog.set_status(row.id, "pruned")
         found: dict[str, mf.Manifest] = {}
         for sid in self.manifest_ids(project, job):
             if sid in known:

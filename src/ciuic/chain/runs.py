@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from ciuic.catalog.models import Run
 from ciuic.format.manifest import parse_time
@@ -69,5 +70,30 @@ def identity() -> dict[str, str]:
     return ident
 
 
-
 IDENTITY = identity()
+
+
+def history(runs: list[Run], events: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """What happened around each snapshot (ID -> notes, in time order): where a run that did
+    not finish stopped after it (and why), and which runs resumed from it. ``events`` as
+    :meth:`ciuic.catalog.Catalog.events` returns them."""
+    found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
+    last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
+    for e in sorted(events, key=lambda e: (e["at"], e["kind"] != "restore")):
+        if e["kind"] in ("snapshot", "restore") and e["detail"]:
+            last[e["run"]] = e["detail"]
+        if e["kind"] == "restore" and e["detail"]:
+            found.setdefault(e["detail"], []).append(
+                (e["at"], f"resumed by run {e['run'][:8]}"))
+    for r in runs:
+        where = last.get(r.id)
+        if where is None or not was_interrupted(r):
+            continue
+        when = r.ended or r.last_seen
+        if r.end_kind is None and may_still_run(r):
+            found.setdefault(where, []).append((when, f"run {r.id[:8]} may still be running"))
+            continue
+        at = f" at step {r.last_step}" if r.last_step is not None else ""
+        found.setdefault(where, []).append(
+            (when, f"then run {r.id[:8]} stopped{at}: {describe_end(r).removeprefix('it ')}"))
+    return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}

@@ -3,6 +3,8 @@ option, opening an existing store, sizes and times as people read them."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +21,45 @@ from rich.progress import (
 from ciuic.chain.repo import Repository, default_location
 from ciuic.errors import CiuicError
 
+
+def _plain_help() -> None:
+    """Help that shows what to type, as command lines do (``restore SNAP --to FILE``), not the
+    Python types Typer labels parameters with (``{snap}``, ``<bool>``, ``<str>``). Only the
+    help's presentation hooks are replaced, each only where this Typer has it."""
+    from typer import core
+
+    def usage_name(self: Any) -> str:
+        name = str(self.metavar or self.name).upper()
+        name = name if self.required else f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    def panel_name(self: Any) -> str:
+        return str(self.metavar or self.name).upper() + ("..." if self.nargs != 1 else "")
+
+    def option_type(self: Any, ctx: Any) -> str | None:
+        if self.metavar is not None:
+            return str(self.metavar)
+        if getattr(self, "is_flag", False):
+            return None  # a flag takes no value
+        label = str(core._TyperParameter.display_type(self, ctx) or "").strip("<>")
+        label = label.removeprefix("list[").removesuffix("]")
+        return _WORDS.get(label, label.upper()) or None
+
+    argument, option = core.TyperArgument, core.TyperOption
+    if hasattr(argument, "_usage_display_name") and hasattr(argument, "_rich_display_name"):
+        setattr(argument, "_usage_display_name", usage_name)  # noqa: B010 - a patch, knowingly
+        setattr(argument, "_rich_display_name", panel_name)  # noqa: B010
+        setattr(argument, "display_type_rich", lambda self, ctx: None)  # noqa: B010
+    if hasattr(option, "display_type_rich") and hasattr(core._TyperParameter, "display_type"):
+        setattr(option, "display_type_rich", option_type)  # noqa: B010
+
+
+#: what an option's value is, in words (Typer says the Python type)
+_WORDS = {"str": "TEXT", "Path": "PATH", "path": "PATH", "int": "N", "float": "NUMBER"}
+
+
+_plain_help()
+
 app = typer.Typer(
     name="ciuic", no_args_is_help=True, add_completion=False,
     help="ciuic: the snapshot chain for PyTorch training.",
@@ -26,22 +67,24 @@ app = typer.Typer(
 )
 
 
+def _console(stderr: bool = False) -> Console:
+    """Rich output that wraps to the terminal, and not at all when it is not one (a pipe, a
+    file, a test): digests and IDs must reach scripts whole."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0")) or 1000,
+                   soft_wrap=True)
 
-console = Console()
 
-
-
-err = Console(stderr=True)
-
-
+console = _console()
+err = _console(stderr=True)
 
 options: dict[str, Any] = {}
 
 
-
 StoreOpt = Annotated[str | None, typer.Option(
     "--store", "-s", help="Store directory or URL (default: $CIUIC_HOME, else ./.ciuic).")]
-
 
 
 @app.callback()
@@ -49,10 +92,8 @@ def _main(store: StoreOpt = None) -> None:
     options["store"] = store
 
 
-
 def current_repo() -> Repository:
     return open_existing(options.get("store") or default_location())
-
 
 
 def open_existing(location: str) -> Repository:
@@ -73,7 +114,6 @@ def open_existing(location: str) -> Repository:
     return Repository.open(location)
 
 
-
 def size_text(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -82,10 +122,8 @@ def size_text(n: int) -> str:
     return str(n)
 
 
-
 def time_text(created: str | None) -> str:
     return created[:19].replace("T", " ") if created else "-"
-
 
 
 def progress_bar() -> Progress:

@@ -21,7 +21,9 @@ from rich.table import Table
 from ciuic.chain.gc import collect
 from ciuic.chain.read import read_body
 from ciuic.chain.repo import Repository, default_location, list_jobs
+from ciuic.chain.retention import lineages
 from ciuic.chain.retention import prune as prune_job
+from ciuic.chain.runs import history
 from ciuic.chain.verify import Problem, verify_job
 from ciuic.cli.app import (
     app,
@@ -34,7 +36,8 @@ from ciuic.cli.app import (
     size_text,
     time_text,
 )
-from ciuic.errors import CiuicError
+from ciuic.errors import CiuicError, IntegrityError
+from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import walk_leaves
 
 
@@ -64,32 +67,49 @@ def ls() -> None:
 def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
             all_: Annotated[bool, typer.Option("--all", help="Include pruned snapshots")] = False
             ) -> None:
-    """Show a job's chain, newest first: step, time, size, new bytes."""
+    """Show a job's chain, newest first: step, time, size, new bytes, and where runs were
+    interrupted and resumed; one table per lineage."""
     repo = current_repo()
     project, name = repo.split_job(job)
     repo.sync_job(project, name)
-    snaps = repo.catalog.snapshots(project, name, status=None if all_ else "committed",
-                                   newest_first=True)
+    every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
+    snaps = [s for s in every if all_ or s.status == "committed"]
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
-    t = Table(title=f"{project}/{name}", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False, collapse_padding=True)
+    notes = history(repo.catalog.runs(project, name),
+                    repo.catalog.events(project, name, limit=100_000))
+    groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
+    groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
+    for k, group in enumerate(groups):
+        title = f"{project}/{name}"
+        if len(groups) > 1:
+            root = min(group, key=lambda s: s.seq)
+            title += (f": lineage {len(groups) - k} of {len(groups)}, from step {root.step} "
+                      f"({root.short_id}, {time_text(root.created)} UTC)")
+        console.print(_chain_table(title, group, notes))
+
+
+def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
     t.add_column("id", no_wrap=True, min_width=12)
     t.add_column("step", justify="right", no_wrap=True)
     t.add_column("time, UTC", no_wrap=True)
     for col in ("size", "new"):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("parent", no_wrap=True)
-    t.add_column("notes", min_width=10)  # metrics; "pruned" when the data is gone
-    for s in snaps:
-        notes = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in s.metrics.items())
+    t.add_column("notes", min_width=10)  # metrics, interruptions; "pruned" when data is gone
+    for s in sorted(snaps, key=lambda s: s.seq, reverse=True):
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in s.metrics.items())
         if s.status != "committed":
-            notes = f"{s.status} {notes}".strip()
+            text = f"{s.status} {text}".strip()
+        text = "; ".join([text, *notes.get(s.id, [])]) if text else "; ".join(
+            notes.get(s.id, []))
         t.add_row(s.short_id, str(s.step), time_text(s.created), size_text(s.total_bytes),
-                  size_text(s.new_bytes), s.parent[:8] or "(root)", notes)
-    console.print(t)
+                  size_text(s.new_bytes), s.parent[:8] or "(root)", text)
+    return t
 
 
 @app.command("show")
@@ -160,22 +180,27 @@ def verify(target: Annotated[str | None, typer.Argument(
                                 progress=tick)
             problems = report.problems or []
             bad += len(problems)
-            status = "[green]ok[/green]" if not problems else f"[red]{len(problems)} problem(s)"
-            console.print(f"{project}/{job}: {report.snapshots} snapshot(s), {report.pruned} "
-                          f"pruned, {report.chunks_checked} chunk(s) "
-                          f"{'re-hashed' if deep else 'present'}: {status}")
+            damage = [p for p in problems if p.key_id is None]
             locked: dict[str, int] = {}  # a key not configured: one line, not one per object
             for p in problems:
                 if p.key_id is not None:
                     locked[p.key_id] = locked.get(p.key_id, 0) + 1
-                    continue
+            status = (f"[red]{len(damage)} problem(s)[/red]" if damage else
+                      "[green]ok[/green]" if not locked else "nothing damaged found")
+            if locked:
+                status += (f"; [yellow]{sum(locked.values())} object(s) could not be checked"
+                           "[/yellow] (sealed with a key that is not configured)")
+            console.print(f"{project}/{job}: {report.snapshots} snapshot(s) checked, "
+                          f"{report.pruned} pruned, {report.chunks_checked} chunk(s) "
+                          f"{'re-hashed' if deep else 'present'}: {status}")
+            for p in damage:
                 console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
             for key_id, n in locked.items():
-                console.print(f"  [red]{n} object(s) sealed with key {key_id}[/red], which is not "
-                              "configured, could not be checked: set CIUIC_ENCRYPTION_KEY_FILE "
-                              "(or CIUIC_ENCRYPTION_KEY) to it, or add it to "
-                              "CIUIC_DECRYPTION_KEYS", highlight=False)
+                console.print(f"  [yellow]{n} object(s) sealed with key {key_id}[/yellow], which "
+                              "is not configured, could not be checked: set "
+                              "CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) to it, or add "
+                              "it to CIUIC_DECRYPTION_KEYS", highlight=False)
     if bad:
         raise typer.Exit(1)
 
@@ -198,10 +223,30 @@ def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or
 
     repo = current_repo()
     info = repo.resolve(snap)
-    tensors = export(repo, info, to, fmt, state)
+    try:
+        tensors = export(repo, info, to, fmt, state)
+    except IntegrityError as e:
+        raise CiuicError(f"{e}\n{_intact_before(repo, info, to)}") from e
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}) of {info.ref} "
-                  f"({info.short_id}) to {to}")
+    kind = fmt or ("safetensors" if to.suffix == ".safetensors" else "torch")
+    what = ("the model's" if not state else ", ".join(state))
+    console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}, {what}) of {info.ref} "
+                  f"({info.short_id}) to {to} in {kind} format"
+                  + (" (torch.save: read it with torch.load)" if kind == "torch" else "")
+                  + ("" if state else "; --state NAME exports another state (optimizer, ...)"))
+
+
+def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 20) -> str:
+    """Advice after a damaged snapshot: the newest earlier snapshot of the job whose body and
+    chunks are intact (checked as `ciuic verify` does), as a command that exports it."""
+    older = [s for s in repo.catalog.snapshots(info.project, info.job, newest_first=True)
+             if s.seq < info.seq][:tries]
+    for s in older:
+        if verify_job(repo, s.project, s.job, only=s.id).ok:
+            return (f"The newest intact snapshot before it is {s.ref} ({s.short_id}): "
+                    f"ciuic restore {s.short_id} --to {to}")
+    return ("No intact snapshot before it was found; `ciuic verify --deep "
+            f"{info.project}/{info.job}` names every damaged object")
 
 
 @app.command("prune")
@@ -237,7 +282,8 @@ def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be dele
         raise typer.Exit(2)
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {result.deleted_chunks} chunk(s) and {result.deleted_bodies} "
-                  f"body(ies); kept {result.kept_chunks} chunk(s)")
+                  f"body(ies), {'freeing' if not dry_run else 'which would free'} "
+                  f"{size_text(result.deleted_bytes)}; kept {result.kept_chunks} chunk(s)")
     for key in result.damaged:
         err.print(f"[red]damaged, skipped: {key}[/red]")
 
@@ -355,5 +401,3 @@ def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
                       seed=seed, console=console)
     if not result.identical:
         raise typer.Exit(1)
-
-

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ciuic.catalog.keys import ROLES, create_key, list_keys, revoke_key
 from ciuic.chain.repo import Repository, default_location
-from ciuic.cli.app import app, console, options
+from ciuic.cli.app import app, console, err, options
 
 apikey_app = typer.Typer(help="Create, list and revoke the server's API keys.",
                          no_args_is_help=True)
@@ -64,12 +64,13 @@ def apikey_create(project: Annotated[str, typer.Option(help="The key's project (
                   name: Annotated[str, typer.Option(help="A note: who or what uses it")] = "",
                   expires_days: Annotated[float | None, typer.Option(
                       help="Expire after this many days (default: never)")] = None) -> None:
-    """Create a key. It is shown once, on the last line: store it now."""
+    """Create a key. It is shown once, alone on standard output (KEY=$(ciuic apikey create
+    ...) captures it); what it is goes to standard error."""
     repo = _server_repo()
     key, info = create_key(repo.catalog, project, role, name, expires_days, actor=_actor())
-    console.print(f"created API key {info.id} for project {info.project} ({info.role})"
-                  + (f", expires {info.expires[:19]}Z" if info.expires else ""))
-    console.print("the key is shown only now; keep it secret:", style="bold")
+    err.print(f"created API key {info.id} for project {info.project} ({info.role})"
+              + (f", expires {info.expires[:19]}Z" if info.expires else ""))
+    err.print("the key is shown only now; keep it secret:", style="bold")
     print(key)
 
 
@@ -77,7 +78,10 @@ def apikey_create(project: Annotated[str, typer.Option(help="The key's project (
 def apikey_list(project: Annotated[str | None, typer.Option(help="Only this project")] = None
                 ) -> None:
     """Every key: id, project, role, state (never the key itself)."""
-    t = Table("id", "project", "role", "name", "created", "expires", "state", "last used")
+    t = Table()
+    t.add_column("id", no_wrap=True, min_width=12)  # whole, whatever the width: `revoke` takes it
+    for header in ("project", "role", "name", "created", "expires", "state", "last used"):
+        t.add_column(header)
     for k in list_keys(_server_repo().catalog, project):
         state = "revoked" if k.revoked else "active"
         t.add_row(k.id, k.project, k.role, k.name, k.created[:19], (k.expires or "never")[:19],

@@ -45,14 +45,12 @@ def is_distributed(states: Mapping[str, Any]) -> bool:
     return "dist" in states and "ranks" in states
 
 
-
 @dataclass
 class Prepared:
     """A restore read and checked on this rank, not yet applied."""
 
     apply: Callable[[], None]
     values: dict[str, Any]  # per-rank values not loaded into an object (restored_values)
-
 
 
 def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
@@ -129,7 +127,6 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     return Prepared(apply, values)
 
 
-
 def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, Any]
                   ) -> dict[str, Any]:
     """For each target state dict, the saved values, every tensor read as the box this rank's
@@ -175,7 +172,6 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
         return _placed(boxes[path], live[path])
 
     return {name: decode(trees[name], name, load_leaf) for name in targets}
-
 
 
 def _placed(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

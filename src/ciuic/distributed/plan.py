@@ -69,11 +69,9 @@ class DistCaptured(Captured):
         return [leaf for leaf in self.leaves if id(leaf) not in skip]
 
 
-
 def leaf_key(leaf: Leaf) -> str:
     """The plan's key of a global leaf (its path, plus the box's offsets for a shard)."""
     return piece_key(leaf.path, leaf.shard[1] if leaf.shard else None)
-
 
 
 def plan_metas(captured: DistCaptured) -> list[Meta]:
@@ -84,14 +82,12 @@ def plan_metas(captured: DistCaptured) -> list[Meta]:
     return captured.metas
 
 
-
 def layout_signature(captured: DistCaptured, world_size: int) -> tuple[int, list[Meta]]:
     """What the plan sees of this rank (its global leaves' metas) and the world size: while
     every rank's stays equal (``==``), the plan assigns the same owners. Compared as it is, not
     digested: this runs in the stall, and for 3000 leaves the canonical JSON and its digest cost
     12 ms more than building the metas."""
     return world_size, plan_metas(captured)
-
 
 
 def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[str] | None:
@@ -105,10 +101,8 @@ def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[s
     return {key for key, owner in owners.items() if owner == rank}
 
 
-
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
 
 
 def state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
@@ -128,7 +122,6 @@ def state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
         return get_model_state_dict(model), {"state": {},
                                              "param_groups": _hyperparameters(optimizer)}
     return get_state_dict(model, optimizer)
-
 
 
 def capture_dist(model: Any, optimizer: Any, extras: Mapping[str, Any]) -> DistCaptured:

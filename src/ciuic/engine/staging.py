@@ -47,8 +47,6 @@ from ciuic.threads import lower_priority
 log = logging.getLogger("ciuic")
 
 
-
-
 def _view(value: torch.Tensor | np.ndarray, buf: torch.Tensor) -> torch.Tensor | np.ndarray:
     """``buf`` seen as an array or tensor shaped like ``value`` (little-endian), without copying."""
     if isinstance(value, np.ndarray):

@@ -44,8 +44,6 @@ _NONCE_BYTES = 12
 CIPHER_AES_GCM = 1
 
 
-
-
 def _derive(context: str, secret: bytes) -> bytes:
     return blake3.blake3(secret, derive_key_context=f"ciuic 2026-11 {context}").digest()
 

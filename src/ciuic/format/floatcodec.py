@@ -485,4 +485,3 @@ def measure(sample: Bytes, itemsize: int, float_kind: str,
             return None
     assert payload is not None
     return len(payload) / view.nbytes, max(elapsed, 1e-9) / view.nbytes
-

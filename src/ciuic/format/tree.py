@@ -21,44 +21,47 @@ Tagged forms (an object with exactly one key that starts with ``$``)::
 from __future__ import annotations
 
 import base64
+import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ciuic.errors import CaptureError, IntegrityError
 
-Json = Any
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16",
-              "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _TORCH_DTYPES[_name] = getattr(torch, _name)
+Json = Any
+# torch and NumPy are imported only where a tensor or an array is met: a value can only be one
+# when its module is loaded already (sys.modules), so decoding a manifest, listing a body's
+# leaves or encoding plain values never imports them (the command line starts at once)
+
+
+def _loaded(name: str) -> Any:
+    return sys.modules.get(name)
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    found = {str(dt).removeprefix("torch."): dt for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.bool)}
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16",
+                 "uint32", "uint64"):
+        if hasattr(torch, name):
+            found[name] = getattr(torch, name)
+    return found
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The format's name for a torch dtype ("float32", "bfloat16", ...)."""
     name = str(dtype).removeprefix("torch.")
-    if name not in _TORCH_DTYPES:
+    if name not in _torch_dtypes():
         raise CaptureError(f"tensors of dtype {dtype} cannot be stored")
     return name
 
@@ -66,7 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a format dtype name; IntegrityError for unknown names."""
     try:
-        return _TORCH_DTYPES[name]
+        return _torch_dtypes()[name]
     except KeyError:
         raise IntegrityError(f"unknown dtype {name!r} in snapshot body") from None
 
@@ -88,8 +91,9 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.value, torch.Tensor):
-            return self.value.numel() * self.value.element_size()
+        torch = _loaded("torch")
+        if torch is not None and isinstance(self.value, torch.Tensor):
+            return int(self.value.numel() * self.value.element_size())
         return int(self.value.nbytes)
 
 
@@ -109,7 +113,8 @@ def _plain_keys(d: dict[Any, Any]) -> bool:
 
 def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     """Encode ``value`` found at ``path``; tensors are appended to ``leaves``."""
-    if isinstance(value, np.generic):  # before float/int: np.float64 subclasses float
+    np, torch = _loaded("numpy"), _loaded("torch")
+    if np is not None and isinstance(value, np.generic):  # first: np.float64 is a float
         if value.dtype.hasobject or value.dtype.kind in "SUV":
             return encode(value.item(), path, leaves)
         desc: dict[str, Json] = {}
@@ -121,22 +126,22 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         return int(value)
     if isinstance(value, float):
         return {"$float": float.__repr__(value)}
-    if isinstance(value, torch.Tensor):
+    if torch is not None and isinstance(value, torch.Tensor):
         shard = dtensor_shard(value, path)
         if shard is not None:
-            value = value.to_local()  # type: ignore[attr-defined]
+            value = value.to_local()
         _check_tensor(value, path)
         desc = {}
         leaves.append(Leaf(path, value, desc, shard))
         return {"$tensor": desc}
-    if isinstance(value, np.ndarray):
+    if np is not None and isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.names is not None:
             raise CaptureError(f"{path}: NumPy arrays of Python objects or structured dtypes "
                                "cannot be stored; store plain numeric arrays")
         desc = {}
         leaves.append(Leaf(path, value, desc))
         return {"$ndarray": desc}
-    if isinstance(value, torch.dtype):
+    if torch is not None and isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value)}
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
@@ -193,6 +198,8 @@ def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | N
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
+    import torch
+
     if t.is_sparse or t.layout != torch.strided:
         raise CaptureError(f"{path}: sparse tensors ({t.layout}) are not supported; "
                            "call .to_dense() first")
@@ -252,6 +259,9 @@ def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf) -> Any
 def flat_tensors(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
     """Every tensor (NumPy arrays as tensors) inside ``value`` by path, paths as :func:`encode`
     makes them (at the top, with ``path`` empty, keys are used as they are)."""
+    import numpy as np
+    import torch
+
     if isinstance(value, torch.Tensor):
         out[path] = value
     elif isinstance(value, np.ndarray):

@@ -3,6 +3,7 @@ checked once, when the manager is built, and read-only after that."""
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -78,3 +79,35 @@ class ManagerConfig:
 def _positive(name: str, value: float | None) -> None:
     if value is not None and (not isinstance(value, (int, float)) or value <= 0):
         raise ConfigurationError(f"{name} must be a positive number or None, got {value!r}")
+
+
+def check_step(step: Any) -> int:
+    """The step number as an int: any integer-like value (``operator.index``: a NumPy integer,
+    a 0-d integer tensor) that is not negative. Anything else is a programming mistake, raised
+    at once."""
+    if isinstance(step, bool):
+        raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
+    try:
+        n = operator.index(step)
+    except TypeError:
+        raise ConfigurationError(
+            f"step must be a non-negative integer (the step whose optimizer update was just "
+            f"applied), got {type(step).__name__} {step!r}") from None
+    if n < 0:
+        raise ConfigurationError(f"step must be a non-negative integer, got {n}")
+    return n
+
+
+def check_state_args(call: str, model: Any, optimizer: Any) -> None:
+    """Refuse a model and an optimizer passed the wrong way round (or two optimizers), which
+    would otherwise be snapshotted under the wrong names and fail only at the restore."""
+    import torch
+
+    if isinstance(model, torch.optim.Optimizer):
+        raise ConfigurationError(
+            f"{call}(): the model argument is an optimizer ({type(model).__name__}); pass "
+            "the model before the optimizer")
+    if isinstance(optimizer, torch.nn.Module):
+        raise ConfigurationError(
+            f"{call}(): the optimizer argument is a module ({type(optimizer).__name__}); pass "
+            "the model before the optimizer")

@@ -27,15 +27,20 @@ from typing import Any
 
 from ciuic.chain import runs
 from ciuic.distributed.collective import Collective
-from ciuic.errors import CiuicError, ConfigurationError
+from ciuic.errors import CaptureError, CiuicError, ConfigurationError
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.info import SnapshotInfo
-from ciuic.manager.config import ManagerConfig
+from ciuic.manager.config import ManagerConfig, check_state_args, check_step
 from ciuic.manager.pipeline import LocalPipeline, Pipeline
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.ranked import RankedPipeline
 from ciuic.manager.recovery import Recovery
-from ciuic.manager.session import RunSession
+from ciuic.manager.session import (
+    RunSession,
+    ensure_log_handler,
+    quiet_other_ranks,
+    warn_once,
+)
 from ciuic.manager.signals import SignalGuard
 from ciuic.manager.stats import ManagerStats
 from ciuic.store import Store
@@ -113,14 +118,18 @@ class SnapshotManager:
             compression=compression, overlap=overlap, endpoint=endpoint,
             distributed=distributed)
         self.project, self.job = c.project, c.job
-        _ensure_log_handler()
+        ensure_log_handler()
         # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
         # single process or with distributed=False
         self.coll = Collective(None if distributed is None else bool(distributed))
         if self.coll.enabled:
-            _quiet_other_ranks(self.coll.rank)
+            quiet_other_ranks(self.coll.rank)
         self._session = RunSession(c, self.coll)
         self.repo = self._session.repo
+        if c.api_key is not None and c.endpoint is None:
+            warn_once(f"api_key= is the key of a ciuic server, and no server is configured "
+                       f"(endpoint= or CIUIC_ENDPOINT): the key is not used, and the snapshots "
+                       f"go to the store {self.repo.name}")
         # a key that is not configured is refused here, before the run is recorded
         codec = ObjectCodec(self.repo.keyring if c.encryption else None)
         self._session.start()
@@ -133,6 +142,8 @@ class SnapshotManager:
         self.restored_values: dict[str, Any] = {}
         self._restore_called = False
         self._first_step_checked = False
+        #: the last step() given state, for the final snapshot at a clean close()
+        self._last_state: tuple[int, Any, Any, dict[str, Any]] | None = None
         self._closed = False
         self._signals = SignalGuard(self._session.record_end)
         if c.handle_signals:
@@ -168,6 +179,10 @@ class SnapshotManager:
         latest.
         """
         self._check_open()
+        step = check_step(step)
+        check_state_args("step", model, optimizer)
+        if model is not None or optimizer is not None or extras:
+            self._last_state = (step, model, optimizer, extras)
         if not self._first_step_checked:
             self._first_step_checked = True
             self._warn_if_not_resuming(step)
@@ -203,6 +218,8 @@ class SnapshotManager:
         try:  # never let a snapshot failure stop training
             future = self._submit(step, model, optimizer, extras,
                                   inline=not self.config.asynchronous)
+        except (CaptureError, ConfigurationError):
+            raise  # the caller's mistake (state that cannot be stored): it fails every time
         except Exception as e:
             self._pipeline.failed(step, e)
             return False
@@ -235,10 +252,10 @@ class SnapshotManager:
 
     def _submit(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],
                 inline: bool = False) -> Future[SnapshotInfo]:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
-        return self._pipeline.submit(step, model, optimizer, extras,
-                                     lambda: self._policy.taken(step), inline=inline)
+        n = check_step(step)
+        check_state_args("save", model, optimizer)
+        return self._pipeline.submit(n, model, optimizer, extras,
+                                     lambda: self._policy.taken(n), inline=inline)
 
     def wait(self) -> None:
         """Block until every started snapshot is durable and committed (or has failed: failures
@@ -262,6 +279,7 @@ class SnapshotManager:
         warning; if snapshots exist but none loads, raises :class:`RestoreError`.
         """
         self._check_open()
+        check_state_args("restore", model, optimizer)
         self.wait()
         self._restore_called = True
         done = self._recovery.restore(model, optimizer, extras, snapshot,
@@ -311,17 +329,22 @@ class SnapshotManager:
             except (CiuicError, OSError) as e:
                 log.error("Emergency snapshot at step %d failed: %s", step, e)
         self._session.record_end(f"signal:{name}", step)
-        self.close()
+        self.close(final=False)
         raise SystemExit(code)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigurationError("this SnapshotManager is closed; create a new one")
 
-    def close(self) -> None:
-        """Finish: record a clean end of the run and release resources. Idempotent."""
+    def close(self, final: bool = True) -> None:
+        """Finish: snapshot the last step given to :meth:`step` if no snapshot holds it yet
+        (``final``; so that ``JOB@latest`` is the finished state, and a finished job run again
+        trains nothing twice), record a clean end of the run and release resources.
+        Idempotent. Leaving a ``with`` block by an exception closes without that snapshot."""
         if self._closed:
             return
+        if final:
+            self._final_snapshot()
         self._pipeline.close()
         self._policy.close()
         self._session.record_end("clean")
@@ -337,25 +360,21 @@ class SnapshotManager:
                  tb: Any) -> None:
         if tp is not None and not issubclass(tp, SystemExit):
             self._session.record_end(f"exception:{tp.__name__}")
-        self.close()
+        self.close(final=tp is None)
+
+    def _final_snapshot(self) -> None:
+        if self._last_state is None:
+            return
+        step, model, optimizer, extras = self._last_state
+        self._last_state = None  # the objects are the caller's: not kept past the close
+        self.wait()
+        if step == self._pipeline.last_committed_step:
+            return
+        try:
+            info = self.save(step, model, optimizer, **extras)
+            log.info("Final snapshot at step %d saved (%s)", step, info.short_id)
+        except (CiuicError, OSError) as e:  # counted and logged by the pipeline already
+            log.error("the final snapshot at step %d failed (%s); the latest snapshot is "
+                      "step %s", step, e, self._pipeline.last_committed_step)
 
 
-def _ensure_log_handler() -> None:
-    """Show ciuic's INFO lines (the recovery log) when the application configured no logging."""
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
-    handler.set_name("ciuic")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-def _quiet_other_ranks(rank: int) -> None:
-    """Multi-rank: rank 0 alone prints the recovery log; the others print warnings and errors,
-    marked with their rank (only through the handler ciuic installed itself)."""
-    for handler in log.handlers:
-        if handler.get_name() == "ciuic" and rank != 0:
-            handler.setLevel(logging.WARNING)
-            handler.setFormatter(logging.Formatter(f"[%(levelname)s rank {rank}] %(message)s"))

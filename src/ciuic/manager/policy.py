@@ -14,6 +14,8 @@ from ciuic.manager.config import ManagerConfig
 from ciuic.manager.stats import ManagerStats
 
 log = logging.getLogger("ciuic")
+#: a wait for the previous snapshot is worth a warning from this share of the interval
+WAIT_SHARE = 0.1
 
 
 class SavePolicy:
@@ -29,6 +31,7 @@ class SavePolicy:
         self.last_save_step: int | None = None
         self.last_save_time = time.monotonic()
         self._warned_busy = False
+        self._waits_in_a_row = 0
         self._warned_steps = False
         self._agreement: Callable[[], list[int]] | None = None
         self._step_calls = 0
@@ -65,15 +68,23 @@ class SavePolicy:
                             "while one is in flight; see stats.skipped, or pass "
                             "on_busy='wait'", step, self.stats.last_save_s)
             return False
+        since = time.monotonic() - self.last_save_time  # training time since the last one
         t0 = time.perf_counter()
         wait()
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
-        if not self._warned_busy and waited > 0.05:
+        # worth a warning when the wait matters: a tenth of the interval, or three in a row
+        self._waits_in_a_row = self._waits_in_a_row + 1 if waited > 0.05 else 0
+        share = waited / max(since, 1e-9)
+        if not self._warned_busy and waited > 0.05 and (
+                share >= WAIT_SHARE or self._waits_in_a_row >= 3):
             self._warned_busy = True
             log.warning("snapshot at step %d waited %.2f s for the previous one to be "
-                        "written: snapshots are due faster than they are written. Consider "
-                        "a larger save_interval, or on_busy='skip'", step, waited)
+                        "written (%.0f %% of the %.2f s since it started%s): snapshots are due "
+                        "faster than they are written. Consider a larger save_interval, or "
+                        "on_busy='skip'", step, waited, 100 * share, since,
+                        f"; {self._waits_in_a_row} waits in a row"
+                        if self._waits_in_a_row >= 3 else "")
         return True
 
     # -- multi-rank ------------------------------------------------------------------------

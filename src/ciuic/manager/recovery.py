@@ -11,6 +11,7 @@ while snapshots exist.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 from ciuic.chain import runs
 from ciuic.chain.read import read_body
+from ciuic.chain.repo import list_jobs
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.load import Prepared, is_distributed, prepare
 from ciuic.errors import (
@@ -68,14 +70,14 @@ class Recovery:
         project, job = self.session.project, self.session.job
         candidates = self.candidates(snapshot)
         if not candidates:
-            log.info("No snapshot of %s/%s in %s: starting from scratch", project, job,
-                     self.repo.location())
+            self._nothing_to_restore()
             return None
         problems: list[str] = []
         for info in candidates:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
-            log.info("Downloading snapshot from %s",
-                     self.repo.location(layout.manifest_key(info.project, info.job, info.id)))
+            where = self.repo.location(layout.manifest_key(info.project, info.job, info.id))
+            log.info("%s snapshot from %s", "Loading" if "://" not in where else "Downloading",
+                     where)
             prepared: Prepared | None = None
             outcome, detail = "ok", ""
             try:
@@ -115,6 +117,28 @@ class Recovery:
             f"{project}/{job}` for details; refusing to start from scratch."
         )
 
+    def _nothing_to_restore(self) -> None:
+        """No snapshot of this job: say so, and when the project has other jobs (a typo in
+        ``job=`` silently starting from scratch is the costly case), warn with the nearest."""
+        project, job = self.session.project, self.session.job
+        others: list[str] = []
+        if self.coll.coordinator:
+            try:
+                others = [j for _, j in list_jobs(self.repo.store, project) if j != job]
+            except Exception as e:  # the listing is advice only
+                log.debug("could not list the jobs of %s: %s", project, e)
+        if not others:
+            log.info("No snapshot of %s/%s in %s: starting from scratch", project, job,
+                     self.repo.name)
+            return
+        near = difflib.get_close_matches(job, others, n=3, cutoff=0.6)
+        shown = near or others[:5]
+        log.warning("No snapshot of %s/%s in %s: starting from scratch. The project has other "
+                    "jobs%s: %s%s. If this run should resume one of them, stop it and pass "
+                    "job=%r", project, job, self.repo.name, " (nearest first)" if near else "",
+                    ", ".join(shown), "" if near or len(others) <= 5 else ", ...",
+                    shown[0])
+
     def candidates(self, snapshot: str | None) -> list[SnapshotInfo]:
         """The snapshots to try, newest first. Multi-rank: rank 0 decides, every rank follows."""
         found: list[SnapshotInfo] = []
@@ -133,11 +157,7 @@ class Recovery:
                 error = f"{type(e).__name__}: {e}"
             prev = s.previous_run
             if s.interrupted and prev is not None:
-                # progress is recorded now and then: the last snapshot may be later
-                steps = [x for x in (prev.last_step, *(i.step for i in found[:1]))
-                         if x is not None]
-                log.info("Detected training interruption at step %s (%s)",
-                         max(steps) if steps else "unknown",
+                log.info("Detected training interruption %s (%s)", _where(s, found),
                          "no exit was recorded: it may still be running" if
                          runs.may_still_run(prev) else runs.describe_end(prev))
             log.info("Searching for latest snapshot...")
@@ -179,6 +199,18 @@ class Recovery:
                     f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}"
                     for d, rs in ranks.items())
         return "ok", ""
+
+
+def _where(session: RunSession, found: list[SnapshotInfo]) -> str:
+    """Where the previous run stopped: its last step(), from its progress file on this machine;
+    else "after" the later of its recorded progress and the latest snapshot (progress reaches
+    the catalog now and then, so the run got at least that far)."""
+    if session.previous_last_step is not None:
+        return f"at step {session.previous_last_step}"
+    prev = session.previous_run
+    steps = [x for x in (prev.last_step if prev else None, *(i.step for i in found[:1]))
+             if x is not None]
+    return f"after step {max(steps)}" if steps else "at an unknown step"
 
 
 def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,

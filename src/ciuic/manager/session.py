@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import secrets
+import socket
 import sys
 import threading
 import weakref
@@ -31,10 +32,46 @@ from ciuic.chain.transfer import copy_job
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.save import check_shared_store
 from ciuic.errors import RankError
+from ciuic.manager import progress
 from ciuic.manager.config import ManagerConfig
+from ciuic.manager.progress import Progress
 from ciuic.store.mirror import MirrorStore
 
 log = logging.getLogger("ciuic")
+
+
+_warned: set[str] = set()
+
+
+
+def warn_once(message: str) -> None:
+    """A warning about the configuration, once per process (not once per manager)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
+
+def ensure_log_handler() -> None:
+    """Show ciuic's INFO lines (the recovery log) when the application configured no logging."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    handler.set_name("ciuic")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Multi-rank: rank 0 alone prints the recovery log; the others print warnings and errors,
+    marked with their rank (only through the handler ciuic installed itself)."""
+    for handler in log.handlers:
+        if handler.get_name() == "ciuic" and rank != 0:
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"[%(levelname)s rank {rank}] %(message)s"))
 
 
 def quietly(what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -58,6 +95,9 @@ class RunSession:
         self.previous_run: Run | None = None
         self.interrupted = False
         self.lease: Lease | None = None
+        #: the last step() the previous run made, when it ran on this machine (manager.progress)
+        self.previous_last_step: int | None = None
+        self._progress: Progress | None = None
         self._last_heartbeat = 0.0
 
     def start(self) -> None:
@@ -99,6 +139,14 @@ class RunSession:
         self.repo.sync_job(self.project, self.job)
         self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
         self.interrupted = runs.was_interrupted(self.previous_run)
+        prev = self.previous_run
+        if prev is not None and prev.host == socket.gethostname():
+            self.previous_last_step = progress.last_step(prev.id)
+            if self.previous_last_step is not None:  # for `ciuic log` and the dashboard
+                self.repo.catalog.stopped_at(prev.id, self.previous_last_step)
+                if prev.last_step is None or prev.last_step < self.previous_last_step:
+                    prev.last_step = self.previous_last_step
+        self._progress = Progress(self.run_id)
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
         self._catch_up_mirror()
 
@@ -141,8 +189,10 @@ class RunSession:
     # -- records ---------------------------------------------------------------------------
 
     def heartbeat(self, step: int, now: float) -> None:
-        """Record progress now and then (rank 0), so that the next run knows where this one
-        got to."""
+        """Record progress (rank 0), so that the next run knows where this one got to: every
+        step in the progress file, now and then in the catalog."""
+        if self._progress is not None:
+            self._progress.set(step)
         if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
                 ).heartbeat_interval_s:
             self._last_heartbeat = now
@@ -173,6 +223,9 @@ class RunSession:
         """How the run ended (``clean``, ``exit``, ``exception:T``, ``signal:NAME``); the
         first record wins."""
         _untrack(self)
+        if self._progress is not None:  # kept after a crash: the next run reads it
+            self._progress.close(remove=kind in ("clean", "exit"))
+            self._progress = None
         if not self.coll.coordinator:
             return
         try:
@@ -217,4 +270,4 @@ def _untrack(session: RunSession) -> None:
     _live.discard(session)
 
 
-__all__ = ["RunSession", "quietly"]
+__all__ = ["RunSession", "ensure_log_handler", "quiet_other_ranks", "quietly", "warn_once"]

@@ -24,10 +24,8 @@ def uninitialized(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-
 def bytes_view(flat: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
-
 
 
 def inline_bytes(path: str, desc: dict[str, Any], nbytes: int) -> torch.Tensor:
@@ -36,7 +34,6 @@ def inline_bytes(path: str, desc: dict[str, Any], nbytes: int) -> torch.Tensor:
     if len(raw) != nbytes:
         raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else uninitialized(0)
-
 
 
 def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, int]]:
@@ -50,9 +47,7 @@ def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, 
     return refs
 
 
-
 BufferFor = Callable[[str, int], "torch.Tensor | None"]
-
 
 
 def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
@@ -76,7 +71,6 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     return out, futures
 
 
-
 def leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[int]]:
     """(dtype, shape) of a leaf, checked against its byte count before anything is read."""
     try:
@@ -96,7 +90,6 @@ def leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[i
         raise IntegrityError(f"{path}: shape {shape} of {desc['dtype']} does not hold "
                              f"{nbytes} bytes")
     return dtype, shape
-
 
 
 def materialize(path: str, kind: str, desc: dict[str, Any], flat: torch.Tensor) -> Any:

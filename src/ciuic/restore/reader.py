@@ -80,5 +80,3 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
         return materialize(path, kind, desc, buffers[id(desc)])
 
     return {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
-
-

@@ -34,9 +34,11 @@ from ciuic.errors import (
     ObjectNotFound,
     SnapshotNotFound,
     StoreError,
+    UnreadableObject,
 )
 from ciuic.faults import failpoint
 from ciuic.format import layout
+from ciuic.format.info import SnapshotInfo
 from ciuic.server import inspect
 from ciuic.server.observe import install
 from ciuic.store.base import check_key, check_prefix
@@ -46,8 +48,6 @@ from ciuic.version import __version__
 log = logging.getLogger("ciuic.server")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
-
-
 
 
 class MissingRequest(BaseModel):
@@ -212,19 +212,37 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         allow(info, project, "reader")
         found = _resolve(project, snapshot_id)
         if found.status != "committed":
-            raise ApiError(410, "pruned", f"snapshot {found.short_id} was pruned: its tensors "
-                           "are gone (the manifest stays in the chain)")
+            raise _gone(found)
         try:
             return inspect.tensors(repo_of(project), found)
         except MissingKey as e:
             raise ApiError(422, "encrypted", f"snapshot {found.short_id} is encrypted; only "
                            f"clients holding the key can read it ({e})") from e
+        except UnreadableObject as e:
+            if _body_gone(project, found):
+                raise _gone(found) from e
+            raise ApiError(422, "damaged", f"snapshot {found.short_id} is damaged: {e}; "
+                           "`ciuic verify --deep` names every damaged object") from e
+
+    def _body_gone(project: str, found: SnapshotInfo) -> bool:
+        """Whether a snapshot's body was deleted (by any client); then the catalog says so."""
+        if repo_of(project).store.has(layout.body_key(found.project, found.job, found.body)):
+            return False
+        catalog.set_status(found.id, "pruned")
+        return True
+
+    def _gone(found: SnapshotInfo) -> ApiError:
+        return ApiError(410, "pruned", f"snapshot {found.short_id} was pruned: its tensors are "
+                        "gone (the manifest stays in the chain)")
 
     @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"])
     def snapshot_verify(info: Caller, project: str, snapshot_id: str,
                         deep: bool = False) -> dict[str, Any]:
         allow(info, project, "writer" if deep else "reader")  # deep re-reads every chunk
-        return inspect.verify(repo_of(project), _resolve(project, snapshot_id), deep)
+        found = _resolve(project, snapshot_id)
+        if found.status == "committed":
+            _body_gone(project, found)
+        return inspect.verify(repo_of(project), catalog.get(found.id), deep)
 
     def _resolve(project: str, snapshot_id: str) -> Any:
         if not re.fullmatch(r"[0-9a-f]{4,64}", snapshot_id):
@@ -339,7 +357,11 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             raise ApiError(403, "forbidden", "manifests are kept forever (they are the chain); "
                            "delete a snapshot with DELETE /v1/projects/P/snapshots/ID")
         repo_of(project).store.delete(key)
-        if layout.parse_body(key) is not None:
+        body = layout.parse_body(key)
+        if body is not None:  # a client's retention: the server's catalog follows at once
+            for snap in catalog.snapshots(body[0], body[1]):
+                if snap.body == body[2]:
+                    catalog.set_status(snap.id, "pruned")
             audit(catalog, f"key:{info.id}", project, "snapshot.prune", key, _remote(request))
         return {"key": key, "deleted": True}
 

@@ -68,5 +68,6 @@ def verify(repo: Repository, info: SnapshotInfo, deep: bool) -> dict[str, Any]:
     re-read and re-hash every chunk)."""
     report = verify_job(repo, info.project, info.job, deep=deep, only=info.id)
     return {"id": info.id, "ok": report.ok, "deep": deep,
+            "pruned": info.status != "committed" or report.pruned > 0,
             "chunks_checked": report.chunks_checked,
             "problems": [{"key": p.key, "reason": p.reason} for p in report.problems or []]}

@@ -20,9 +20,8 @@ from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.format.tree import Leaf, encode
 
 log = logging.getLogger("ciuic")
-RESERVED = ("rng", "ranks", "dist")  # "ranks", "dist": multi-rank bodies (ciuic.distsave)
+RESERVED = ("rng", "ranks", "dist")  # "ranks", "dist": multi-rank bodies (ciuic.distributed)
 _PREFIXES = ("_orig_mod.", "module.")
-
 
 
 @dataclass

@@ -33,10 +33,6 @@ T = TypeVar("T")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-
-
-
-
 class RetryingStore(Store):
     def __init__(self, inner: Store, attempts: int | None = None, timeout_s: float | None = None,
                  backoff_s: float | None = None) -> None:

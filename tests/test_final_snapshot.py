@@ -1,0 +1,68 @@
+"""A job that ends cleanly ends with its final state in the chain: close() (and leaving a with
+block normally) snapshots the last step given to step() when no snapshot holds it yet; leaving
+by an exception does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager
+
+
+def train(m: SnapshotManager, steps: range, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for step in steps:
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        m.step(step, model, opt)
+
+
+def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_clean_end_snapshots_the_last_step(store_dir: Path) -> None:
+    model, opt = parts()
+    with SnapshotManager("p", job="j", store=store_dir, save_interval=5) as m:
+        train(m, range(40), model, opt)
+    with SnapshotManager("p", job="j", store=store_dir) as again:
+        steps = [s.step for s in again.repo.catalog.snapshots("p", "j")]
+        assert steps == [0, 5, 10, 15, 20, 25, 30, 35, 39]
+        fresh, fresh_opt = parts()
+        assert again.restore(fresh, fresh_opt) == 39  # a rerun trains nothing twice
+        assert torch.equal(fresh.weight, model.weight)
+
+
+def test_close_takes_no_second_snapshot_of_a_snapshotted_step(store_dir: Path) -> None:
+    model, opt = parts()
+    m = SnapshotManager("p", job="k", store=store_dir, save_interval=5)
+    train(m, range(11), model, opt)  # step 10 is a snapshot step
+    m.close()
+    m.close()  # idempotent
+    with SnapshotManager("p", job="k", store=store_dir) as again:
+        assert [s.step for s in again.repo.catalog.snapshots("p", "k")] == [0, 5, 10]
+
+
+def test_an_exception_leaves_no_final_snapshot(store_dir: Path) -> None:
+    model, opt = parts()
+    with pytest.raises(RuntimeError, match="diverged"), SnapshotManager(
+            "p", job="x", store=store_dir, save_interval=5) as m:
+        train(m, range(8), model, opt)
+        raise RuntimeError("loss diverged")
+    with SnapshotManager("p", job="x", store=store_dir) as again:
+        assert [s.step for s in again.repo.catalog.snapshots("p", "x")] == [0, 5]
+
+
+def test_close_without_a_final_snapshot_when_asked(store_dir: Path) -> None:
+    model, opt = parts()
+    m = SnapshotManager("p", job="y", store=store_dir, save_interval=5)
+    train(m, range(3), model, opt)
+    m.close(final=False)
+    with SnapshotManager("p", job="y", store=store_dir) as again:
+        assert [s.step for s in again.repo.catalog.snapshots("p", "y")] == [0]
