@@ -25,7 +25,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from ciuic.catalog.models import Run
 from ciuic.chain import runs
+from ciuic.chain.lease import Lease
 from ciuic.distributed.collective import Collective
 from ciuic.errors import CaptureError, CiuicError, ConfigurationError
 from ciuic.format.crypto import ObjectCodec
@@ -161,11 +163,13 @@ class SnapshotManager:
         return self._session.interrupted
 
     @property
-    def previous_run(self) -> Any:
+    def previous_run(self) -> Run | None:
+        """The catalog's record of the job's previous run (how it ended), if any."""
         return self._session.previous_run
 
     @property
-    def lease(self) -> Any:
+    def lease(self) -> Lease | None:
+        """This run's lease on the job (rank 0; None on the other ranks)."""
         return self._session.lease
 
     # -- the training loop's calls -----------------------------------------------------------
