@@ -39,7 +39,6 @@ _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _HEX = r"[0-9a-f]{64}"
 _MANIFEST = re.compile(rf"^jobs/({_PART})/({_PART})/manifests/({_HEX})\.json$")
 _BODY = re.compile(rf"^jobs/({_PART})/({_PART})/bodies/({_HEX})\.json$")
-_JOB = re.compile(rf"^jobs/({_PART})/({_PART})/")
 _CHUNK = re.compile(rf"^chunks/[0-9a-f]{{2}}/({_HEX})$")
 _LEASE = re.compile(r"/leases/(\d{12})\.json$")
 
@@ -140,12 +139,6 @@ def parse_body(key: str) -> tuple[str, str, str] | None:
     """(project, job, body digest) of a body key, or None for any other key."""
     m = _BODY.match(key)
     return (m[1], m[2], m[3]) if m else None
-
-
-def parse_job(key: str) -> tuple[str, str] | None:
-    """(project, job) of any key under a job's prefix, or None."""
-    m = _JOB.match(key)
-    return (m[1], m[2]) if m else None
 
 
 def chunk_digest(key: str) -> str | None:
