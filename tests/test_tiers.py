@@ -161,6 +161,45 @@ def test_local_durability_drains_in_write_order_and_never_blocks_the_commit(
     assert all(k in before for k in remote.order if k.startswith("chunks/"))
 
 
+class StalledDeletes(MemoryStore):
+    """A memory store whose deletes wait for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled-deletes")
+        self.gate = threading.Event()
+
+    def delete(self, key: str) -> None:
+        self.gate.wait()
+        super().delete(key)
+
+
+def test_a_key_deleted_locally_reads_as_deleted_while_the_durable_tier_catches_up(
+        tmp_path: Path) -> None:
+    remote = StalledDeletes()
+    store = MirrorStore(open_store(tmp_path / "fast"), remote, durability="local")
+    try:
+        store.put("k/gone", b"old")
+        store.put("k/again", b"old")
+        assert store.flush() == 0 and remote.has("k/gone")
+        store.delete("k/gone")
+        store.delete("k/again")
+        store.put("k/again", b"new")  # while its remote delete is still stalled
+        assert remote.has("k/gone")  # the durable tier has not caught up yet...
+        assert not store.has("k/gone")  # ...and yet the mirror answers as the fast tier does
+        with pytest.raises(KeyError):
+            store.get("k/gone")
+        with pytest.raises(KeyError):
+            store.get_into("k/gone", [memoryview(bytearray(3))])
+        assert store.get("k/again") == b"new"
+    finally:
+        remote.gate.set()
+    assert store.flush() == 0
+    assert not remote.has("k/gone")
+    assert remote.get("k/again") == b"new"  # the upload followed the delete, not the reverse
+    assert not store.has("k/gone")
+    store.close()
+
+
 def test_a_failed_mirror_catches_up_on_the_next_run(tmp_path: Path, s3_endpoint: str) -> None:
     bucket = "ciuic-catch-up"
     url = f"s3://{bucket}/c?endpoint={s3_endpoint}"

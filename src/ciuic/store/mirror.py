@@ -56,6 +56,9 @@ class MirrorStore(Store):
         self._remote_has: set[str] = set()
         self._errors: list[BaseException] = []  # remote mode: raised by the next flush()
         self._failed: dict[str, Any] = {}  # local mode: key -> upload to retry before a commit
+        # local mode: key -> its pending remote delete. Such a key reads as deleted (the durable
+        # tier may still hold it for a moment), and a new put of it uploads after the delete.
+        self._deleting: dict[str, Future[Any]] = {}
         #: Background uploads that failed (``durability="local"`` only) and the last error.
         self.drain_errors = 0
         self.last_drain_error: BaseException | None = None
@@ -65,10 +68,14 @@ class MirrorStore(Store):
 
     # -- background uploads ------------------------------------------------------------------
 
-    def _submit(self, fn: Any, key: str, barrier: bool = False) -> Future[Any]:
+    def _submit(self, fn: Any, key: str, barrier: bool = False,
+                after: Future[Any] | None = None) -> Future[Any]:
+        """Run ``fn(key, earlier)`` in the background; ``earlier`` is every pending upload
+        (``barrier``) or the one future it must follow (``after``)."""
         with self._lock:
             pending = [f for f in self._pending if not f.done()]
-            future = self._pools.get().submit(self._run, fn, key, pending if barrier else [])
+            earlier = pending if barrier else [after] if after is not None else []
+            future = self._pools.get().submit(self._run, fn, key, earlier)
             self._pending = [*pending, future]
         return future
 
@@ -89,8 +96,9 @@ class MirrorStore(Store):
                             error)
             raise
 
-    def _upload(self, key: str, _earlier: list[Future[Any]]) -> None:
-        self._ensure(key, _earlier, check=self.durability == "local")
+    def _upload(self, key: str, earlier: list[Future[Any]]) -> None:
+        wait(earlier)  # a delete of the same key queued before this put
+        self._ensure(key, earlier, check=self.durability == "local")
 
     def _ensure(self, key: str, _earlier: list[Future[Any]], check: bool = True) -> None:
         """Upload ``key`` unless the durable tier has it (``check``: ask it first; local mode
@@ -118,6 +126,13 @@ class MirrorStore(Store):
         self.remote.delete(key)
         self._remote_has.discard(key)
 
+    def _forget(self, key: str, future: Future[Any]) -> None:
+        """A remote delete is done: the durable tier answers for ``key`` again (a failed one
+        stays pending, so this process goes on reading the key as deleted)."""
+        with self._lock:
+            if self._deleting.get(key) is future and future.exception() is None:
+                del self._deleting[key]
+
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait for the background uploads; return how many failed (local mode) or raise the
         first failure (remote mode)."""
@@ -141,7 +156,9 @@ class MirrorStore(Store):
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self._remote_has.discard(key)
         self.fast.put(key, data, durable=durable)
-        self._submit(self._upload, key)
+        with self._lock:
+            deleting = self._deleting.pop(key, None)
+        self._submit(self._upload, key, after=deleting)
         if durable and self.durability == "remote":
             self.flush()
 
@@ -167,17 +184,19 @@ class MirrorStore(Store):
         try:
             return self.fast.get(key)
         except ObjectNotFound as missing:
-            return self._fallback(missing, lambda: self.remote.get(key))
+            return self._fallback(key, missing, lambda: self.remote.get(key))
 
     def get_into(self, key: str, buffers: builtins.list[memoryview]) -> int:
         try:
             return self.fast.get_into(key, buffers)
         except ObjectNotFound as missing:
-            return self._fallback(missing, lambda: self.remote.get_into(key, buffers))
+            return self._fallback(key, missing, lambda: self.remote.get_into(key, buffers))
 
-    def _fallback(self, missing: ObjectNotFound, read: Callable[[], T]) -> T:
+    def _fallback(self, key: str, missing: ObjectNotFound, read: Callable[[], T]) -> T:
         """Read from the durable tier what the fast one lacks; in local mode an unreachable
-        durable tier counts as not having it either."""
+        durable tier counts as not having it either, and neither does a key being deleted."""
+        if key in self._deleting:
+            raise missing
         try:
             return read()
         except ObjectNotFound:
@@ -197,6 +216,8 @@ class MirrorStore(Store):
             # The writer will skip this object: make sure the durable tier gets it too.
             self._submit(self._ensure, key)
             return True
+        if key in self._deleting:
+            return False
         try:
             return self.remote.has(key)
         except StoreError:
@@ -214,13 +235,16 @@ class MirrorStore(Store):
             if self.durability == "remote":
                 raise
             log.warning("cannot list %s (%s); using the fast tier alone", self.remote.url, e)
-        return iter(sorted(keys))
+        return iter(sorted(keys - self._deleting.keys()))
 
     def delete(self, key: str) -> None:
         self._remote_has.discard(key)
         self.fast.delete(key)
         if self.durability == "local":  # in order, after any upload of the same key
-            self._submit(self._delete_remote, key, barrier=True)
+            future = self._submit(self._delete_remote, key, barrier=True)
+            with self._lock:
+                self._deleting[key] = future
+            future.add_done_callback(lambda done: self._forget(key, done))
         else:
             self.remote.delete(key)
 
