@@ -23,6 +23,7 @@ from ciuic.errors import (
     StateMismatch,
     StoreError,
 )
+from ciuic.format.adapters import register_adapter
 from ciuic.version import __version__
 
 if TYPE_CHECKING:
@@ -73,5 +74,6 @@ __all__ = [
     "StateHolder",
     "StateMismatch",
     "StoreError",
+    "register_adapter",
     "__version__",
 ]

@@ -16,6 +16,8 @@ Tagged forms (an object with exactly one key that starts with ``$``)::
     {"$tensor": {descriptor}}     torch.Tensor, bytes in chunks or inline
     {"$ndarray": {descriptor}}    numpy.ndarray
     {"$npscalar": {descriptor}}   NumPy scalar (np.float32(0.1) comes back as np.float32)
+    {"$adapted": {"type": NAME, "value": tree}}
+                                  a value of a class with a registered adapter (format/adapters.py)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ciuic.errors import CaptureError, IntegrityError
+from ciuic.format import adapters
 
 if TYPE_CHECKING:
     import numpy as np
@@ -114,6 +117,9 @@ def _plain_keys(d: dict[Any, Any]) -> bool:
 def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
     """Encode ``value`` found at ``path``; tensors are appended to ``leaves``."""
     np, torch = _loaded("numpy"), _loaded("torch")
+    adapter = adapters.exact_adapter(value)
+    if adapter is not None:
+        return _encode_adapted(adapter, value, path, leaves)
     if np is not None and isinstance(value, np.generic):  # first: np.float64 is a float
         if value.dtype.hasobject or value.dtype.kind in "SUV":
             return encode(value.item(), path, leaves)
@@ -159,12 +165,29 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         return {"$tuple": [encode(v, join(path, i), leaves) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode(v, join(path, i), leaves) for i, v in enumerate(value)]
+    adapter = adapters.adapter_for(value)
+    if adapter is not None:
+        return _encode_adapted(adapter, value, path, leaves)
     raise CaptureError(
         f"{path or 'value'}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
         "stored. Snapshots hold tensors, NumPy arrays and JSON-like values (dict, list, tuple, "
-        "str, int, float, bool, None, bytes); convert it, or give the object "
-        "state_dict()/load_state_dict() methods that return such values."
+        "str, int, float, bool, None, bytes); convert it, give the object "
+        "state_dict()/load_state_dict() methods that return such values, or register an "
+        "adapter for its class (ciuic.register_adapter)."
     )
+
+
+def _encode_adapted(adapter: adapters.Adapter, value: Any, path: str, leaves: list[Leaf]
+                    ) -> Json:
+    try:
+        plain = adapter.save(value)
+    except Exception as e:
+        raise CaptureError(f"{path or 'value'}: the adapter {adapter.name!r} failed to save "
+                           f"it ({type(e).__name__}: {e})") from e
+    if adapters.adapter_for(plain) is adapter:
+        raise CaptureError(f"{path or 'value'}: the adapter {adapter.name!r} returned a value of "
+                           "the class it adapts; its save must return plain values")
+    return {"$adapted": {"type": adapter.name, "value": encode(plain, path, leaves)}}
 
 
 def _check_distinct(d: dict[Any, Any], path: str) -> None:
@@ -213,36 +236,50 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
 LoadLeaf = Callable[[str, str, dict[str, Json]], Any]
 
 
-def decode(tree: Json, path: str, load_leaf: LoadLeaf) -> Any:
-    """Decode a tree; ``load_leaf(path, kind, descriptor)`` returns each tensor or array."""
+def decode(tree: Json, path: str, load_leaf: LoadLeaf, *, adapt: bool = True) -> Any:
+    """Decode a tree; ``load_leaf(path, kind, descriptor)`` returns each tensor or array.
+
+    ``adapt=False`` leaves adapted values as their plain trees (no adapter is called: for
+    listing leaves, or reading a snapshot without the code that wrote it)."""
     if tree is None or isinstance(tree, (bool, str, int)):
         return tree
     if isinstance(tree, list):
-        return [decode(v, join(path, i), load_leaf) for i, v in enumerate(tree)]
+        return [decode(v, join(path, i), load_leaf, adapt=adapt) for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         raise IntegrityError(f"{path}: unexpected {type(tree).__name__} in snapshot body")
     if len(tree) == 1:
         (tag, inner), = tree.items()
         if tag.startswith("$"):
+            if tag == "$adapted":
+                return _decode_adapted(inner, path, load_leaf, adapt)
             try:
-                return _decode_tagged(tag, inner, path, load_leaf)
+                return _decode_tagged(tag, inner, path, load_leaf, adapt)
             except IntegrityError:
                 raise
             except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
                 raise IntegrityError(f"{path}: malformed {tag} value in snapshot body: {e}") from e
-    return {k: decode(v, join(path, k), load_leaf) for k, v in tree.items()}
+    return {k: decode(v, join(path, k), load_leaf, adapt=adapt) for k, v in tree.items()}
 
 
-def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf) -> Any:
+def _decode_adapted(inner: Json, path: str, load_leaf: LoadLeaf, adapt: bool) -> Any:
+    if not (isinstance(inner, dict) and set(inner) == {"type", "value"}
+            and isinstance(inner["type"], str)):
+        raise IntegrityError(f"{path}: malformed $adapted value in snapshot body")
+    value = decode(inner["value"], path, load_leaf, adapt=adapt)
+    return adapters.load_adapted(inner["type"], value, path) if adapt else value
+
+
+def _decode_tagged(tag: str, inner: Json, path: str, load_leaf: LoadLeaf, adapt: bool) -> Any:
     if tag == "$float":
         return float(inner)
     if tag == "$tuple":
-        return tuple(decode(v, join(path, i), load_leaf) for i, v in enumerate(inner))
+        return tuple(decode(v, join(path, i), load_leaf, adapt=adapt)
+                     for i, v in enumerate(inner))
     if tag == "$dict":
         out = {}
         for i, (k, v) in enumerate(inner):
-            key = decode(k, join(path, f"<key {i}>"), load_leaf)
-            out[key] = decode(v, join(path, key), load_leaf)
+            key = decode(k, join(path, f"<key {i}>"), load_leaf, adapt=adapt)
+            out[key] = decode(v, join(path, key), load_leaf, adapt=adapt)
         return out
     if tag == "$bytes":
         return base64.b64decode(inner)
@@ -281,5 +318,5 @@ def walk_leaves(tree: Json, path: str = "") -> list[tuple[str, str, dict[str, Js
     def visit(path: str, kind: str, desc: dict[str, Json]) -> None:
         found.append((path, kind, desc))
 
-    decode(tree, path, visit)
+    decode(tree, path, visit, adapt=False)
     return found
