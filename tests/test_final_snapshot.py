@@ -66,3 +66,22 @@ def test_close_without_a_final_snapshot_when_asked(store_dir: Path) -> None:
     m.close(final=False)
     with SnapshotManager("p", job="y", store=store_dir) as again:
         assert [s.step for s in again.repo.catalog.snapshots("p", "y")] == [0]
+
+
+def test_the_framework_decides_with_step_snapshot(store_dir: Path) -> None:
+    model, opt = parts()
+    with SnapshotManager("p", job="j", store=store_dir, save_interval=5,
+                         asynchronous=False) as m:
+        took = [m.step(s, model, opt, snapshot=s in (3, 7)) for s in range(1, 11)]
+        assert took == [s in (3, 7) for s in range(1, 11)]  # save_interval=5 does not count
+        assert m.step(7, model, opt, snapshot=True) is False  # already the latest
+        assert m.step(11, model, opt) is False and m.step(15, model, opt) is True  # default
+        with pytest.raises(TypeError, match="True, False or None"):
+            m.step(16, model, opt, snapshot="yes")  # type: ignore[arg-type]
+        assert m.step(16, model, opt) is False
+        info = m.finish()  # the end of training, manager still open
+        assert info is not None and info.step == 16
+        assert m.finish() == info  # nothing new to snapshot
+        m.step(17, model, opt, snapshot=False)
+    with SnapshotManager("p", job="j", store=store_dir) as again:
+        assert [s.step for s in again.repo.catalog.snapshots("p", "j")] == [3, 7, 15, 16, 17]

@@ -174,14 +174,22 @@ class SnapshotManager:
 
     # -- the training loop's calls -----------------------------------------------------------
 
-    def step(self, step: int, model: Any = None, optimizer: Any = None, **extras: Any) -> bool:
+    def step(self, step: int, model: Any = None, optimizer: Any = None, *,
+             snapshot: bool | None = None, **extras: Any) -> bool:
         """Call after the optimizer update of ``step``; snapshots when due.
+
+        ``snapshot`` overrides the triggers for this step: True snapshots it (unless it is the
+        latest already), False does not; the default lets ``save_interval`` and
+        ``time_interval_s`` decide. Integrations pass the framework's own decision (a
+        ``Trainer``'s ``save_steps``). Signals are handled either way.
 
         Returns whether a snapshot was taken: started (its state staged, the write running in
         the background) when ``asynchronous``, committed otherwise. A failure to snapshot never
         stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
         latest.
         """
+        if snapshot is not None and not isinstance(snapshot, bool):
+            raise TypeError(f"step(snapshot=...) takes True, False or None, got {snapshot!r}")
         self._check_open()
         step = check_step(step)
         check_state_args("step", model, optimizer)
@@ -194,6 +202,8 @@ class SnapshotManager:
         if self.coll.enabled:
             try:
                 due, sig = self._policy.agree(step)
+                if snapshot is not None:  # the framework's decision, the same on every rank
+                    due = snapshot and step != self._policy.last_save_step
                 if sig:  # a signal on any rank stops every rank here
                     self._signals.pending = self._signals.pending or sig
                     self._emergency(step, model, optimizer, extras)
@@ -205,7 +215,9 @@ class SnapshotManager:
         if self._signals.pending is not None:
             self._emergency(step, model, optimizer, extras)
         self._session.heartbeat(step, now)
-        if not self._policy.due(step, self._policy.time_due(now)):
+        due = (self._policy.due(step, self._policy.time_due(now)) if snapshot is None
+               else snapshot and step != self._policy.last_save_step)
+        if not due:
             if not self._pipeline.reserved:
                 self._pipeline.reserve(model, optimizer, extras)
             return False
@@ -365,6 +377,16 @@ class SnapshotManager:
         if tp is not None and not issubclass(tp, SystemExit):
             self._session.record_end(f"exception:{tp.__name__}")
         self.close(final=tp is None)
+
+    def finish(self) -> SnapshotInfo | None:
+        """Snapshot the last step given to :meth:`step` unless a snapshot holds it already, and
+        wait until every snapshot is committed; return the latest snapshot. For the end of
+        training when the manager stays open (an integration's ``train()``); :meth:`close`
+        does the same."""
+        self._check_open()
+        self._final_snapshot()
+        self.wait()
+        return self.latest()
 
     def _final_snapshot(self) -> None:
         if self._last_state is None:

@@ -1,0 +1,155 @@
+"""The RNG at each batch fetch, recorded and replayed: bit-exact data augmentation on resume.
+
+A dataset that draws its augmentation from the global RNGs (``torch.rand`` in
+``__getitem__``) ties each batch to the RNG state at the moment it was fetched. Loaders fetch
+ahead of the training step (accelerate's ``DataLoaderShard`` fetches one batch ahead, a
+``Trainer`` with gradient accumulation several), so when a snapshot is taken after step N the
+batches N+1.. may already be fetched, from RNG states older than the snapshot's. Restoring the
+snapshot's RNG before the resumed loader fetches them again gives other augmentations than the
+uninterrupted run had: this is how Hugging Face's resume differs (transformers #39215), on top of
+restoring the RNG only after the first resumed batch is drawn.
+
+:class:`FetchRng` hooks a loader's batch sampler (the point just before each fetch) and keeps
+the RNG state at each of the last fetches. Its state in a snapshot is the states of the batches
+fetched but not yet trained on. On resume, the next pass over the sampler sets each of those
+states again just before its batch is fetched, and after them the snapshot's own RNG (the state
+at the snapshot, which the uninterrupted run continued from). A snapshot taken at the end of a
+pass sets the snapshot's RNG when the next pass starts, before the loader draws its seed.
+
+Exact for map-style datasets loaded in the main process (``num_workers=0``). Worker processes
+draw from their own RNGs, seeded by the loader: their streams are not replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from ciuic.errors import ConfigurationError
+from ciuic.state.capture import rng_state, set_rng_state
+
+log = logging.getLogger("ciuic")
+_KEEP = 256  # fetches remembered: more than any loader's look-ahead plus accumulation
+_classes: dict[type, type] = {}
+
+
+def _hooked_class(base: type) -> type:
+    """A subclass of ``base`` whose ``__iter__`` goes through the instance's recorder."""
+    if base in _classes:
+        return _classes[base]
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        recorder: FetchRng = self.__dict__["_ciuic_fetch_rng"]
+        return recorder.iterate(base.__iter__(self))  # type: ignore[attr-defined]
+
+    cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
+                                        "__qualname__": base.__qualname__})
+    _classes[base] = cls
+    return cls
+
+
+class FetchRng:
+    """Records the RNG before each batch a sampler hands out; replays it after a restore.
+
+    Its ``state_dict()``/``load_state_dict()`` make it an extra of a snapshot. The caller says
+    how many batches of the current pass the training has consumed (:meth:`at`), because only
+    the training loop knows.
+    """
+
+    def __init__(self) -> None:
+        self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._fetched = 0  # batches handed out in the current pass
+        self._consumed = 0
+        self._plan: dict[str, Any] | None = None
+        self.attached = False
+
+    def attach(self, batch_sampler: Any) -> bool:
+        """Hook ``batch_sampler`` (a loader's, before it is iterated). Returns False, hooking
+        nothing, for a loader without one (an iterable dataset)."""
+        if batch_sampler is None:
+            return False
+        if "_ciuic_fetch_rng" in getattr(batch_sampler, "__dict__", {}):
+            batch_sampler.__dict__["_ciuic_fetch_rng"] = self
+            self.attached = True
+            return True
+        try:
+            batch_sampler.__class__ = _hooked_class(type(batch_sampler))
+        except TypeError as e:
+            log.warning("cannot record the RNG at each batch of %s (%s): a resumed run's data "
+                        "augmentation may differ from the uninterrupted run's",
+                        type(batch_sampler).__name__, e)
+            return False
+        batch_sampler.__dict__["_ciuic_fetch_rng"] = self
+        self.attached = True
+        return True
+
+    def at(self, consumed: int) -> None:
+        """The training has consumed ``consumed`` batches of the current pass (0: it is at a
+        pass's end, or before the first)."""
+        if consumed < 0:
+            raise ValueError(f"consumed must be >= 0, got {consumed}")
+        self._consumed = consumed
+
+    # -- the sampler's side ------------------------------------------------------------------
+
+    def iterate(self, inner: Iterator[Any]) -> Iterator[Any]:
+        """Called when a pass starts (``iter(batch_sampler)``), before the loader draws its
+        seed: applies a pass-start replay now, and returns the hooked pass."""
+        plan, self._plan = self._plan, None
+        self._fetched = 0
+        self._states.clear()
+        if plan is not None and plan["final"] is None:
+            plan["final"] = rng_state()
+        if plan is not None and plan["consumed"] == 0:
+            set_rng_state(plan["final"])
+            plan = None
+        return self._pass(inner, plan)
+
+    def _pass(self, inner: Iterator[Any], plan: dict[str, Any] | None) -> Iterator[Any]:
+        pending: dict[int, Any] = plan["pending"] if plan else {}
+        for batch in inner:
+            self._fetched += 1
+            j = self._fetched
+            if plan is not None:
+                if j in pending:
+                    set_rng_state(pending[j])
+                elif j > plan["consumed"]:
+                    set_rng_state(plan["final"])
+                    plan = None
+            self._states[j] = rng_state()
+            if len(self._states) > _KEEP:
+                self._states.popitem(last=False)
+            yield batch
+        if plan is not None and self._fetched >= plan["consumed"]:
+            set_rng_state(plan["final"])  # the pass ended on fetched-ahead batches
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        consumed = self._consumed
+        if consumed == 0:
+            return {"consumed": 0, "pending": []}
+        missing = [j for j in range(consumed + 1, self._fetched + 1) if j not in self._states]
+        if missing:
+            log.warning("%d fetched-ahead batches are older than the %d remembered: their "
+                        "augmentation will differ on resume", len(missing), _KEEP)
+        return {"consumed": consumed,
+                "pending": [[j, self._states[j]] for j in range(consumed + 1, self._fetched + 1)
+                            if j in self._states]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replay on the next pass. The RNG it continues with after the replayed fetches is the
+        one current at :meth:`restored` (call it once the snapshot's RNG is back), else the one
+        current when the pass starts."""
+        if not isinstance(state, dict) or "consumed" not in state or "pending" not in state:
+            raise ConfigurationError("not a FetchRng state: expected 'consumed' and 'pending'")
+        self._plan = {"consumed": int(state["consumed"]),
+                      "pending": {int(j): s for j, s in state["pending"]},
+                      "final": None}
+
+    def restored(self) -> None:
+        """The snapshot's RNG is restored: it is the state to continue from after the replay."""
+        if self._plan is not None:
+            self._plan["final"] = rng_state()

@@ -1,0 +1,113 @@
+"""A tiny Hugging Face Trainer job for the integration tests (run as a subprocess).
+
+    python tests/helpers/hf_train.py --out DIR --mode ciuic|hf [--kill-at STEP]
+
+A GPT-2 built from a config (no download) with dropout, trained on random token sequences whose
+``__getitem__`` replaces 15 % of the tokens with draws from torch's global RNG. ``--kill-at``
+SIGKILLs the process at the end of that global step. ``--mode ciuic`` trains with CiuicTrainer
+into the store DIR/store; ``--mode hf`` with the plain Trainer, saving ``checkpoint-N`` folders
+in DIR/hf and resuming with ``resume_from_checkpoint=True`` when one exists. At a normal end it
+writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from ciuic import SnapshotManager
+from ciuic.integrations.transformers import CiuicTrainer
+
+VOCAB, LENGTH = 64, 16
+
+
+class Augmented(Dataset[dict[str, torch.Tensor]]):
+    """Fixed sequences; each fetch replaces 15 % of the tokens at random (global torch RNG)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.data = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.data[i].clone()
+        mask = torch.rand(LENGTH) < 0.15
+        ids[mask] = torch.randint(0, VOCAB, (int(mask.sum()),))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class KillAt(TrainerCallback):
+    """SIGKILL at the end of global step ``step`` (once the snapshots started before it are
+    committed, with ``manager``: so that the test knows which one the resume starts from)."""
+
+    def __init__(self, step: int | None, manager: SnapshotManager | None = None) -> None:
+        self.step = step
+        self.manager = manager
+
+    def on_step_end(self, args: object, state: object, control: object, **kw: object) -> None:
+        if self.step is not None and getattr(state, "global_step", None) == self.step:
+            if self.manager is not None:
+                self.manager.wait()
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["ciuic", "hf"], default="ciuic")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--save-steps", type=int, default=5)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--save-strategy", default="steps")
+    a = p.parse_args()
+    out = Path(a.out)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=str(out / "hf"), per_device_train_batch_size=4, num_train_epochs=a.epochs,
+        learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
+        gradient_accumulation_steps=a.accumulate, save_strategy=a.save_strategy,
+        save_steps=a.save_steps, logging_steps=5, report_to=[], seed=42, use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True)
+    common = {"model": model, "args": args, "train_dataset": Augmented(40)}
+    if a.mode == "ciuic":
+        with SnapshotManager("hf", job="tiny", store=out / "store",
+                             handle_signals=False) as manager:
+            trainer = CiuicTrainer(**common, callbacks=[KillAt(a.kill_at, manager)],
+                                   ciuic=manager)
+            trainer.train()
+            print("LATEST", manager.latest().step)  # type: ignore[union-attr]
+    else:
+        trainer = Trainer(**common, callbacks=[KillAt(a.kill_at)])
+        has = any(d.name.startswith("checkpoint-") for d in (out / "hf").glob("*"))
+        trainer.train(resume_from_checkpoint=True if has else None)
+    tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in
+               trainer.model.state_dict().items()}
+    opt = trainer.optimizer.state_dict()
+    for pid, st in opt["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
+    tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+    save_file(tensors, str(out / f"final-{a.mode}.safetensors"))
+    print("GLOBAL_STEP", trainer.state.global_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
