@@ -129,12 +129,12 @@ def test_an_adapter_that_returns_its_own_class_or_fails_is_a_capture_error() -> 
         pass
 
     register_adapter(Broken, "tests.Broken", save=lambda v: 1 / 0, load=lambda v: v)
-    with pytest.raises(CaptureError, match="tests.Broken.*failed to save.*ZeroDivisionError"):
+    with pytest.raises(CaptureError, match=r"tests\.Broken.*failed to save.*ZeroDivisionError"):
         encode(Broken())
 
 
 def test_a_failing_load_names_the_adapter() -> None:
     enc = {"$adapted": {"type": "tests.Loop", "value": {"wrong": 1}}}
-    with pytest.raises(ConfigurationError, match="'tests.Loop' could not rebuild.*KeyError"):
+    with pytest.raises(ConfigurationError, match=r"'tests\.Loop' could not rebuild.*KeyError"):
         tree.decode(enc, "v", lambda *a: None)
     assert adapters.adapter_for(Loop(1)) is not None

@@ -10,6 +10,7 @@ def test_public_api_is_guarded() -> None:
         "CorruptObject", "IntegrityError", "InvalidKey", "ObjectNotFound", "Repository",
         "RestoreError", "ResumableSampler", "SnapshotInfo", "SnapshotManager",
         "SnapshotNotFound", "StateHolder", "StateMismatch", "StoreError", "__version__",
+        "register_adapter",
     ])
     for name in ciuic.__all__:
         assert hasattr(ciuic, name), name

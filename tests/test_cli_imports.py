@@ -35,9 +35,10 @@ def ciuic(store: Path, *args: str) -> tuple[int, set[str]]:
 
 
 def test_import_ciuic_imports_no_torch_and_no_framework() -> None:
-    run = subprocess.run([sys.executable, "-c", "import sys, ciuic; print(sorted(m for m in "
-                          "('torch', 'numpy', 'transformers', 'lightning', 'accelerate', "
-                          "'deepspeed') if m in sys.modules))"],
+    run = subprocess.run([sys.executable, "-c", "import sys, ciuic, ciuic.integrations; "
+                          "print(sorted(m for m in ('torch', 'numpy', 'transformers', "
+                          "'lightning', 'pytorch_lightning', 'accelerate', 'deepspeed') "
+                          "if m in sys.modules))"],
                          capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "[]", run.stdout + run.stderr
 

@@ -74,6 +74,6 @@ __all__ = [
     "StateHolder",
     "StateMismatch",
     "StoreError",
-    "register_adapter",
     "__version__",
+    "register_adapter",
 ]

@@ -213,12 +213,14 @@ def _looks_like_job(repo: Repository, text: str) -> bool:
 
 @app.command("restore")
 def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
-            to: Annotated[Path, typer.Option("--to", help="Output file (.safetensors or .pt)")],
-            fmt: Annotated[str | None, typer.Option("--format",
-                                                    help="safetensors or torch")] = None,
+            to: Annotated[Path, typer.Option(
+                "--to", help="Output file (.safetensors or .pt), or folder (--format hf)")],
+            fmt: Annotated[str | None, typer.Option(
+                "--format", help="safetensors, torch, or hf: a save_pretrained folder that "
+                "from_pretrained loads (snapshots of CiuicTrainer)")] = None,
             state: Annotated[list[str] | None, typer.Option(
                 "--state", help="State(s) to export (default: model)")] = None) -> None:
-    """Export a snapshot's tensors as plain safetensors or torch file."""
+    """Export a snapshot's tensors as plain safetensors or torch file, or as an HF folder."""
     from ciuic.restore.export import export
 
     repo = current_repo()
@@ -229,6 +231,11 @@ def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or
         raise CiuicError(f"{e}\n{_intact_before(repo, info, to)}") from e
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     kind = fmt or ("safetensors" if to.suffix == ".safetensors" else "torch")
+    if kind == "hf":
+        console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}) of {info.ref} "
+                      f"({info.short_id}) to {to} as a Hugging Face folder (config.json, "
+                      f"model.safetensors): load it with from_pretrained({str(to)!r})")
+        return
     what = ("the model's" if not state else ", ".join(state))
     console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}, {what}) of {info.ref} "
                   f"({info.short_id}) to {to} in {kind} format"

@@ -38,6 +38,7 @@ import os
 from typing import Any, TypeVar
 
 import torch
+import transformers
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import compare_trainer_and_checkpoint_args
@@ -68,6 +69,14 @@ def _state_from_tree(tree: dict[str, Any]) -> TrainerState:
                     "(%s); they are dropped", ", ".join(dropped))
     return TrainerState(**{k: v for k, v in tree.items() if k in known})
 
+
+_HOOKS = ("_init_training_state", "_prepare_for_training", "_run_epoch", "_load_rng_state",
+          "_save_checkpoint", "_maybe_log_save_evaluate")
+if not all(callable(getattr(Trainer, name, None)) for name in _HOOKS):  # pragma: no cover
+    raise ImportError(
+        "ciuic.integrations.transformers needs transformers 5 (a Trainer with "
+        f"{', '.join(_HOOKS)}); this is transformers {transformers.__version__}: "
+        "pip install 'ciuic[transformers]'")
 
 register_adapter(TrainerState, "transformers.TrainerState", save=_state_to_tree,
                  load=_state_from_tree)
@@ -174,7 +183,7 @@ class _Ciuic:
                 state.best_model_checkpoint):
             state.best_model_checkpoint = None
         me.state = state
-        compare_trainer_and_checkpoint_args(me.args, me.state)
+        compare_trainer_and_checkpoint_args(me.args, me.state)  # type: ignore[no-untyped-call]
         me._load_callback_state()
         me.state.init_training_references(me, max_steps, num_train_epochs, trial)
         self._ciuic_loop = values.get("trainer_loop")

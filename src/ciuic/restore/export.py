@@ -1,14 +1,19 @@
-"""Exporting a snapshot's tensors to a plain file (``ciuic restore SNAP --to FILE``)."""
+"""Exporting a snapshot's tensors to a plain file (``ciuic restore SNAP --to FILE``), or a
+snapshot of a Hugging Face model to a ``save_pretrained`` folder (``--format hf``)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ciuic.chain.read import read_body
 from ciuic.chain.repo import Repository
 from ciuic.errors import CiuicError, ConfigurationError, SnapshotNotFound
 from ciuic.format.info import SnapshotInfo
@@ -24,36 +29,30 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     ``.pt``/``.pth``). The model's keys are kept as they are; other states' tensors are named
     ``STATE/PATH``. Returns the exported tensors.
     """
+    if fmt == "hf":
+        return export_hf(repo, info, dest)
     if fmt is not None and fmt not in ("safetensors", "torch"):
-        raise ConfigurationError(f"unknown format {fmt!r}: use --format safetensors or "
-                                 "--format torch")
+        raise ConfigurationError(f"unknown format {fmt!r}: use --format safetensors, torch "
+                                 "or hf")
     fmt = fmt or ("safetensors" if dest.suffix == ".safetensors" else
                   "torch" if dest.suffix in (".pt", ".pth", ".bin") else None)
     if fmt is None:
         raise ConfigurationError(f"cannot tell the format of {dest}: use a .safetensors or .pt "
                                  "file name, or --format safetensors|torch")
-    _, loaded = load_states(repo, info)
     names = states or ["model"]
-    missing = [n for n in names if n not in loaded]
-    if missing:
-        raise SnapshotNotFound(f"snapshot {info.short_id} has no state {missing}; it has: "
-                               f"{', '.join(sorted(loaded))}")
+    loaded = _load(repo, info, names)
     tensors: dict[str, torch.Tensor] = {}
     for name in names:
         flat_tensors(loaded[name], "" if names == ["model"] else name, tensors)
     if fmt == "safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError as e:
-            raise ConfigurationError("writing .safetensors needs the safetensors package: "
-                                     "pip install 'ciuic[safetensors]'") from e
+        _safetensors()
     # written beside it, then renamed: an existing file is replaced whole or not at all
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "safetensors":
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                      metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
+            _safetensors()({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                           metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
         else:
             torch.save(tensors, tmp)
         umask = os.umask(0)
@@ -65,4 +64,62 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()  # left only when the write failed or was interrupted
+    return tensors
+
+
+def _load(repo: Repository, info: SnapshotInfo, names: list[str]) -> dict[str, Any]:
+    """The states ``names`` of a snapshot, read and verified (the others are not read)."""
+    _, trees = read_body(repo, info)
+    missing = [n for n in names if n not in trees]
+    if missing:
+        raise SnapshotNotFound(f"snapshot {info.short_id} has no state {missing}; it has: "
+                               f"{', '.join(sorted(trees))}")
+    _, loaded = load_states(repo, info, skip=set(trees) - set(names), adapt=False)
+    return loaded
+
+
+def _safetensors() -> Any:
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ConfigurationError("writing .safetensors needs the safetensors package: "
+                                 "pip install 'ciuic[safetensors]'") from e
+    return save_file
+
+
+def export_hf(repo: Repository, info: SnapshotInfo, dest: Path) -> dict[str, torch.Tensor]:
+    """Write a snapshot taken by ``ciuic.integrations.transformers`` as the folder that
+    ``save_pretrained`` writes (``config.json``, ``model.safetensors``), which
+    ``from_pretrained(dest)`` loads. Every key of the model's state is written, tied weights
+    included (``from_pretrained`` ties them again)."""
+    _, trees = read_body(repo, info)
+    if "hf_config" not in trees or "model" not in trees:
+        raise ConfigurationError(
+            f"snapshot {info.short_id} ({info.ref}) holds no Hugging Face model config: only "
+            "snapshots taken by ciuic.integrations.transformers (CiuicTrainer) export as an "
+            "HF folder. Use --format safetensors for the bare tensors.")
+    loaded = _load(repo, info, ["model", "hf_config"])
+    tensors: dict[str, torch.Tensor] = {}
+    flat_tensors(loaded["model"], "", tensors)
+    save_file = _safetensors()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ConfigurationError(f"{dest} exists and is not an empty folder: choose a new "
+                                 "folder for the export")
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(loaded["hf_config"], indent=2,
+                                                    sort_keys=True) + "\n", encoding="utf-8")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "ciuic.snapshot": info.id,
+                            "ciuic.step": str(info.step)})
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if dest.exists():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except Exception as e:
+        raise CiuicError(f"cannot write {dest}: {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tensors

@@ -23,22 +23,23 @@ from ciuic.restore.leaves import BufferFor, leaf_buffer, materialize
 
 
 def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = (),
-                buffer_for: BufferFor | None = None) -> tuple[mf.Manifest, dict[str, Any]]:
+                buffer_for: BufferFor | None = None, *, adapt: bool = True
+                ) -> tuple[mf.Manifest, dict[str, Any]]:
     """Read and verify a snapshot's states (all but those in ``skip``) as Python values.
 
     Every read is in flight at once (a thread pool), straight into its tensor's memory, which is
     never zero-filled first. ``buffer_for(path, nbytes)`` may lend a flat uint8 buffer to read a
     leaf into (reused memory); it returns None to let the reader allocate one. Everything is
     read and checked before anything is returned, so a damaged snapshot never reaches live
-    objects.
+    objects. ``adapt=False`` leaves adapted values (format/adapters.py) as plain trees.
     """
     m, states = read_body(repo, info)
     wanted = {k: v for k, v in states.items() if k not in skip}
-    return m, load_trees(repo, wanted, buffer_for)
+    return m, load_trees(repo, wanted, buffer_for, adapt=adapt)
 
 
-def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor | None = None
-               ) -> dict[str, Any]:
+def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor | None = None,
+               *, adapt: bool = True) -> dict[str, Any]:
     """Read, verify and decode state trees (name -> tree) into Python values.
 
     Buffers are kept per descriptor, not per path: snapshots written before ciuic refused
@@ -79,4 +80,4 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
         return materialize(path, kind, desc, buffers[id(desc)])
 
-    return {name: decode(tree, name, load_leaf) for name, tree in wanted.items()}
+    return {name: decode(tree, name, load_leaf, adapt=adapt) for name, tree in wanted.items()}

@@ -53,7 +53,7 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
     with_stats = sum(row["bytes"] for row in rows) <= STATS_MAX_BYTES
     if with_stats:
         with _ONE_AT_A_TIME:  # statistics read whole snapshots: never several at once
-            states = load_trees(repo, trees)
+            states = load_trees(repo, trees, adapt=False)
         values: dict[str, torch.Tensor] = {}
         for name, value in states.items():
             flat_tensors(value, name, values)

@@ -1,0 +1,85 @@
+"""FetchRng: the RNG at each batch fetch recorded, and replayed after a restore, so that a
+dataset drawing its augmentation from the global RNGs gives the uninterrupted run's batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ciuic.state.capture import rng_state, set_rng_state
+from ciuic.state.replay import FetchRng
+
+
+class Noisy(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return i + torch.rand(())  # augmentation from the global RNG
+
+
+def ahead(loader: DataLoader[Any]) -> Iterator[torch.Tensor]:
+    """Yield batches one fetch ahead, as accelerate's DataLoaderShard does."""
+    it = iter(loader)
+    current = next(it, None)
+    while current is not None:
+        following = next(it, None)
+        yield current
+        current = following
+
+
+def make() -> tuple[DataLoader[Any], FetchRng]:
+    loader = DataLoader(Noisy(), batch_size=4, shuffle=False)
+    fetch = FetchRng()
+    assert fetch.attach(loader.batch_sampler)
+    return loader, fetch
+
+
+def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None
+        ) -> tuple[list[torch.Tensor], Any]:
+    """Train-like loop: per batch one more RNG draw (dropout). ``stop=(epoch, step)``: return the
+    snapshot (RNG + FetchRng state) taken after that step; ``resume``: start from one."""
+    loader, fetch = make()
+    seen: list[torch.Tensor] = []
+    start_epoch, skip = 0, 0
+    if resume is not None:
+        (start_epoch, skip), rng, data = resume
+        fetch.load_state_dict(data)
+        set_rng_state(rng)
+        fetch.restored()
+    else:
+        torch.manual_seed(0)
+    for epoch in range(start_epoch, epochs):
+        for step, batch in enumerate(ahead(loader), 1):
+            if epoch == start_epoch and step <= skip:
+                continue  # consumed before the snapshot (the loader's skipping)
+            seen.append(batch + torch.rand(()))  # the training step's own draw
+            if stop == (epoch, step):
+                fetch.at(step if step < len(loader) else 0)
+                at = (epoch, step) if step < len(loader) else (epoch + 1, 0)
+                return seen, (at, rng_state(), fetch.state_dict())
+        skip = 0
+    return seen, None
+
+
+def test_resuming_mid_pass_and_at_a_pass_end_gives_the_same_batches() -> None:
+    full, _ = run(3)
+    for stop in [(1, 2), (0, 5), (1, 6), (2, 1)]:
+        before, snap = run(3, stop=stop)
+        after, _ = run(3, resume=snap)
+        assert len(before) + len(after) == len(full)
+        assert all(torch.equal(a, b) for a, b in zip(before + after, full, strict=True)), stop
+
+
+def test_without_the_replay_the_batches_differ() -> None:
+    full, _ = run(2)
+    before, (at, rng, _) = run(2, stop=(1, 2))
+    after, _ = run(2, resume=(at, rng, {"consumed": 0, "pending": []}))
+    assert not all(torch.equal(a, b) for a, b in zip(before + after, full, strict=True))
+
+
+def test_a_loader_without_batch_sampler_is_not_hooked() -> None:
+    assert FetchRng().attach(None) is False

@@ -1,0 +1,161 @@
+"""The Hugging Face Trainer integration, against the real transformers (tests/helpers/hf_train.py).
+
+Each scenario runs the job as a subprocess, SIGKILLs it, runs the same command again, and
+compares every model and optimizer tensor with the uninterrupted run's (torch.equal)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.serverutil import cli
+
+transformers = pytest.importorskip("transformers", reason="pip install 'ciuic[transformers]'")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HELPER = Path(__file__).parent / "helpers" / "hf_train.py"
+
+
+def job(out: Path, *args: str, failpoints: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(HELPER), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def killed(run: subprocess.CompletedProcess[str]) -> None:
+    assert run.returncode == -9, (run.returncode, run.stderr[-3000:])
+
+
+def resumed_at(run: subprocess.CompletedProcess[str]) -> int:
+    found = re.search(r"Resuming the Trainer at global step (\d+)", run.stderr)
+    assert found, run.stderr[-3000:]
+    return int(found.group(1))
+
+
+def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = safetensors_torch.load_file(
+        str(out / f"final-{mode}.safetensors"))
+    return loaded
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optimizer/") for k in a) and any(k.startswith("model/") for k in a)
+    return {k: (a[k].double() - b[k].double()).abs().max().item()
+            for k in a if not torch.equal(a[k], b[k])}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted job: 3 epochs of 10 steps, snapshots every 5 steps."""
+    out = tmp_path_factory.mktemp("hf-reference")
+    run = finished(job(out))
+    assert "LATEST 30" in run.stdout  # the end of training is in the chain
+    yield out
+
+
+def test_killed_mid_epoch_after_epoch_0_and_again_after_the_resume_it_ends_bit_exact(
+        reference: Path, tmp_path: Path) -> None:
+    killed(job(tmp_path, "--kill-at", "17"))  # epoch 1, not a snapshot step
+    killed(second := job(tmp_path, "--kill-at", "24"))
+    assert resumed_at(second) == 15  # mid-epoch: 5 batches into epoch 1
+    third = finished(job(tmp_path))
+    assert resumed_at(third) == 20
+    assert not list((tmp_path / "hf").glob("checkpoint-*"))  # no HF folders: the chain only
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+def test_a_kill_inside_a_snapshot_write_resumes_from_the_one_before(reference: Path,
+                                                                    tmp_path: Path) -> None:
+    killed(job(tmp_path, failpoints="body.put=kill@3"))  # while writing step 15's snapshot
+    again = finished(job(tmp_path))
+    assert resumed_at(again) == 10  # an epoch's end: the next epoch starts afresh
+    assert differences(final(reference), final(tmp_path)) == {}
+    # and the finished job, run again, trains nothing
+    (tmp_path / "final-ciuic.safetensors").unlink()
+    third = finished(job(tmp_path))
+    assert resumed_at(third) == 30 and "GLOBAL_STEP 30" in third.stdout
+    assert "'loss'" not in third.stdout  # no training step was logged
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+def test_a_snapshot_exports_as_a_folder_that_from_pretrained_loads(reference: Path,
+                                                                    tmp_path: Path) -> None:
+    run = cli(reference / "store", "restore", "hf/tiny@latest", "--to", str(tmp_path / "hf"),
+              "--format", "hf")
+    assert run.returncode == 0, run.stderr
+    assert "from_pretrained" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json",
+                                                                  "model.safetensors"]
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    trained = final(reference)
+    state = model.state_dict()
+    assert all(torch.equal(v, trained[f"model/{k}"]) for k, v in state.items())
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    again = cli(reference / "store", "restore", "hf/tiny@latest", "--to", str(tmp_path / "hf"),
+                "--format", "hf")
+    assert again.returncode != 0 and "not an empty folder" in again.stderr
+
+
+def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
+    from ciuic import ConfigurationError, SnapshotManager
+    from ciuic.integrations.transformers import CiuicTrainer, with_ciuic
+
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                     n_head=1, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True,
+                                          report_to=[], max_steps=2)
+    with pytest.raises(ConfigurationError, match="needs ciuic=SnapshotManager"):
+        CiuicTrainer(model=model, args=args)
+    with pytest.raises(TypeError, match=r"takes a ciuic\.SnapshotManager"):
+        CiuicTrainer(model=model, args=args, ciuic="proj")
+    with pytest.raises(TypeError, match=r"takes a transformers\.Trainer class"):
+        with_ciuic(dict)
+    assert with_ciuic(CiuicTrainer) is CiuicTrainer
+    assert issubclass(CiuicTrainer, transformers.Trainer)
+    ds = [{"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 4])}] * 4
+    with SnapshotManager("p", job="j", store=tmp_path / "s", handle_signals=False) as m:
+        trainer = CiuicTrainer(model=model, args=args, train_dataset=ds, ciuic=m)
+        trainer.train()
+        with pytest.raises(ConfigurationError, match="already has snapshots"):
+            trainer.train(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-2"))
+        # a plain manager reads such a snapshot only with the adapter the integration registers
+        info = m.latest()
+        assert info is not None and info.step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["--accumulate", "2", "--save-steps", "3"],
+                                     ["--save-strategy", "epoch"]],
+                         ids=["gradient-accumulation", "save-per-epoch"])
+def test_other_schedules_resume_bit_exact(tmp_path: Path, variant: list[str]) -> None:
+    finished(job(tmp_path / "a", *variant))
+    killed(job(tmp_path / "b", *variant, "--kill-at", "8" if "--accumulate" in variant
+               else "23"))
+    finished(job(tmp_path / "b", *variant))
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
+def test_hf_own_resume_is_not_bit_exact_which_docs_integrations_records(tmp_path: Path) -> None:
+    """The comparison in docs/integrations.md: the same kill, resumed by HF itself."""
+    finished(job(tmp_path / "a", "--mode", "hf"))
+    killed(job(tmp_path / "b", "--mode", "hf", "--kill-at", "17"))
+    finished(job(tmp_path / "b", "--mode", "hf"))
+    diff = differences(final(tmp_path / "a", "hf"), final(tmp_path / "b", "hf"))
+    print(f"HF resume: {len(diff)} tensors differ, max abs diff {max(diff.values()):.3g}")
+    assert diff, "HF's own resume became bit-exact: update docs/integrations.md"
