@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -31,45 +32,48 @@ def ahead(loader: DataLoader[Any]) -> Iterator[torch.Tensor]:
         current = following
 
 
-def make() -> tuple[DataLoader[Any], FetchRng]:
-    loader = DataLoader(Noisy(), batch_size=4, shuffle=False)
-    fetch = FetchRng()
+def make(shuffle: bool = False, skip: bool = False) -> tuple[DataLoader[Any], FetchRng]:
+    loader = DataLoader(Noisy(), batch_size=4, shuffle=shuffle)  # shuffle: order from the RNG
+    fetch = FetchRng(skip=skip)
     assert fetch.attach(loader.batch_sampler)
     return loader, fetch
 
 
-def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None
-        ) -> tuple[list[torch.Tensor], Any]:
+def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None,
+        shuffle: bool = False, skip: bool = False) -> tuple[list[torch.Tensor], Any]:
     """Train-like loop: per batch one more RNG draw (dropout). ``stop=(epoch, step)``: return the
     snapshot (RNG + FetchRng state) taken after that step; ``resume``: start from one."""
-    loader, fetch = make()
+    loader, fetch = make(shuffle, skip)
     seen: list[torch.Tensor] = []
-    start_epoch, skip = 0, 0
+    start_epoch, skip_n = 0, 0
     if resume is not None:
-        (start_epoch, skip), rng, data = resume
+        (start_epoch, skip_n), rng, data = resume
         fetch.load_state_dict(data)
         set_rng_state(rng)
         fetch.restored()
     else:
         torch.manual_seed(0)
     for epoch in range(start_epoch, epochs):
-        for step, batch in enumerate(ahead(loader), 1):
-            if epoch == start_epoch and step <= skip:
-                continue  # consumed before the snapshot (the loader's skipping)
+        for step, batch in enumerate(ahead(loader), 1 + (skip_n if skip else 0)):
+            if not skip and epoch == start_epoch and step <= skip_n:
+                continue  # consumed before the snapshot (the loop skips them)
             seen.append(batch + torch.rand(()))  # the training step's own draw
             if stop == (epoch, step):
                 fetch.at(step if step < len(loader) else 0)
                 at = (epoch, step) if step < len(loader) else (epoch + 1, 0)
                 return seen, (at, rng_state(), fetch.state_dict())
-        skip = 0
+        skip_n = 0
     return seen, None
 
 
-def test_resuming_mid_pass_and_at_a_pass_end_gives_the_same_batches() -> None:
-    full, _ = run(3)
+@pytest.mark.parametrize(("shuffle", "skip"), [(False, False), (True, False), (True, True)],
+                         ids=["in-order", "shuffled-by-the-global-rng", "the-sampler-skips"])
+def test_resuming_mid_pass_and_at_a_pass_end_gives_the_same_batches(shuffle: bool,
+                                                                    skip: bool) -> None:
+    full, _ = run(3, shuffle=shuffle)
     for stop in [(1, 2), (0, 5), (1, 6), (2, 1)]:
-        before, snap = run(3, stop=stop)
-        after, _ = run(3, resume=snap)
+        before, snap = run(3, stop=stop, shuffle=shuffle, skip=skip)
+        after, _ = run(3, resume=snap, shuffle=shuffle, skip=skip)
         assert len(before) + len(after) == len(full)
         assert all(torch.equal(a, b) for a, b in zip(before + after, full, strict=True)), stop
 

@@ -67,28 +67,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield out
 
 
-def test_killed_mid_epoch_after_epoch_0_and_again_after_the_resume_it_ends_bit_exact(
+def test_killed_mid_epoch_then_inside_a_snapshot_write_it_ends_bit_exact(
         reference: Path, tmp_path: Path) -> None:
     killed(job(tmp_path, "--kill-at", "17"))  # epoch 1, not a snapshot step
-    killed(second := job(tmp_path, "--kill-at", "24"))
-    assert resumed_at(second) == 15  # mid-epoch: 5 batches into epoch 1
+    # resumed mid-epoch from step 15, then killed while writing step 20's snapshot
+    killed(second := job(tmp_path, failpoints="body.put=kill@1"))
+    assert resumed_at(second) == 15  # 5 batches into epoch 1
     third = finished(job(tmp_path))
-    assert resumed_at(third) == 20
+    assert resumed_at(third) == 15  # step 20's snapshot never committed
     assert not list((tmp_path / "hf").glob("checkpoint-*"))  # no HF folders: the chain only
     assert differences(final(reference), final(tmp_path)) == {}
-
-
-def test_a_kill_inside_a_snapshot_write_resumes_from_the_one_before(reference: Path,
-                                                                    tmp_path: Path) -> None:
-    killed(job(tmp_path, failpoints="body.put=kill@3"))  # while writing step 15's snapshot
-    again = finished(job(tmp_path))
-    assert resumed_at(again) == 10  # an epoch's end: the next epoch starts afresh
-    assert differences(final(reference), final(tmp_path)) == {}
-    # and the finished job, run again, trains nothing
+    # the finished job, run again, trains nothing
     (tmp_path / "final-ciuic.safetensors").unlink()
-    third = finished(job(tmp_path))
-    assert resumed_at(third) == 30 and "GLOBAL_STEP 30" in third.stdout
-    assert "'loss'" not in third.stdout  # no training step was logged
+    fourth = finished(job(tmp_path))
+    assert resumed_at(fourth) == 30 and "GLOBAL_STEP 30" in fourth.stdout
+    assert "'loss'" not in fourth.stdout  # no training step was logged
     assert differences(final(reference), final(tmp_path)) == {}
 
 
@@ -139,13 +132,15 @@ def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [["--accumulate", "2", "--save-steps", "3"],
-                                     ["--save-strategy", "epoch"]],
-                         ids=["gradient-accumulation", "save-per-epoch"])
-def test_other_schedules_resume_bit_exact(tmp_path: Path, variant: list[str]) -> None:
+@pytest.mark.parametrize(("variant", "kill"), [
+    (["--accumulate", "2", "--save-steps", "3"], "8"),
+    (["--save-strategy", "epoch"], "23"),
+    (["--eval", "--save-steps", "10"], "13"),  # an epoch's last step, evaluated after it
+], ids=["gradient-accumulation", "save-per-epoch", "epoch-end-with-evaluation"])
+def test_other_schedules_resume_bit_exact(tmp_path: Path, variant: list[str],
+                                          kill: str) -> None:
     finished(job(tmp_path / "a", *variant))
-    killed(job(tmp_path / "b", *variant, "--kill-at", "8" if "--accumulate" in variant
-               else "23"))
+    killed(job(tmp_path / "b", *variant, "--kill-at", kill))
     finished(job(tmp_path / "b", *variant))
     assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
 

@@ -71,6 +71,7 @@ def main() -> int:
     p.add_argument("--save-steps", type=int, default=5)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--save-strategy", default="steps")
+    p.add_argument("--eval", action="store_true", help="evaluate at each epoch's end")
     a = p.parse_args()
     out = Path(a.out)
     torch.manual_seed(0)
@@ -83,8 +84,10 @@ def main() -> int:
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
         gradient_accumulation_steps=a.accumulate, save_strategy=a.save_strategy,
         save_steps=a.save_steps, logging_steps=5, report_to=[], seed=42, use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True)
-    common = {"model": model, "args": args, "train_dataset": Augmented(40)}
+        dataloader_num_workers=0, disable_tqdm=True,
+        eval_strategy="epoch" if a.eval else "no")
+    common = {"model": model, "args": args, "train_dataset": Augmented(40),
+              "eval_dataset": Augmented(8) if a.eval else None}
     if a.mode == "ciuic":
         with SnapshotManager("hf", job="tiny", store=out / "store",
                              handle_signals=False) as manager:

@@ -99,6 +99,7 @@ class _Ciuic:
         self._ciuic_resumed = False
         self._ciuic_loop: dict[str, Any] | None = None
         self._ciuic_due = False
+        self._ciuic_deferred: int | None = None  # a due step snapshotted at its epoch's end
         self._ciuic_steps_per_epoch = 0
         self._ciuic_config: dict[str, Any] | None = None
         self._ciuic_warned_workers = False
@@ -132,6 +133,7 @@ class _Ciuic:
             self._ciuic_try_restore = True
             resume_from_checkpoint = None
         self._ciuic_resumed = False
+        self._ciuic_deferred = None
         out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         latest = self.ciuic.finish()  # the last step, so that JOB@latest is the trained model
         if latest is not None and me.args.should_log:
@@ -239,10 +241,18 @@ class _Ciuic:
         self._ciuic_due = False
         out = super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
-        per_epoch = max(self._ciuic_steps_per_epoch, 1)
-        self._ciuic_fetch.at(me.state.global_step % per_epoch
-                             * me.args.gradient_accumulation_steps)
-        self.ciuic.step(me.state.global_step, me.model, me.optimizer, snapshot=self._ciuic_due,
+        step = me.state.global_step
+        in_epoch = step % max(self._ciuic_steps_per_epoch, 1)
+        due = self._ciuic_due
+        if self._ciuic_deferred == step:  # the epoch-end call of the deferred step below
+            due, self._ciuic_deferred = True, None
+        elif due and in_epoch == 0:
+            # an epoch's last step, inside the epoch: snapshot at the epoch-end call that
+            # follows, after the epoch's evaluation, whose RNG draws (a loader's seed, the eval
+            # set's augmentation) a resume from here would not repeat
+            self._ciuic_deferred, due = step, False
+        self._ciuic_fetch.at(in_epoch * me.args.gradient_accumulation_steps)
+        self.ciuic.step(step, me.model, me.optimizer, snapshot=due,
                         trainer_state=me.state, trainer_loop=self._ciuic_loop_state(),
                         **self._ciuic_objects(), **self._ciuic_model_config())
         return out

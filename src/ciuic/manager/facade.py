@@ -168,6 +168,13 @@ class SnapshotManager:
         return self._session.previous_run
 
     @property
+    def signal_pending(self) -> bool:
+        """Whether a handled signal (SIGTERM, SIGINT) arrived: the next :meth:`step` that is
+        given the state takes the emergency snapshot and exits. Integrations that pass the
+        state only on due steps pass it when this is True."""
+        return self._signals.pending is not None
+
+    @property
     def lease(self) -> Lease | None:
         """This run's lease on the job (rank 0; None on the other ranks)."""
         return self._session.lease

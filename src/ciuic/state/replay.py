@@ -10,11 +10,14 @@ uninterrupted run had: this is how Hugging Face's resume differs (transformers #
 restoring the RNG only after the first resumed batch is drawn.
 
 :class:`FetchRng` hooks a loader's batch sampler (the point just before each fetch) and keeps
-the RNG state at each of the last fetches. Its state in a snapshot is the states of the batches
-fetched but not yet trained on. On resume, the next pass over the sampler sets each of those
-states again just before its batch is fetched, and after them the snapshot's own RNG (the state
-at the snapshot, which the uninterrupted run continued from). A snapshot taken at the end of a
-pass sets the snapshot's RNG when the next pass starts, before the loader draws its seed.
+the RNG state at each of the last fetches, and at the start of the pass. Its state in a snapshot
+is the states of the batches fetched but not yet trained on, and the pass's start. On resume, the
+next pass starts from that start state (a sampler drawing its order from the global RNG draws
+the same order), sets each pending state again just before its batch is fetched, and after them
+the snapshot's own RNG (the state at the snapshot, which the uninterrupted run continued from).
+A snapshot taken at the end of a pass sets the snapshot's RNG when the next pass starts, before
+the loader draws its seed. With ``skip``, the batches consumed before the snapshot are not
+handed out again (for loaders that do not skip them themselves).
 
 Exact for map-style datasets loaded in the main process (``num_workers=0``). Worker processes
 draw from their own RNGs, seeded by the loader: their streams are not replayed.
@@ -58,8 +61,12 @@ class FetchRng:
     the training loop knows.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, skip: bool = False) -> None:
+        #: on resume, also skip the batches the snapshot had consumed (for a framework whose
+        #: loader does not skip them itself, such as Lightning with a plain DataLoader)
+        self.skip = skip
         self._states: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._start: dict[str, Any] | None = None  # the RNG when the current pass began
         self._fetched = 0  # batches handed out in the current pass
         self._consumed = 0
         self._plan: dict[str, Any] | None = None
@@ -108,14 +115,24 @@ class FetchRng:
         return self._pass(inner, plan)
 
     def _pass(self, inner: Iterator[Any], plan: dict[str, Any] | None) -> Iterator[Any]:
+        # first pull of the pass: a sampler that draws its order from the global RNG (a
+        # RandomSampler without generator) draws it now, so the resumed pass starts from the
+        # RNG the original pass started from
+        if plan is not None and plan.get("start") is not None:
+            set_rng_state(plan["start"])
+        self._start = rng_state()
         pending: dict[int, Any] = plan["pending"] if plan else {}
+        skip = plan is not None and self.skip
         for batch in inner:
             self._fetched += 1
             j = self._fetched
             if plan is not None:
-                if j in pending:
+                if j <= plan["consumed"]:
+                    if skip:
+                        continue  # trained on before the snapshot: not fetched again
+                elif j in pending:
                     set_rng_state(pending[j])
-                elif j > plan["consumed"]:
+                else:
                     set_rng_state(plan["final"])
                     plan = None
             self._states[j] = rng_state()
@@ -135,7 +152,7 @@ class FetchRng:
         if missing:
             log.warning("%d fetched-ahead batches are older than the %d remembered: their "
                         "augmentation will differ on resume", len(missing), _KEEP)
-        return {"consumed": consumed,
+        return {"consumed": consumed, "start": self._start,
                 "pending": [[j, self._states[j]] for j in range(consumed + 1, self._fetched + 1)
                             if j in self._states]}
 
@@ -145,7 +162,7 @@ class FetchRng:
         current when the pass starts."""
         if not isinstance(state, dict) or "consumed" not in state or "pending" not in state:
             raise ConfigurationError("not a FetchRng state: expected 'consumed' and 'pending'")
-        self._plan = {"consumed": int(state["consumed"]),
+        self._plan = {"consumed": int(state["consumed"]), "start": state.get("start"),
                       "pending": {int(j): s for j, s in state["pending"]},
                       "final": None}
 

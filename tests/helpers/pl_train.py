@@ -1,0 +1,134 @@
+"""A tiny Lightning fit for the integration tests (run as a subprocess, or under torchrun).
+
+    python tests/helpers/pl_train.py --out DIR --mode ciuic|pl [--kill-at STEP] [--ddp]
+
+An MLP with dropout on random data whose ``__getitem__`` adds noise from torch's global RNG,
+shuffled by a plain ``DataLoader(shuffle=True)`` (its order also drawn from the global RNG), with
+Adam and a StepLR scheduler. ``--kill-at`` SIGKILLs the process (every rank: each kills itself)
+at the end of that global step. ``--mode ciuic`` fits with CiuicCallback into DIR/store;
+``--mode pl`` with Lightning's ModelCheckpoint (every 5 steps, DIR/pl) and ``ckpt_path="last"``.
+``--package pytorch_lightning`` uses that package instead of ``lightning.pytorch``. At a normal
+end rank 0 writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["ciuic", "pl"], default="ciuic")
+    p.add_argument("--package", default="lightning.pytorch")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--val", action="store_true", help="validate at each epoch's end")
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--accumulate", type=int, default=1)
+    a = p.parse_args()
+    pl: Any = importlib.import_module(a.package)
+    out = Path(a.out)
+    ciuic_mod = importlib.import_module(
+        "ciuic.integrations.lightning" if a.package == "lightning.pytorch"
+        else "ciuic.integrations.pytorch_lightning")
+
+    class Tiny(pl.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"width": 32, "lr": 0.01})
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3),
+                                     nn.Linear(32, 3))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=0.01)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)]
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(Noisy(48), batch_size=4, shuffle=True)
+
+        def val_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(Noisy(8), batch_size=4)
+
+    class KillAt(pl.Callback):  # type: ignore[misc,name-defined]
+        def __init__(self, step: int | None, ciuic: Any = None) -> None:
+            self.step, self.ciuic = step, ciuic
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if self.step is not None and trainer.global_step == self.step:
+                if self.ciuic is not None and self.ciuic.manager is not None:
+                    self.ciuic.manager.wait()
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.manual_seed(0)
+    model = Tiny()
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # each rank its own RNG stream
+    callbacks: list[Any] = []
+    ckpt_path = None
+    if a.mode == "ciuic":
+        ciuic = ciuic_mod.CiuicCallback("pl", job="tiny", store=str(out / "store"),
+                                        every_n_train_steps=a.every, handle_signals=False)
+        callbacks = [ciuic, KillAt(a.kill_at, ciuic)]  # ciuic first: its snapshot, then kill
+    else:
+        callbacks = [pl.callbacks.ModelCheckpoint(dirpath=str(out / "pl"), save_last=True,
+                                                  every_n_train_steps=a.every, save_top_k=-1),
+                     KillAt(a.kill_at)]
+        if (out / "pl" / "last.ckpt").exists():
+            ckpt_path = "last"
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", devices=2 if a.ddp else 1,
+        strategy="ddp" if a.ddp else "auto", callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=a.mode == "pl", num_sanity_val_steps=0 if not a.val else 2,
+        limit_val_batches=None if a.val else 0, accumulate_grad_batches=a.accumulate,
+        default_root_dir=str(out / "root"))
+    trainer.fit(model, ckpt_path=ckpt_path)
+    if trainer.global_rank == 0:
+        tensors = {f"model/{k}": v.detach().clone().contiguous()
+                   for k, v in model.state_dict().items()}
+        opt = trainer.optimizers[0].state_dict()
+        for pid, st in opt["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
+        tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+        save_file(tensors, str(out / f"final-{a.mode}.safetensors"))
+        print("GLOBAL_STEP", trainer.global_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

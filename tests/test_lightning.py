@@ -1,0 +1,143 @@
+"""The Lightning integration, against the real lightning and pytorch_lightning packages
+(tests/helpers/pl_train.py): SIGKILL the fit, run the same command again, and compare every model
+and optimizer tensor with the uninterrupted fit's (torch.equal)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="pip install 'ciuic[lightning]'")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HELPER = Path(__file__).parent / "helpers" / "pl_train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fit(out: Path, *args: str, failpoints: str = "", ddp: bool = False
+        ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
+    launch = [sys.executable]
+    if ddp:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "--master_port", str(free_port())]
+        args = (*args, "--ddp")
+    return subprocess.run([*launch, str(HELPER), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def killed(run: subprocess.CompletedProcess[str]) -> None:
+    assert run.returncode != 0, run.stdout[-2000:]
+    assert "GLOBAL_STEP" not in run.stdout
+
+
+def resumed_at(run: subprocess.CompletedProcess[str]) -> int:
+    found = re.search(r"Resuming the Lightning fit at global step (\d+)", run.stderr)
+    assert found, run.stderr[-3000:]
+    return int(found.group(1))
+
+
+def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = safetensors_torch.load_file(
+        str(out / f"final-{mode}.safetensors"))
+    return loaded
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optimizer/") for k in a) and any(k.startswith("model/") for k in a)
+    return {k: (a[k].double() - b[k].double()).abs().max().item()
+            for k in a if not torch.equal(a[k], b[k])}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted fit: 3 epochs of 12 steps, snapshots every 5 steps."""
+    out = tmp_path_factory.mktemp("pl-reference")
+    assert "GLOBAL_STEP 36" in finished(fit(out)).stdout
+    yield out
+
+
+def test_killed_mid_epoch_then_inside_a_snapshot_write_it_ends_bit_exact(
+        reference: Path, tmp_path: Path) -> None:
+    killed(fit(tmp_path, "--kill-at", "17"))  # epoch 1, 5 batches in: not a snapshot step
+    # resumed from step 15, then killed while writing the first snapshot after the resume
+    killed(second := fit(tmp_path, failpoints="body.put=kill@1"))
+    assert resumed_at(second) == 15
+    third = finished(fit(tmp_path))
+    assert resumed_at(third) == 15  # step 20's snapshot never committed
+    assert "not resumable" not in third.stderr  # ciuic skips the trained batches itself
+    assert not (tmp_path / "root").exists() or not list((tmp_path / "root").rglob("*.ckpt"))
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
+    from ciuic import ConfigurationError, SnapshotManager
+    from ciuic.integrations.lightning import CiuicCallback
+
+    with pytest.raises(ConfigurationError, match="every_n_train_steps must be a positive"):
+        CiuicCallback("p", job="j", every_n_train_steps=0)
+    with pytest.raises(TypeError, match="a project id"):
+        CiuicCallback(3)  # type: ignore[arg-type]
+    with SnapshotManager("p", job="j", store=tmp_path / "s", handle_signals=False) as m:
+        with pytest.raises(ConfigurationError, match="takes no job= or manager options"):
+            CiuicCallback(m, job="j")
+        cb = CiuicCallback(m, every_n_train_steps=3)
+        assert cb.manager is m
+    outside = CiuicCallback("p", job="j")
+    with pytest.raises(ConfigurationError, match="outside a fit"):
+        outside._manager()
+
+
+@pytest.mark.slow
+def test_ddp_with_two_processes_resumes_bit_exact(tmp_path: Path) -> None:
+    finished(fit(tmp_path / "a", ddp=True))
+    killed(fit(tmp_path / "b", "--kill-at", "11", ddp=True))  # epoch 1 (6 steps per epoch)
+    again = finished(fit(tmp_path / "b", ddp=True))
+    assert resumed_at(again) == 10
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    ["--every", "12", "--val"],  # a snapshot at an epoch's end, validation after it
+    ["--accumulate", "2", "--every", "3"],
+    ["--package", "pytorch_lightning"],
+], ids=["epoch-end-with-validation", "gradient-accumulation", "pytorch_lightning"])
+def test_other_schedules_and_the_other_package_resume_bit_exact(tmp_path: Path,
+                                                                variant: list[str]) -> None:
+    finished(fit(tmp_path / "a", *variant))
+    killed(fit(tmp_path / "b", *variant, "--kill-at", "9" if "--accumulate" in variant
+               else "17"))
+    finished(fit(tmp_path / "b", *variant))
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
+def test_lightning_own_resume_is_not_bit_exact_which_docs_integrations_records(
+        tmp_path: Path) -> None:
+    """The comparison in docs/integrations.md: the same kill, resumed by Lightning itself."""
+    finished(fit(tmp_path / "a", "--mode", "pl"))
+    killed(fit(tmp_path / "b", "--mode", "pl", "--kill-at", "17"))
+    finished(fit(tmp_path / "b", "--mode", "pl"))
+    diff = differences(final(tmp_path / "a", "pl"), final(tmp_path / "b", "pl"))
+    print(f"Lightning resume: {len(diff)} tensors differ, max abs diff {max(diff.values()):.3g}")
+    assert diff, "Lightning's own resume became bit-exact: update docs/integrations.md"
