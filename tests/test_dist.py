@@ -297,3 +297,18 @@ def test_ranks_whose_optimizer_settings_differ_fail_every_snapshot_loudly(
         r = report(tmp_path / "out", rank)
         assert r["snapshots"] == 0 and r["failures"] == 2, r  # steps 0 and 4
         assert "rank(s) [1] differs from rank 0's" in r["last_error"], r
+
+
+def test_a_state_rank_0_alone_saved_is_restored_on_every_rank(tmp_path: Path) -> None:
+    helper = Path(__file__).parent / "helpers" / "dist_shared.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(helper), str(tmp_path / "store"), str(tmp_path)]
+    for _ in range(2):  # save, then restore
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["step"] == 1
+        assert got["values"]["framework"] == {"epoch": 3, "loops": [1, 2]}  # rank 0's, on both
+        assert got["values"]["mine"] == {"rank": rank}  # each rank's own
+

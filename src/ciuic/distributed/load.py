@@ -5,7 +5,8 @@ Every rank builds its *target* state dicts with ``get_state_dict`` (so a DTensor
 which box of each global tensor this rank needs), reads those boxes
 (:func:`ciuic.restore.boxread.read_box`, any world size) into fresh memory and checks them
 against the live objects: :func:`prepare`. The manager applies the result only when every rank
-prepared (``Prepared.apply``). Per-rank states come from rank ``r % N`` of the N ranks that
+prepared (``Prepared.apply``). A state only rank 0 saved is every rank's (read from rank 0's
+part). Per-rank states come from rank ``r % N`` of the N ranks that
 saved (docs/architecture.md, "Multi-rank").
 """
 
@@ -68,6 +69,9 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
                     "optimizer are resharded; per-rank state (RNG, data position, extras) of "
                     "rank r comes from saved rank r %% %d", saved_world, world_size,
                     saved_world)
+    # a state that rank 0 alone saved (what a framework hands rank 0 only: its checkpoint
+    # dict, DeepSpeed's client_state) is every rank's: each reads it from rank 0's part
+    part = {**{k: v for k, v in parts[0].items() if k not in part}, **part}
     missing = [n for n in extras if n not in part]
     if missing:
         raise StateMismatch(f"the snapshot has no state for {missing} (it has: "

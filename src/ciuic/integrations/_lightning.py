@@ -15,8 +15,9 @@ How it hooks in (docs/integrations.md, "Lightning"):
   to Lightning's checkpoint connector, which restores it as if it had read a ``.ckpt``.
 - ``on_train_batch_end`` after each optimizer step: ``manager.step()``; every
   ``every_n_train_steps``-th one snapshots Lightning's own checkpoint dict
-  (``dump_checkpoint``), asynchronously, on every rank (model and optimizer written once, each
-  rank's RNG and data position its own).
+  (``dump_checkpoint``), asynchronously: the model and optimizer written once across ranks,
+  Lightning's dict by rank 0 alone (as Lightning writes it; every rank reads it back), each
+  rank's RNG and data position its own.
 - ``on_train_end``: the last step, unless it is the latest snapshot; ``teardown`` closes.
 """
 
@@ -217,10 +218,12 @@ def build(pl: Any) -> type:
         def _snapshot(self, trainer: Any, pl_module: Any, step: int, snapshot: bool) -> None:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             optimizer = _one_optimizer(trainer)
-            rest = {k: v for k, v in checkpoint.items()
+            parts: dict[str, Any] = {"data": self.fetch}  # every rank's own
+            if trainer.global_rank == 0:  # Lightning's dict, as it would write it: rank 0's,
+                parts["lightning"] = {  # which every rank reads back (ciuic.distributed.load)
+                    k: v for k, v in checkpoint.items()
                     if k not in _AS_STATES or (k == "optimizer_states" and optimizer is None)}
-            self._manager().step(step, pl_module, optimizer, snapshot=snapshot, lightning=rest,
-                                 data=self.fetch)
+            self._manager().step(step, pl_module, optimizer, snapshot=snapshot, **parts)
 
         def _manager(self) -> SnapshotManager:
             if self.manager is None:
