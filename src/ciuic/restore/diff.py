@@ -1,0 +1,209 @@
+"""Comparing two snapshots (``ciuic diff A B``): each tensor unchanged, changed, added or
+removed, and the plain values and metrics that changed.
+
+Reads only what it must: a tensor whose descriptor names the same bytes in both snapshots (the
+same chunk digests, or the same inline bytes, or the same shards) is unchanged without a read;
+the others are read, verified, and compared element by element. The snapshots may belong to two
+jobs, and have different layouts (a single-process snapshot against a multi-rank one, or one
+resharded onto another world size): sharded tensors are assembled whole before the comparison.
+Tensors are matched by path; ``module.`` and ``_orig_mod.`` prefixes of model keys are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ciuic.chain.read import READ_THREADS, read_body
+from ciuic.chain.repo import Repository
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import decode, walk_leaves
+from ciuic.restore.boxread import read_box
+from ciuic.restore.leaves import leaf_buffer, materialize
+from ciuic.state.capture import _normalize
+
+#: states whose values change at every step by design, compared last and not as "values"
+_NOISY = ("rng",)
+_RANK_RNG = re.compile(r"^ranks/\d+/rng(/|$)")
+
+
+@dataclass
+class TensorDiff:
+    path: str
+    status: str  # "unchanged", "changed", "added", "removed"
+    dtype: str
+    shape: list[int]
+    read: bool = False  # whether its bytes had to be read
+    note: str = ""  # a dtype or shape change
+    changed_elements: int | None = None
+    max_abs_diff: float | None = None
+    norm_a: float | None = None
+    norm_b: float | None = None
+    rel_norm_change: float | None = None
+    nonfinite_a: int | None = None  # NaN and Inf elements
+    nonfinite_b: int | None = None
+
+
+@dataclass
+class ValueDiff:
+    path: str
+    a: Any
+    b: Any
+
+
+@dataclass
+class SnapshotDiff:
+    a: SnapshotInfo
+    b: SnapshotInfo
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[ValueDiff] = field(default_factory=list)
+    metrics: list[ValueDiff] = field(default_factory=list)
+    bytes_read: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": {"id": self.a.id, "ref": self.a.ref}, "b": {"id": self.b.id,
+                                                                "ref": self.b.ref},
+                "tensors": [asdict(t) for t in self.tensors],
+                "values": [asdict(v) for v in self.values],
+                "metrics": [asdict(v) for v in self.metrics], "bytes_read": self.bytes_read}
+
+
+def _leaves(states: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for path, kind, desc in walk_leaves({k: v for k, v in states.items() if k != "dist"}):
+        key = _normalize(path[len("model/"):]) if path.startswith("model/") else None
+        out["model/" + key if key is not None else path] = (kind, desc)
+    return out
+
+
+def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two descriptors name the same bytes (without reading them)."""
+    if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
+        return False
+    for key in ("inline", "chunks", "shards"):
+        if key in a or key in b:
+            return a.get(key) == b.get(key)
+    return False
+
+
+def _read(repo: Repository, path: str, kind: str, desc: dict[str, Any],
+          pool: ThreadPoolExecutor) -> torch.Tensor:
+    if "shards" in desc and kind == "tensor":
+        return read_box(repo, path, desc, None, None, pool)
+    flat, futures = leaf_buffer(repo, path, kind, desc, pool, None)
+    for f in futures:
+        f.result()
+    value = materialize(path, kind, desc, flat)
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def _compare(t: TensorDiff, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        t.status, t.note = "changed", (f"{a.dtype} {list(a.shape)} -> {b.dtype} "
+                                       f"{list(b.shape)}")
+        return
+    if a.dtype == torch.bool:
+        t.changed_elements = int((a != b).sum())
+    elif a.is_complex() or a.is_floating_point():
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        x, y = a.to(wide), b.to(wide)
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        t.changed_elements = int((~same).sum())
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        delta = (x - y).abs()[finite]
+        t.max_abs_diff = float(delta.max()) if delta.numel() else 0.0
+        t.nonfinite_a = int((~torch.isfinite(x)).sum())
+        t.nonfinite_b = int((~torch.isfinite(y)).sum())
+        t.norm_a = float(torch.linalg.vector_norm(x[torch.isfinite(x)]))
+        t.norm_b = float(torch.linalg.vector_norm(y[torch.isfinite(y)]))
+        if t.norm_a:
+            t.rel_norm_change = (t.norm_b - t.norm_a) / t.norm_a
+    else:  # integers: compared exactly, the difference in float64
+        t.changed_elements = int((a != b).sum())
+        delta = (a.to(torch.float64) - b.to(torch.float64)).abs()
+        t.max_abs_diff = float(delta.max()) if delta.numel() else 0.0
+    t.status = "changed" if t.changed_elements else "unchanged"
+
+
+def _plain(states: dict[str, Any]) -> dict[str, Any]:
+    """Every plain (non-tensor) value of the states, by path."""
+    out: dict[str, Any] = {}
+
+    def walk(path: str, v: Any) -> None:
+        if _RANK_RNG.match(path):
+            return  # a rank's RNG state: changes at every step by design
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{path}/{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{path}/{i}", x)
+        elif v is not _TENSOR:
+            out[path] = v
+
+    for name, tree in states.items():
+        if name in ("dist", *_NOISY):
+            continue
+        walk(name, decode(tree, name, lambda *a: _TENSOR, adapt=False))
+    return out
+
+
+_TENSOR = object()
+
+
+def _noisy(path: str) -> bool:
+    return path.split("/", 1)[0] in _NOISY or bool(_RANK_RNG.match(path))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(type(a) is type(b) and a == b)
+
+
+def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInfo
+         ) -> SnapshotDiff:
+    """Compare snapshot ``a`` (of ``repo_a``) with ``b`` (of ``repo_b``, often the same)."""
+    _, states_a = read_body(repo_a, a)
+    _, states_b = read_body(repo_b, b)
+    out = SnapshotDiff(a, b)
+    la, lb = _leaves(states_a), _leaves(states_b)
+    order = sorted(set(la) | set(lb), key=lambda p: (_noisy(p), p))
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-diff") as pool:
+        for path in order:
+            if path not in lb or path not in la:
+                _, desc = la[path] if path in la else lb[path]
+                out.tensors.append(TensorDiff(path, "removed" if path in la else "added",
+                                              str(desc.get("dtype")),
+                                              list(desc.get("shape", []))))
+                continue
+            (ka, da), (kb, db) = la[path], lb[path]
+            t = TensorDiff(path, "unchanged", str(db.get("dtype")), list(db.get("shape", [])))
+            out.tensors.append(t)
+            if _same_bytes(da, db):
+                continue
+            t.read = True
+            out.bytes_read += int(da.get("nbytes", 0)) + int(db.get("nbytes", 0))
+            _compare(t, _read(repo_a, path, ka, da, pool), _read(repo_b, path, kb, db, pool))
+    pa, pb = _plain(states_a), _plain(states_b)
+    for path in sorted(set(pa) | set(pb)):
+        va, vb = pa.get(path, _MISSING), pb.get(path, _MISSING)
+        if not _equal(va, vb):
+            out.values.append(ValueDiff(path, _shown(va), _shown(vb)))
+    for name in sorted(set(a.metrics) | set(b.metrics)):
+        ma, mb = a.metrics.get(name, _MISSING), b.metrics.get(name, _MISSING)
+        if not _equal(ma, mb):
+            out.metrics.append(ValueDiff(name, _shown(ma), _shown(mb)))
+    return out
+
+
+_MISSING = object()
+
+
+def _shown(v: Any) -> Any:
+    return "<absent>" if v is _MISSING else v
