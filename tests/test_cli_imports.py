@@ -16,7 +16,8 @@ from ciuic import SnapshotManager
 
 PROBE = """
 import atexit, sys
-HEAVY = ("torch", "numpy", "safetensors", "transformers", "lightning", "accelerate", "deepspeed")
+HEAVY = ("torch", "numpy", "safetensors", "transformers", "lightning", "accelerate", "deepspeed",
+         "sqlalchemy")
 atexit.register(lambda: print("IMPORTED " + " ".join(m for m in HEAVY if m in sys.modules),
                               file=sys.stderr))
 sys.argv = ["ciuic", *sys.argv[1:]]
@@ -58,3 +59,17 @@ def test_commands_that_read_the_chain_do_not_import_torch(tmp_path: Path) -> Non
         assert "torch" not in imported and "numpy" not in imported, (args, imported)
     rc, imported = ciuic(store, "restore", "p/j@latest", "--to", str(tmp_path / "m.pt"))
     assert rc == 0 and "torch" in imported  # the export writes torch's format
+
+
+def test_help_imports_neither_torch_nor_the_catalog(tmp_path: Path) -> None:
+    for args in (["--help"], ["diff", "--help"], ["apikey", "--help"], ["restore", "--help"]):
+        rc, imported = ciuic(tmp_path, *args)
+        assert rc == 0, args
+        assert not imported, (args, imported)  # not even SQLAlchemy: the help is Typer's alone
+
+
+def test_the_roles_in_the_help_are_the_catalogs() -> None:
+    from ciuic.catalog.keys import ROLES
+    from ciuic.cli import server
+
+    assert server.ROLES == ROLES

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,8 +18,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from ciuic.chain.repo import Repository, default_location
 from ciuic.errors import CiuicError
+
+if TYPE_CHECKING:
+    from ciuic.chain.repo import Repository
 
 
 def _plain_help() -> None:
@@ -93,10 +95,12 @@ def _main(store: StoreOpt = None) -> None:
 
 
 def current_repo() -> Repository:
+    from ciuic.chain.repo import default_location
     return open_existing(options.get("store") or default_location())
 
 
 def open_existing(location: str) -> Repository:
+    from ciuic.chain.repo import Repository
     if "://" not in str(location):
         path = Path(location).expanduser()
         if not path.exists():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -18,13 +18,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ciuic.chain.gc import collect
-from ciuic.chain.read import read_body
-from ciuic.chain.repo import Repository, default_location, list_jobs
-from ciuic.chain.retention import lineages
-from ciuic.chain.retention import prune as prune_job
-from ciuic.chain.runs import history
-from ciuic.chain.verify import Problem, verify_job
 from ciuic.cli.app import (
     app,
     console,
@@ -40,10 +33,15 @@ from ciuic.errors import CiuicError, IntegrityError
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import walk_leaves
 
+if TYPE_CHECKING:
+    from ciuic.chain.repo import Repository
+    from ciuic.chain.verify import Problem
+
 
 @app.command("ls")
 def ls() -> None:
     """List projects and jobs with their snapshot counts."""
+    from ciuic.chain.repo import list_jobs
     repo = current_repo()
     for project, job in list_jobs(repo.store):
         repo.sync_job(project, job)
@@ -69,6 +67,8 @@ def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if uniq
             ) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, and where runs were
     interrupted and resumed; one table per lineage."""
+    from ciuic.chain.retention import lineages
+    from ciuic.chain.runs import history
     repo = current_repo()
     project, name = repo.split_job(job)
     repo.sync_job(project, name)
@@ -117,6 +117,7 @@ def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JO
          as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False
          ) -> None:
     """Show one snapshot: its manifest and its tensors."""
+    from ciuic.chain.read import read_body
     repo = current_repo()
     info = repo.resolve(snap)
     m = repo.read_manifest(info.project, info.job, info.id)
@@ -157,6 +158,8 @@ def verify(target: Annotated[str | None, typer.Argument(
            ) -> None:
     """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
     re-read and re-hashed, which finds a damaged chunk)."""
+    from ciuic.chain.repo import list_jobs
+    from ciuic.chain.verify import verify_job
     repo = current_repo()
     jobs: list[tuple[str, str, str | None]] = []
     if target is None:
@@ -246,6 +249,7 @@ def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or
 def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 20) -> str:
     """Advice after a damaged snapshot: the newest earlier snapshot of the job whose body and
     chunks are intact (checked as `ciuic verify` does), as a command that exports it."""
+    from ciuic.chain.verify import verify_job
     older = [s for s in repo.catalog.snapshots(info.project, info.job, newest_first=True)
              if s.seq < info.seq][:tries]
     for s in older:
@@ -263,6 +267,7 @@ def prune(job: Annotated[str, typer.Argument(help="PROJECT/JOB")],
               help="Keep steps that are multiples of K")] = None,
           dry_run: Annotated[bool, typer.Option(help="Only show what would go")] = False) -> None:
     """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
+    from ciuic.chain.retention import prune as prune_job
     if keep_last is None and keep_every is None:
         raise CiuicError("say what to keep: --keep-last N and/or --keep-every K")
     repo = current_repo()
@@ -279,6 +284,7 @@ def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be dele
        wait: Annotated[float, typer.Option(help="Seconds to wait for saves in progress")] = 30.0
        ) -> None:
     """Delete chunks and bodies no snapshot references."""
+    from ciuic.chain.gc import collect
     repo = current_repo()
     with progress_bar() as bar:
         task = bar.add_task("gc: reading manifests", total=None)
@@ -347,6 +353,7 @@ def push(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique"
          url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
          verify: VerifyOpt = True) -> None:
     """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
+    from ciuic.chain.repo import Repository
     src = current_repo()
     project, name = src.split_job(job)
     _copy(src, Repository.open(url), [(project, name)], verify)
@@ -357,6 +364,7 @@ def pull(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique 
          url: Annotated[str, typer.Argument(help="Source store URL or directory")],
          verify: VerifyOpt = True) -> None:
     """Fetch a job's chain from another store into this one (created if needed)."""
+    from ciuic.chain.repo import Repository, default_location
     from ciuic.chain.transfer import find_job
 
     src = open_existing(url)
@@ -371,6 +379,7 @@ def copy(src_url: Annotated[str, typer.Argument(help="Source store URL or direct
              "--job", "-j", help="PROJECT/JOB to copy (repeatable; default: every job)")] = None,
          verify: VerifyOpt = True) -> None:
     """Copy jobs' chains from one store to another, only what the destination lacks."""
+    from ciuic.chain.repo import Repository, list_jobs
     from ciuic.chain.transfer import find_job
 
     src = open_existing(src_url)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from ciuic.catalog.keys import ROLES, create_key, list_keys, revoke_key
-from ciuic.chain.repo import Repository, default_location
 from ciuic.cli.app import app, console, err, options
+
+#: the API keys' roles, as ciuic.catalog.keys.ROLES (a test holds them equal): written out here so
+#: that the help does not import the catalog (SQLAlchemy)
+ROLES = ("reader", "writer", "admin")
+
+if TYPE_CHECKING:
+    from ciuic.chain.repo import Repository
 
 apikey_app = typer.Typer(help="Create, list and revoke the server's API keys.",
                          no_args_is_help=True)
@@ -21,6 +26,7 @@ app.add_typer(apikey_app, name="apikey")
 
 def _server_repo() -> Repository:
     """The server's store and catalog (created if new: keys come before the first snapshot)."""
+    from ciuic.chain.repo import Repository, default_location
     return Repository.open(options.get("store") or default_location())
 
 
@@ -36,6 +42,7 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on")] = "127
                    "postgresql://... for a team)")] = None) -> None:
     """Serve the store (--store / CIUIC_HOME) to clients: the API under /v1, its schema at
     /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish."""
+    from ciuic.chain.repo import default_location
     try:
         import uvicorn
 
@@ -66,6 +73,7 @@ def apikey_create(project: Annotated[str, typer.Option(help="The key's project (
                       help="Expire after this many days (default: never)")] = None) -> None:
     """Create a key. It is shown once, alone on standard output (KEY=$(ciuic apikey create
     ...) captures it); what it is goes to standard error."""
+    from ciuic.catalog.keys import create_key
     repo = _server_repo()
     key, info = create_key(repo.catalog, project, role, name, expires_days, actor=_actor())
     err.print(f"created API key {info.id} for project {info.project} ({info.role})"
@@ -78,6 +86,7 @@ def apikey_create(project: Annotated[str, typer.Option(help="The key's project (
 def apikey_list(project: Annotated[str | None, typer.Option(help="Only this project")] = None
                 ) -> None:
     """Every key: id, project, role, state (never the key itself)."""
+    from ciuic.catalog.keys import list_keys
     t = Table()
     t.add_column("id", no_wrap=True, min_width=12)  # whole, whatever the width: `revoke` takes it
     for header in ("project", "role", "name", "created", "expires", "state", "last used"):
@@ -93,5 +102,6 @@ def apikey_list(project: Annotated[str | None, typer.Option(help="Only this proj
 def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (from `list`)")]
                   ) -> None:
     """Revoke a key: every request with it is refused from now on."""
+    from ciuic.catalog.keys import revoke_key
     info = revoke_key(_server_repo().catalog, key_id, actor=_actor())
     console.print(f"revoked API key {info.id} of project {info.project}")
