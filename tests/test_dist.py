@@ -303,9 +303,8 @@ def test_a_state_rank_0_alone_saved_is_restored_on_every_rank(tmp_path: Path) ->
     helper = Path(__file__).parent / "helpers" / "dist_shared.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(helper), str(tmp_path / "store"), str(tmp_path)]
-    for _ in range(2):  # save, then restore
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        assert run.returncode == 0, run.stderr[-3000:]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["step"] == 1

@@ -70,15 +70,24 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield out
 
 
-def test_killed_mid_epoch_then_inside_a_snapshot_write_it_ends_bit_exact(
-        reference: Path, tmp_path: Path) -> None:
+def test_killed_mid_epoch_after_epoch_0_it_ends_bit_exact(reference: Path,
+                                                          tmp_path: Path) -> None:
     killed(job(tmp_path, "--kill-at", "17"))  # epoch 1, not a snapshot step
+    again = finished(job(tmp_path))
+    assert resumed_at(again) == 15  # mid-epoch: 5 batches into epoch 1
+    assert not list((tmp_path / "hf").glob("checkpoint-*"))  # no HF folders: the chain only
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+@pytest.mark.slow
+def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
+        reference: Path, tmp_path: Path) -> None:
+    killed(job(tmp_path, "--kill-at", "17"))
     # resumed mid-epoch from step 15, then killed while writing step 20's snapshot
     killed(second := job(tmp_path, failpoints="body.put=kill@1"))
-    assert resumed_at(second) == 15  # 5 batches into epoch 1
+    assert resumed_at(second) == 15
     third = finished(job(tmp_path))
     assert resumed_at(third) == 15  # step 20's snapshot never committed
-    assert not list((tmp_path / "hf").glob("checkpoint-*"))  # no HF folders: the chain only
     assert differences(final(reference), final(tmp_path)) == {}
     # the finished job, run again, trains nothing
     (tmp_path / "final-ciuic.safetensors").unlink()

@@ -1,5 +1,5 @@
 """Two ranks, one state saved by rank 0 alone (as a framework hands rank 0 its checkpoint dict),
-restored on every rank (run under torchrun; gloo, CPU).
+then restored on every rank by a second manager (run under torchrun; gloo, CPU).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/helpers/dist_shared.py STORE OUT
 """
@@ -25,13 +25,12 @@ def main() -> int:
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with SnapshotManager("p", job="shared", store=store, handle_signals=False) as m:
+        shared = {"framework": {"epoch": 3, "loops": [1, 2]}} if rank == 0 else {}
+        m.save(1, model, optimizer, mine={"rank": rank}, **shared)
+    with SnapshotManager("p", job="shared", store=store, handle_signals=False) as m:
         last = m.restore(model, optimizer)
-        if last is None:
-            shared = {"framework": {"epoch": 3, "loops": [1, 2]}} if rank == 0 else {}
-            m.save(1, model, optimizer, mine={"rank": rank}, **shared)
-        else:
-            (out / f"rank{rank}.json").write_text(json.dumps(
-                {"step": last, "values": m.restored_values}, sort_keys=True))
+        (out / f"rank{rank}.json").write_text(json.dumps(
+            {"step": last, "values": m.restored_values}, sort_keys=True))
     dist.destroy_process_group()
     return 0
 
