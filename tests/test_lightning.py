@@ -5,7 +5,6 @@ and optimizer tensor with the uninterrupted fit's (torch.equal)."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -13,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.framework_runs import differences, final, finished, resumed_at
 
 pytest.importorskip("lightning", reason="pip install 'ciuic[lightning]'")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 HELPER = Path(__file__).parent / "helpers" / "pl_train.py"
 
@@ -39,9 +39,6 @@ def fit(out: Path, *args: str, failpoints: str = "", ddp: bool = False
                           capture_output=True, text=True, timeout=240, env=env)
 
 
-def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run
 
 
 def killed(run: subprocess.CompletedProcess[str]) -> None:
@@ -49,23 +46,10 @@ def killed(run: subprocess.CompletedProcess[str]) -> None:
     assert "GLOBAL_STEP" not in run.stdout
 
 
-def resumed_at(run: subprocess.CompletedProcess[str]) -> int:
-    found = re.search(r"Resuming the Lightning fit at global step (\d+)", run.stderr)
-    assert found, run.stderr[-3000:]
-    return int(found.group(1))
 
 
-def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:
-    loaded: dict[str, torch.Tensor] = safetensors_torch.load_file(
-        str(out / f"final-{mode}.safetensors"))
-    return loaded
 
 
-def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    assert a.keys() == b.keys()
-    assert any(k.startswith("optimizer/") for k in a) and any(k.startswith("model/") for k in a)
-    return {k: (a[k].double() - b[k].double()).abs().max().item()
-            for k in a if not torch.equal(a[k], b[k])}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +64,7 @@ def test_killed_mid_epoch_after_epoch_0_it_ends_bit_exact(reference: Path,
                                                           tmp_path: Path) -> None:
     killed(fit(tmp_path, "--kill-at", "17"))  # epoch 1, 5 batches in: not a snapshot step
     again = finished(fit(tmp_path))
-    assert resumed_at(again) == 15
+    assert resumed_at(again, "Lightning fit") == 15
     assert "not resumable" not in again.stderr  # ciuic skips the trained batches itself
     assert not list(tmp_path.rglob("*.ckpt"))  # no Lightning checkpoint files: the chain only
     assert differences(final(reference), final(tmp_path)) == {}
@@ -92,9 +76,9 @@ def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact
     killed(fit(tmp_path, "--kill-at", "17"))
     # resumed from step 15, then killed while writing the first snapshot after the resume
     killed(second := fit(tmp_path, failpoints="body.put=kill@1"))
-    assert resumed_at(second) == 15
+    assert resumed_at(second, "Lightning fit") == 15
     third = finished(fit(tmp_path))
-    assert resumed_at(third) == 15  # step 20's snapshot never committed
+    assert resumed_at(third, "Lightning fit") == 15  # step 20's snapshot never committed
     assert differences(final(reference), final(tmp_path)) == {}
 
 
@@ -121,7 +105,7 @@ def test_ddp_with_two_processes_resumes_bit_exact(tmp_path: Path) -> None:
     finished(fit(tmp_path / "a", ddp=True))
     killed(fit(tmp_path / "b", "--kill-at", "11", ddp=True))  # epoch 1 (6 steps per epoch)
     again = finished(fit(tmp_path / "b", ddp=True))
-    assert resumed_at(again) == 10
+    assert resumed_at(again, "Lightning fit") == 10
     assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
 
 

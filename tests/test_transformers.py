@@ -6,7 +6,6 @@ compares every model and optimizer tensor with the uninterrupted run's (torch.eq
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.framework_runs import differences, final, finished, resumed_at
 from tests.serverutil import cli
 
 if sys.version_info < (3, 11):
     pytest.skip("transformers 5, which CiuicTrainer needs, requires Python 3.11 or newer",
                 allow_module_level=True)
 transformers = pytest.importorskip("transformers", reason="pip install 'ciuic[transformers]'")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 HELPER = Path(__file__).parent / "helpers" / "hf_train.py"
 
@@ -33,32 +33,16 @@ def job(out: Path, *args: str, failpoints: str = "") -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=240, env=env)
 
 
-def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run
 
 
 def killed(run: subprocess.CompletedProcess[str]) -> None:
     assert run.returncode == -9, (run.returncode, run.stderr[-3000:])
 
 
-def resumed_at(run: subprocess.CompletedProcess[str]) -> int:
-    found = re.search(r"Resuming the Trainer at global step (\d+)", run.stderr)
-    assert found, run.stderr[-3000:]
-    return int(found.group(1))
 
 
-def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:
-    loaded: dict[str, torch.Tensor] = safetensors_torch.load_file(
-        str(out / f"final-{mode}.safetensors"))
-    return loaded
 
 
-def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    assert a.keys() == b.keys()
-    assert any(k.startswith("optimizer/") for k in a) and any(k.startswith("model/") for k in a)
-    return {k: (a[k].double() - b[k].double()).abs().max().item()
-            for k in a if not torch.equal(a[k], b[k])}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +58,7 @@ def test_killed_mid_epoch_after_epoch_0_it_ends_bit_exact(reference: Path,
                                                           tmp_path: Path) -> None:
     killed(job(tmp_path, "--kill-at", "17"))  # epoch 1, not a snapshot step
     again = finished(job(tmp_path))
-    assert resumed_at(again) == 15  # mid-epoch: 5 batches into epoch 1
+    assert resumed_at(again, "Trainer") == 15  # mid-epoch: 5 batches into epoch 1
     assert not list((tmp_path / "hf").glob("checkpoint-*"))  # no HF folders: the chain only
     assert differences(final(reference), final(tmp_path)) == {}
 
@@ -85,14 +69,14 @@ def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact
     killed(job(tmp_path, "--kill-at", "17"))
     # resumed mid-epoch from step 15, then killed while writing step 20's snapshot
     killed(second := job(tmp_path, failpoints="body.put=kill@1"))
-    assert resumed_at(second) == 15
+    assert resumed_at(second, "Trainer") == 15
     third = finished(job(tmp_path))
-    assert resumed_at(third) == 15  # step 20's snapshot never committed
+    assert resumed_at(third, "Trainer") == 15  # step 20's snapshot never committed
     assert differences(final(reference), final(tmp_path)) == {}
     # the finished job, run again, trains nothing
     (tmp_path / "final-ciuic.safetensors").unlink()
     fourth = finished(job(tmp_path))
-    assert resumed_at(fourth) == 30 and "GLOBAL_STEP 30" in fourth.stdout
+    assert resumed_at(fourth, "Trainer") == 30 and "GLOBAL_STEP 30" in fourth.stdout
     assert "'loss'" not in fourth.stdout  # no training step was logged
     assert differences(final(reference), final(tmp_path)) == {}
 

@@ -1,0 +1,38 @@
+"""What the framework integration tests share: a run's outcome, the final state a helper job
+writes (tests/helpers/hf_train.py, pl_train.py), and how two final states differ."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def resumed_at(run: subprocess.CompletedProcess[str], what: str) -> int:
+    """The global step the run says it resumed at (``what``: "Trainer", "Lightning fit")."""
+    found = re.search(rf"Resuming the {what} at global step (\d+)", run.stderr)
+    assert found, run.stderr[-3000:]
+    return int(found.group(1))
+
+
+def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor the job wrote at its end, by name."""
+    from safetensors.torch import load_file
+
+    loaded: dict[str, torch.Tensor] = load_file(str(out / f"final-{mode}.safetensors"))
+    return loaded
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The tensors that are not torch.equal, with their max abs difference."""
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optimizer/") for k in a) and any(k.startswith("model/") for k in a)
+    return {k: (a[k].double() - b[k].double()).abs().max().item()
+            for k in a if not torch.equal(a[k], b[k])}
