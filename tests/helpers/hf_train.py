@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from finalstate import write_final  # beside this script
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -99,15 +99,7 @@ def main() -> int:
         trainer = Trainer(**common, callbacks=[KillAt(a.kill_at)])
         has = any(d.name.startswith("checkpoint-") for d in (out / "hf").glob("*"))
         trainer.train(resume_from_checkpoint=True if has else None)
-    tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in
-               trainer.model.state_dict().items()}
-    opt = trainer.optimizer.state_dict()
-    for pid, st in opt["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
-    tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
-    save_file(tensors, str(out / f"final-{a.mode}.safetensors"))
+    write_final(trainer.model, trainer.optimizer, out / f"final-{a.mode}.safetensors")
     print("GLOBAL_STEP", trainer.state.global_step)
     return 0
 

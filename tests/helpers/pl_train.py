@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from finalstate import write_final  # beside this script
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -117,15 +117,7 @@ def main() -> int:
         default_root_dir=str(out / "root"))
     trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
-        tensors = {f"model/{k}": v.detach().clone().contiguous()
-                   for k, v in model.state_dict().items()}
-        opt = trainer.optimizers[0].state_dict()
-        for pid, st in opt["state"].items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
-        tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
-        save_file(tensors, str(out / f"final-{a.mode}.safetensors"))
+        write_final(model, trainer.optimizers[0], out / f"final-{a.mode}.safetensors")
         print("GLOBAL_STEP", trainer.global_step)
     return 0
 

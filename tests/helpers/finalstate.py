@@ -1,0 +1,22 @@
+"""The final state a helper job writes at its end, which tests/framework_runs.final() reads:
+every model and optimizer tensor by name, and the learning rates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def write_final(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    tensors = {f"model/{k}": v.detach().clone().contiguous()
+               for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    for pid, st in opt["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
+    tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+    save_file(tensors, str(path))
