@@ -7,7 +7,8 @@ import ciuic.errors
 def test_public_api_is_guarded() -> None:
     assert sorted(ciuic.__all__) == sorted([
         "AmbiguousReference", "CaptureError", "CiuicError", "ConfigurationError",
-        "CorruptObject", "IntegrityError", "InvalidKey", "ObjectNotFound", "Repository",
+        "CorruptObject", "HealthPolicy", "IntegrityError", "InvalidKey", "ObjectNotFound",
+        "Repository",
         "RestoreError", "ResumableSampler", "SnapshotInfo", "SnapshotManager",
         "SnapshotNotFound", "StateHolder", "StateMismatch", "StoreError", "__version__",
         "register_adapter",

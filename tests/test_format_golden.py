@@ -78,7 +78,7 @@ def test_manifest_with_a_float_is_rejected() -> None:
 def test_manifest_from_newer_format_says_upgrade() -> None:
     """A newer format is not damage: the type says so (readers keep and skip it)."""
     with pytest.raises(UnsupportedFormat, match="upgrade ciuic") as e:
-        mf.Manifest.decode(GOLDEN_MANIFEST.replace(b'"format":1', b'"format":2'))
+        mf.Manifest.decode(GOLDEN_MANIFEST.replace(b'"format":1', b'"format":3'))
     assert not isinstance(e.value, CorruptObject)
 
 

@@ -27,6 +27,7 @@ from ciuic.format.adapters import register_adapter
 from ciuic.version import __version__
 
 if TYPE_CHECKING:
+    from ciuic.chain.health import HealthPolicy
     from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
     from ciuic.manager import SnapshotManager
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 #: imported on first use, so that ``import ciuic`` (and the command line, whose commands mostly
 #: need no torch) does not import torch until a name that needs it is used
 _LAZY = {
+    "HealthPolicy": "ciuic.chain.health",
     "Repository": "ciuic.chain.repo",
     "SnapshotInfo": "ciuic.format.info",
     "SnapshotManager": "ciuic.manager",
@@ -62,6 +64,7 @@ __all__ = [
     "CiuicError",
     "ConfigurationError",
     "CorruptObject",
+    "HealthPolicy",
     "IntegrityError",
     "InvalidKey",
     "ObjectNotFound",

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ciuic.chain.health import HealthTracker
 from ciuic.chain.repo import Repository, cached_catalog_url
 from ciuic.chain.writer import ChunkCache, write_snapshot
 from ciuic.engine.compression import CompressionPolicy
@@ -59,6 +60,7 @@ class CiuicClient:
         self._codec = ObjectCodec(self._repo.keyring if encryption else None)
         self._compression = CompressionPolicy("auto", self._store.write_speed)
         self._cache = ChunkCache()
+        self._health = HealthTracker()
 
     def save_snapshot(self, data: Mapping[str, Any], step: int | None = None
                       ) -> dict[str, Any]:
@@ -83,7 +85,8 @@ class CiuicClient:
         m, sid = write_snapshot(self._repo, self.project, self.job, step,
                                 latest.id if latest is not None else "",
                                 Captured(states=states, leaves=leaves, metrics=metrics),
-                                self._cache, codec=self._codec, compression=self._compression)
+                                self._cache, codec=self._codec, compression=self._compression,
+                                health=self._health)
         return {"id": sid, "step": m.step, "created": m.created}
 
     def get_latest_snapshot(self) -> dict[str, Any]:

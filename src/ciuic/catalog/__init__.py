@@ -206,6 +206,7 @@ class Catalog:
                     body=m.body, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
                     tensors=m.tensors, world_size=m.world_size,
                     metrics=_json_metrics(m.metrics), status=status,
+                    health=None if m.health is None else json.dumps(m.health, sort_keys=True),
                 ))
             else:
                 row.status = status
@@ -226,6 +227,7 @@ class Catalog:
             created=row.created, total_bytes=row.total_bytes, new_bytes=row.new_bytes,
             tensors=row.tensors, world_size=row.world_size, body=row.body,
             metrics=json.loads(row.metrics), status=row.status, seq=row.seq,
+            health=None if row.health is None else json.loads(row.health),
         )
 
     def _select(self) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2  # the Alembic head is catalog/schema.py's HEAD
+SCHEMA_VERSION = 3  # the Alembic head is catalog/schema.py's HEAD
 
 
 class Base(DeclarativeBase):
@@ -50,6 +50,8 @@ class Snapshot(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[str] = mapped_column(Text)  # JSON (not hashed: floats allowed here)
     status: Mapped[str] = mapped_column(String(16))  # committed | pruned
+    #: the manifest's health verdict, JSON; NULL for snapshots written before health existed
+    health: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: commit order as this catalog saw it (immune to clock steps); "latest" is the highest
     seq: Mapped[int] = mapped_column(Integer, index=True)
 

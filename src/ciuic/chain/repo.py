@@ -318,23 +318,43 @@ class Repository:
                                    "write PROJECT/JOB")
         return matches[0]
 
+    def healthy(self, project: str, job: str) -> list[SnapshotInfo]:
+        """A job's committed snapshots judged healthy, newest first (by commit order).
+
+        Raises :class:`SnapshotNotFound`, saying why, when the job has snapshots but none is
+        known to be healthy."""
+        every = self.catalog.snapshots(project, job, newest_first=True)
+        found = [s for s in every if s.healthy]
+        if every and not found:
+            sick = [s for s in every if s.healthy is False]
+            why = (f"the newest unhealthy one, step {sick[0].step}: "
+                   + "; ".join((sick[0].health or {}).get("reasons", [])) if sick else "")
+            raise SnapshotNotFound(
+                f"job {project}/{job} has no snapshot known to be healthy: {len(sick)} of its "
+                f"{len(every)} snapshots are unhealthy, {len(every) - len(sick)} were written "
+                f"before ciuic recorded health{' (' + why + ')' if why else ''}. Name a "
+                f"snapshot by step or ID instead (`ciuic log {project}/{job}`)")
+        return found
+
     def resolve(self, ref: str) -> SnapshotInfo:
-        """Resolve a full ID, a unique ID prefix, ``JOB@STEP`` or ``JOB@latest``."""
+        """Resolve a full ID, a unique ID prefix, ``JOB@STEP``, ``JOB@latest`` or
+        ``JOB@healthy`` (the newest snapshot judged healthy)."""
         ref = ref.strip()
         if "@" in ref:
             job_text, _, at = ref.rpartition("@")
             project, job = self.split_job(job_text)
             self.sync_job(project, job)
-            if at == "latest":
-                info = self.catalog.latest(project, job)
-                if info is None:
+            if at in ("latest", "healthy"):
+                found = (self.healthy(project, job) if at == "healthy"
+                         else self.catalog.snapshots(project, job, newest_first=True))
+                if not found:
                     raise SnapshotNotFound(f"job {project}/{job} has no snapshot")
-                return info
+                return found[0]
             try:
                 step = int(at)
             except ValueError:
                 raise SnapshotNotFound(
-                    f"bad reference {ref!r}: after '@' put a step number or 'latest'"
+                    f"bad reference {ref!r}: after '@' put a step number, 'latest' or 'healthy'"
                 ) from None
             return self.catalog.by_step(project, job, step)
         if is_digest(ref):
@@ -343,7 +363,7 @@ class Repository:
             return self.catalog.find_prefix(ref)
         raise SnapshotNotFound(
             f"cannot understand snapshot reference {ref!r}: use a snapshot ID, a unique ID "
-            "prefix (4+ hex characters), JOB@STEP or JOB@latest"
+            "prefix (4+ hex characters), JOB@STEP, JOB@latest or JOB@healthy"
         )
 
 

@@ -5,7 +5,8 @@ Rules (by step number, compared as integers: 9900 < 10000):
 * ``keep_last=N`` keeps the N snapshots with the highest steps of each lineage (snapshots that
   share a root: a restart without ``restore()`` starts a new lineage);
 * ``keep_every=K`` keeps every snapshot whose step is a multiple of K;
-* the newest committed snapshot (by commit order) and any ``protect``ed ID are always kept.
+* the newest committed snapshot (by commit order), the newest one judged healthy (the one to go
+  back to after a loss explosion) and any ``protect``ed ID are always kept.
 
 Pruning deletes in reverse write order: the catalog row is marked "pruned", then the body is
 deleted. The manifest stays (a few hundred bytes), so the chain of IDs remains verifiable; the
@@ -52,6 +53,9 @@ def plan(snapshots: list[SnapshotInfo], keep_last: int | None, keep_every: int |
     keep_ids = set(protect)
     newest = max(snapshots, key=lambda s: (s.seq, s.created, s.step))
     keep_ids.add(newest.id)
+    healthy = [s for s in snapshots if s.healthy]
+    if healthy:
+        keep_ids.add(max(healthy, key=lambda s: (s.seq, s.created, s.step)).id)
     groups = lineages(snapshots, parents if parents is not None else
                       {s.id: s.parent for s in snapshots})
     for group in groups.values():

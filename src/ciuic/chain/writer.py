@@ -13,6 +13,7 @@ A crash anywhere before 3 leaves the previous snapshot the latest and this one i
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 
 from ciuic import knobs
 from ciuic.chain.gc import InflightSave
+from ciuic.chain.health import HealthTracker
 from ciuic.chain.lease import Lease
 from ciuic.chain.lease import check as check_lease
 from ciuic.chain.repo import Repository
@@ -32,10 +34,13 @@ from ciuic.faults import failpoint
 from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format import manifest as mf
+from ciuic.format import stats as st
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.layout import commit_lock_name
 from ciuic.format.tree import Leaf, dtype_name
 from ciuic.state.capture import Captured
+
+log = logging.getLogger("ciuic")
 
 
 @dataclass
@@ -47,6 +52,9 @@ class ChunkCache:
     #: chunks a restore found damaged in the store: written again, over the damaged copy, by
     #: the next snapshot that holds their bytes (not skipped as already stored)
     suspect: set[str] = field(default_factory=set)
+    #: the statistics of the last snapshot's float pieces, by (digest, dtype): a piece whose
+    #: bytes did not change is not reduced again. Replaced by each snapshot's own.
+    stats: dict[tuple[str, str], st.Stats] = field(default_factory=dict)
 
     def sync(self, epoch: int) -> None:
         if epoch != self.epoch or epoch < 0:
@@ -54,21 +62,31 @@ class ChunkCache:
             self.epoch = epoch
 
 
-def leaf_bytes(leaf: Leaf) -> memoryview:
-    """The raw little-endian bytes of a leaf, without copying when already contiguous on CPU."""
+def _flat(leaf: Leaf) -> torch.Tensor | np.ndarray:
+    """A leaf's value as a flat, contiguous, little-endian CPU tensor or array."""
     v = leaf.value
     if isinstance(v, torch.Tensor):
         t = v.detach().resolve_conj().resolve_neg()
         if t.device.type != "cpu":
             t = t.to("cpu")
-        t = t.contiguous().reshape(-1)
-        if t.numel() == 0:
-            return memoryview(b"")
-        return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
+        return t.contiguous().reshape(-1)
     a = np.ascontiguousarray(v)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    return a.reshape(-1)
+
+
+def _raw(flat: torch.Tensor | np.ndarray) -> memoryview:
+    if isinstance(flat, torch.Tensor):
+        if flat.numel() == 0:
+            return memoryview(b"")
+        return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
+
+
+def leaf_bytes(leaf: Leaf) -> memoryview:
+    """The raw little-endian bytes of a leaf, without copying when already contiguous on CPU."""
+    return _raw(_flat(leaf))
 
 
 def _describe(leaf: Leaf) -> dict[str, Any]:
@@ -136,14 +154,20 @@ class _ChunkWriter:
             raise
 
 
+def _itemsize(flat: torch.Tensor | np.ndarray) -> int:
+    return flat.element_size() if isinstance(flat, torch.Tensor) else int(flat.itemsize)
+
+
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
-                 codec: ObjectCodec, compression: CompressionPolicy | None = None
-                 ) -> tuple[int, int, int]:
+                 codec: ObjectCodec, compression: CompressionPolicy | None = None,
+                 stats: bool = True) -> tuple[int, int, int]:
     """Store every leaf's chunks the store lacks; fill descriptors. Returns the bytes of the
     state, of its new chunks, and what those new chunks take in the store (compressed).
 
     A leaf's chunks whose digests staging found unchanged (``Leaf.digests``) are not hashed
-    again."""
+    again. With ``stats``, every float leaf's descriptor gets its statistics
+    (:mod:`ciuic.format.stats`), reduced piece by piece on the threads that hash the pieces; a
+    piece the last snapshot already reduced (same digest, same dtype) is not reduced again."""
     k = knobs.get()
     total = new = 0
     compression = compression or CompressionPolicy("off")
@@ -152,17 +176,29 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     kinds: list[tuple[str, int] | None] = []
     known: list[str | None] = []  # each piece's digest where staging found it unchanged
     owners: list[dict[str, Any]] = []
-    chunked: list[tuple[Leaf, dict[str, Any]]] = []
+    spans: list[torch.Tensor | np.ndarray | None] = []  # each piece's elements, when float
+    chunked: list[tuple[Leaf, dict[str, Any], bool]] = []  # (leaf, desc, stats by piece)
+    whole: list[tuple[dict[str, Any], torch.Tensor | np.ndarray]] = []  # reduced in one go
     for leaf in leaves:
-        data = leaf_bytes(leaf)
-        desc = _describe(leaf)
+        flat = _flat(leaf)
+        data = _raw(flat)
+        desc = leaf.descriptor  # filled in place: the state tree holds this dict
+        desc.clear()
+        desc.update(_describe(leaf))
         desc["nbytes"] = len(data)
         total += len(data)
+        floats = stats and st.is_float(flat)
+        size = _itemsize(flat)
         if len(data) <= k.inline_max_bytes:
             desc["inline"] = base64.b64encode(data).decode("ascii")
+            if floats:
+                desc["stats"] = st.compute(flat).to_json()
         else:
             desc["chunks"] = []
-            chunked.append((leaf, desc))
+            by_piece = floats and k.chunk_bytes % size == 0
+            chunked.append((leaf, desc, by_piece))
+            if floats and not by_piece:
+                whole.append((desc, flat))
             kind = float_kind(leaf.value)
             split = ck.split(len(data), k.chunk_bytes)
             hints = (leaf.digests[1] if leaf.digests is not None
@@ -173,29 +209,54 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
                 kinds.append(kind)
                 known.append(hint)
                 owners.append(desc)
-        leaf.descriptor.clear()
-        leaf.descriptor.update(desc)
+                spans.append(flat[off // size:(off + n) // size] if by_piece else None)
         leaf.digests = None  # set again below, once every chunk is named
     writer = _ChunkWriter(repo, cache, codec, compression)
+    seen = cache.stats
+    reduced: dict[tuple[str, str], st.Stats] = {}
+
+    def write(piece: memoryview, kind: tuple[str, int] | None, hint: str | None,
+              span: torch.Tensor | np.ndarray | None) -> tuple[str, int, st.Stats | None]:
+        d, wrote = writer(piece, kind, hint)
+        if span is None:
+            return d, wrote, None
+        key = (d, str(span.dtype))
+        got = seen.get(key) or reduced.get(key)
+        if got is None:
+            got = reduced[key] = st.compute(span)
+        else:
+            reduced[key] = got
+        return d, wrote, got
+
+    by_desc: dict[int, list[st.Stats | None]] = {}
     # new threads inherit the caller's priority: lowered under an asynchronous snapshot's
     # writer, normal under a synchronous one (engine/background.py)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
         if repo.store.batch_missing and pieces:
             writer.ask_in_one_batch(pieces, known, pool)
-        for desc, piece, (d, wrote) in zip(
-                owners, pieces, pool.map(writer, pieces, kinds, known), strict=True):
+        for desc, piece, (d, wrote, piece_stats) in zip(
+                owners, pieces, pool.map(write, pieces, kinds, known, spans), strict=True):
             desc["chunks"].append([d, len(piece)])
+            by_desc.setdefault(id(desc), []).append(piece_stats)
             new += wrote
-    for leaf, desc in chunked:
+        for desc, flat in whole:
+            desc["stats"] = st.compute(flat).to_json()
+    cache.stats = reduced
+    for leaf, desc, by_piece in chunked:
         leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])
+        combined = st.combine(by_desc[id(desc)]) if by_piece else None
+        if combined is not None:
+            desc["stats"] = combined.to_json()
     return total, new, writer.stored_bytes
 
 
 def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
                    captured: Captured, cache: ChunkCache, world_size: int = 1,
                    lease: Lease | None = None, codec: ObjectCodec | None = None,
-                   compression: CompressionPolicy | None = None) -> tuple[mf.Manifest, str]:
-    """Persist ``captured`` as a snapshot of ``project/job`` and commit it.
+                   compression: CompressionPolicy | None = None,
+                   health: HealthTracker | None = None) -> tuple[mf.Manifest, str]:
+    """Persist ``captured`` as a snapshot of ``project/job`` and commit it. With ``health``,
+    its tensors' statistics are computed and its health judged (chain/health.py).
 
     Returns (manifest, snapshot ID).
     """
@@ -203,23 +264,27 @@ def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: 
     with InflightSave(store) as inflight:
         cache.sync(inflight.epoch)
         codec = codec or ObjectCodec()
-        total, new, _stored = write_leaves(repo, captured.leaves, cache, codec, compression)
+        total, new, _stored = write_leaves(repo, captured.leaves, cache, codec, compression,
+                                           stats=health is not None)
         failpoint("chunks.sync")
         store.sync()  # every chunk durable before anything refers to it
         return commit_snapshot(repo, project, job, step, parent, captured.states,
                                captured.metrics, len(captured.leaves), total, new,
-                               world_size=world_size, lease=lease, codec=codec)
+                               world_size=world_size, lease=lease, codec=codec, health=health)
 
 
 def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
                     states: dict[str, Any], metrics: dict[str, Any], tensors: int, total: int,
                     new: int, *, world_size: int = 1, lease: Lease | None = None,
-                    codec: ObjectCodec | None = None,
-                    distributed: bool = False) -> tuple[mf.Manifest, str]:
+                    codec: ObjectCodec | None = None, distributed: bool = False,
+                    health: HealthTracker | None = None) -> tuple[mf.Manifest, str]:
     """Write the body, then the manifest (the commit point), then the catalog row. Every chunk
-    the states reference must already be durable."""
+    the states reference must already be durable. With ``health``, the manifest records the
+    snapshot's health, judged against the recent chain."""
     store = repo.store
     codec = codec or ObjectCodec()
+    verdict = (None if health is None
+               else health.judge(repo, project, job, parent, states, metrics))
     body = mf.encode_body(states, distributed=distributed)
     body_digest = codec.name(body)
     failpoint("body.put")
@@ -228,7 +293,7 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
     m = mf.Manifest(
         project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
         body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
-        tensors=tensors, world_size=world_size, metrics=metrics,
+        tensors=tensors, world_size=world_size, metrics=metrics, health=verdict,
     )
     data = m.encode()
     sid = codec.name(data)
@@ -243,6 +308,11 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
         if not store.create(key, codec.meta(key, data)) and repo.open_meta(
                 key, store.get(key))[0] != data:
             raise StoreError(f"{store.location(key)} exists with other content")
+    if health is not None:
+        health.committed(sid, states, metrics)
+        if verdict is not None and not verdict["healthy"]:
+            log.warning("snapshot %s of %s/%s at step %d is unhealthy: %s", sid[:12], project,
+                        job, step, "; ".join(verdict["reasons"]))
     failpoint("catalog.insert")
     repo.catalog.add_snapshot(m, sid)
     return m, sid

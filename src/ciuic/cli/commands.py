@@ -65,8 +65,9 @@ def ls() -> None:
 def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
             all_: Annotated[bool, typer.Option("--all", help="Include pruned snapshots")] = False
             ) -> None:
-    """Show a job's chain, newest first: step, time, size, new bytes, and where runs were
-    interrupted and resumed; one table per lineage."""
+    """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
+    snapshot is unhealthy), and where runs were interrupted and resumed; one table per
+    lineage."""
     from ciuic.chain.retention import lineages
     from ciuic.chain.runs import history
     repo = current_repo()
@@ -99,21 +100,31 @@ def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[st
     for col in ("size", "new"):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("parent", no_wrap=True)
+    t.add_column("health", no_wrap=True)
     t.add_column("notes", min_width=10)  # metrics, interruptions; "pruned" when data is gone
     for s in sorted(snaps, key=lambda s: s.seq, reverse=True):
-        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
+                        f"{k}={'nan' if v is None else v}"  # the catalog keeps NaN as null
                         for k, v in s.metrics.items())
         if s.status != "committed":
             text = f"{s.status} {text}".strip()
-        text = "; ".join([text, *notes.get(s.id, [])]) if text else "; ".join(
-            notes.get(s.id, []))
+        reasons = (s.health or {}).get("reasons", []) if s.healthy is False else []
+        if len(reasons) > 2:  # `ciuic inspect` lists them all
+            reasons = [*reasons[:2], f"{len(reasons) - 2} more reasons: ciuic inspect "
+                                     f"{s.short_id}"]
+        text = "; ".join(x for x in [text, *reasons, *notes.get(s.id, [])] if x)
         t.add_row(s.short_id, str(s.step), time_text(s.created), size_text(s.total_bytes),
-                  size_text(s.new_bytes), s.parent[:8] or "(root)", text)
+                  size_text(s.new_bytes), s.parent[:8] or "(root)",
+                  {None: "-", True: "[green]ok[/green]", False: "[red]unhealthy[/red]"}[
+                      s.healthy], text)
     return t
 
 
+SNAP_HELP = "ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy"
+
+
 @app.command("show")
-def show(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+def show(snap: Annotated[str, typer.Argument(help=SNAP_HELP)],
          as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False
          ) -> None:
     """Show one snapshot: its manifest and its tensors."""
@@ -215,7 +226,7 @@ def _looks_like_job(repo: Repository, text: str) -> bool:
 
 
 @app.command("restore")
-def restore(snap: Annotated[str, typer.Argument(help="ID, ID prefix, JOB@STEP or JOB@latest")],
+def restore(snap: Annotated[str, typer.Argument(help=SNAP_HELP)],
             to: Annotated[Path, typer.Option(
                 "--to", help="Output file (.safetensors or .pt), or folder (--format hf)")],
             fmt: Annotated[str | None, typer.Option(

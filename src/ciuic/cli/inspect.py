@@ -1,4 +1,4 @@
-"""Commands that look inside snapshots: ``diff``."""
+"""Commands that look inside snapshots: ``diff`` and ``inspect``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,86 @@ def diff_cmd(a: Annotated[str, typer.Argument(help="The older snapshot: ID, JOB@
                               highlight=False)
             if len(rows) > 200:
                 console.print(f"  ... {len(rows) - 200} more (--json lists them all)")
+
+
+@app.command("inspect")
+def inspect_cmd(snap: Annotated[str, typer.Argument(
+                    help="ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy")],
+                tensor: Annotated[str | None, typer.Argument(
+                    help="One tensor's path (as listed): its histogram")] = None,
+                as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+                bins: Annotated[int, typer.Option(help="Histogram bins", min=2, max=200)] = 20,
+                compute: Annotated[bool, typer.Option(
+                    "--compute/--no-compute",
+                    help="For a snapshot older than recorded statistics, compute them by "
+                         "reading its tensors")] = True) -> None:
+    """Show a snapshot's health and each tensor's statistics (NaN, Inf, min, max, mean, L2
+    norm), as recorded when it was written; with TENSOR, that tensor's histogram."""
+    from ciuic.restore import inspect  # imports torch
+
+    repo = current_repo()
+    info = repo.resolve(snap)
+    if tensor is not None:
+        h = inspect.histogram(repo, info, tensor, bins)
+        if as_json:
+            console.print_json(json.dumps({"tensor": h.row.to_json(), "edges": h.edges,
+                                           "counts": h.counts}))
+            return
+        _print_health(info)
+        console.print(_stats_table([h.row]))
+        for line in histogram_lines(h.edges, h.counts):
+            console.print(line, highlight=False)
+        return
+    rows = inspect.tensors(repo, info, compute=compute)
+    if as_json:
+        console.print_json(json.dumps({"id": info.id, "ref": info.ref, "health": info.health,
+                                       "tensors": [r.to_json() for r in rows]}))
+        return
+    _print_health(info)
+    console.print(_stats_table(rows))
+    if any(r.computed for r in rows):
+        console.print("(statistics marked * were computed now: this snapshot was written "
+                      "before ciuic recorded them)")
+
+
+def _print_health(info: Any) -> None:
+    console.print(f"[bold]{info.ref}[/bold] ({info.short_id}): {health_text(info)}")
+    for reason in (info.health or {}).get("reasons", []):
+        console.print(f"  - {reason}", highlight=False)
+
+
+def health_text(info: Any) -> str:
+    """A snapshot's health as ``ciuic log`` and ``inspect`` show it."""
+    if info.healthy is None:
+        return "[dim]health not recorded[/dim]"
+    return "[green]healthy[/green]" if info.healthy else "[red]unhealthy[/red]"
+
+
+def _stats_table(rows: list[Any]) -> Table:
+    table = Table("tensor", "dtype, shape", "NaN", "Inf", "min", "max", "mean", "norm")
+    for r in rows:
+        s = r.stats
+        mark = "*" if r.computed else ""
+        if s is None:
+            table.add_row(r.path, f"{r.dtype} {tuple(r.shape)}", *(["-"] * 6))
+            continue
+        bad = "[red]{}[/red]".format
+        table.add_row(r.path, f"{r.dtype} {tuple(r.shape)}",
+                      bad(s.nan) if s.nan else "0", bad(s.inf) if s.inf else "0",
+                      _num(s.lo), _num(s.hi), _num(s.mean), _num(s.norm) + mark)
+    return table
+
+
+def histogram_lines(edges: list[float], counts: list[int], width: int = 40) -> list[str]:
+    """A histogram as text lines: each bin's range, a bar and its count."""
+    if not counts:
+        return ["(no finite values)"]
+    top = max(counts) or 1
+    lines = []
+    for i, c in enumerate(counts):
+        bar = "█" * round(width * c / top) if c else ""
+        lines.append(f"{edges[i]:>11.4g} .. {edges[i + 1]:<11.4g} {bar:<{width}} {c}")
+    return lines
 
 
 def _status(t: Any) -> str:

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from ciuic.chain.gc import InflightSave
+from ciuic.chain.health import HealthTracker
 from ciuic.chain.lease import Lease
 from ciuic.chain.repo import Repository
 from ciuic.chain.writer import ChunkCache, commit_snapshot, write_leaves
@@ -47,7 +48,8 @@ def _error(e: BaseException) -> str:
 def write_dist(coll: Collective, repo: Repository, project: str, job: str, step: int,
                parent: str, captured: DistCaptured, cache: ChunkCache, *,
                lease: Lease | None, codec: ObjectCodec,
-               compression: CompressionPolicy, seq: int = 0) -> tuple[mf.Manifest, str, int]:
+               compression: CompressionPolicy, seq: int = 0,
+               health: HealthTracker | None = None) -> tuple[mf.Manifest, str, int]:
     """The two-phase commit of one multi-rank snapshot (every rank calls it, same order).
     Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote."""
     what = f"snapshot at step {step}"
@@ -101,7 +103,8 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
                     "this rank's layout did not. This snapshot fails on every rank; the next "
                     "one copies everything")
             own = [leaf for leaf in captured.leaves if id(leaf) not in glob]
-            _, new, _ = write_leaves(repo, owned + own, cache, codec, compression)
+            _, new, _ = write_leaves(repo, owned + own, cache, codec, compression,
+                                     stats=health is not None)
             failpoint("chunks.sync")
             store.sync()
             failpoint("dist.written")
@@ -119,7 +122,7 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
         outcome: dict[str, Any] | None = None
         if reports is not None:
             outcome = _commit(repo, project, job, step, parent, captured, reports,
-                              coll.world_size, lease, codec)
+                              coll.world_size, lease, codec, health)
         outcome = coll.broadcast(outcome, data=True)
     finally:
         if entered:
@@ -133,7 +136,8 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
 
 def _commit(repo: Repository, project: str, job: str, step: int, parent: str,
             captured: DistCaptured, reports: list[dict[str, Any]], world_size: int,
-            lease: Lease | None, codec: ObjectCodec) -> dict[str, Any]:
+            lease: Lease | None, codec: ObjectCodec,
+            health: HealthTracker | None = None) -> dict[str, Any]:
     failures = {str(r): str(rep["error"]) for r, rep in enumerate(reports) if rep["error"]}
     if failures:
         return {"failures": failures}
@@ -148,7 +152,7 @@ def _commit(repo: Repository, project: str, job: str, step: int, parent: str,
         m, sid = commit_snapshot(repo, project, job, step, parent, states, captured.metrics,
                                  tensors, total, sum(int(rep["new"]) for rep in reports),
                                  world_size=world_size, lease=lease, codec=codec,
-                                 distributed=True)
+                                 distributed=True, health=health)
     except Exception as e:
         return {"failures": {"0": _error(e)}}
     return {"failures": {}, "sid": sid, "manifest": m.encode().decode()}

@@ -25,6 +25,14 @@ class SnapshotInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     status: str = "committed"  # committed | pruned (body deleted, manifest kept)
     seq: int = 0  # commit order in the catalog (0 when not from the catalog)
+    #: the manifest's health verdict ({"healthy", "reasons", ...}); None when never judged
+    health: dict[str, Any] | None = None
+
+    @property
+    def healthy(self) -> bool | None:
+        """True or False as judged at the commit; None for a snapshot written before ciuic
+        judged health."""
+        return None if self.health is None else bool(self.health.get("healthy"))
 
     @property
     def short_id(self) -> str:
@@ -45,5 +53,5 @@ class SnapshotInfo:
             id=snapshot_id, project=m.project, job=m.job, step=m.step, parent=m.parent,
             created=m.created, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
             tensors=m.tensors, world_size=m.world_size, body=m.body, metrics=dict(m.metrics),
-            status=status,
+            status=status, health=m.health,
         )

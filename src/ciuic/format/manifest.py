@@ -23,6 +23,10 @@ from ciuic.format import canonical, tree
 from ciuic.format.digest import digest, is_digest
 
 FORMAT_VERSION = 1
+#: The manifest format that records the snapshot's health (``"health"``; its body's float
+#: descriptors carry statistics). Format-1 readers refuse it and say to upgrade.
+HEALTH_FORMAT = 2
+MANIFEST_FORMATS = (FORMAT_VERSION, HEALTH_FORMAT)
 #: The body format of a multi-rank snapshot (sharded descriptors, per-rank states).
 DIST_BODY_FORMAT = 2
 MANIFEST_KIND = "ciuic.snapshot"
@@ -54,10 +58,22 @@ class Manifest:
     tensors: int
     world_size: int = 1
     metrics: dict[str, Any] = field(default_factory=dict)
+    #: the health verdict (format 2): {"healthy", "reasons", "nonfinite", "norms"}; None in
+    #: snapshots written before ciuic judged health
+    health: dict[str, Any] | None = None
     format: int = FORMAT_VERSION
 
+    def __post_init__(self) -> None:
+        if self.health is not None and self.format == FORMAT_VERSION:
+            object.__setattr__(self, "format", HEALTH_FORMAT)
+
+    @property
+    def healthy(self) -> bool | None:
+        """Whether the snapshot was judged healthy; None when it was not judged."""
+        return None if self.health is None else bool(self.health.get("healthy"))
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "body": self.body,
             "body_bytes": self.body_bytes,
             "created": self.created,
@@ -73,6 +89,9 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "world_size": self.world_size,
         }
+        if self.health is not None:
+            out["health"] = self.health
+        return out
 
     def encode(self) -> bytes:
         return canonical.dumps(self.to_json())
@@ -88,7 +107,7 @@ class Manifest:
     @classmethod
     def decode(cls, data: bytes, key: str = "manifest") -> Manifest:
         """Parse and validate manifest bytes. Raises :class:`CorruptObject` on any defect."""
-        obj = _load(data, key, MANIFEST_KIND, "manifest")
+        obj = _load(data, key, MANIFEST_KIND, "manifest", MANIFEST_FORMATS)
         try:
             m = cls(
                 project=_typed(obj, "project", str),
@@ -103,6 +122,8 @@ class Manifest:
                 tensors=_typed(obj, "tensors", int),
                 world_size=_typed(obj, "world_size", int),
                 metrics=tree.decode(obj.get("metrics", {}), "metrics", _no_leaf),
+                health=_health(obj) if obj["format"] == HEALTH_FORMAT else None,
+                format=obj["format"],
             )
             parse_time(m.created)
         except (KeyError, TypeError, ValueError) as e:
@@ -136,6 +157,15 @@ def _typed(obj: dict[str, Any], name: str, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"field {name!r} should be {kind.__name__}, got {value!r}")
     return value
+
+
+def _health(obj: dict[str, Any]) -> dict[str, Any]:
+    h = obj["health"]
+    if not (isinstance(h, dict) and isinstance(h.get("healthy"), bool)
+            and isinstance(h.get("reasons"), list)
+            and all(isinstance(r, str) for r in h["reasons"])):
+        raise TypeError(f"field 'health' should hold 'healthy' and 'reasons', got {h!r}")
+    return h
 
 
 def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:

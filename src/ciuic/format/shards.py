@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ciuic.errors import CaptureError, IntegrityError
+from ciuic.format.stats import of_descriptor
 from ciuic.format.tree import Leaf, dtype_name, torch_dtype
 
 Meta = dict[str, Any]
@@ -102,7 +103,8 @@ def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
             plain[w["path"]] = dict(w["desc"])  # a copy: it may be the leaf's own descriptor
         else:
             d = w["desc"]
-            shard = {k: v for k, v in d.items() if k in ("nbytes", "chunks", "inline")}
+            shard = {k: v for k, v in d.items()
+                     if k in ("nbytes", "chunks", "inline", "stats")}
             sharded.setdefault(w["path"], []).append(
                 {"offsets": w["offsets"], "shape": d["shape"], "dtype": d["dtype"], **shard})
     for leaf in leaves:
@@ -120,6 +122,9 @@ def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
                     raise IntegrityError(f"{leaf.path}: shards of different dtypes")
             desc = {"dtype": dtype, "shape": shape, "shards": shards,
                     "nbytes": math.prod(shape) * torch_dtype(dtype).itemsize}
+            whole = of_descriptor(desc)  # the shards' statistics combined, when they have any
+            if whole is not None:
+                desc["stats"] = whole.to_json()
         leaf.descriptor.clear()
         leaf.descriptor.update(desc)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ciuic.chain.health import HealthPolicy
 from ciuic.engine.compression import MODES as COMPRESSION_MODES
 from ciuic.errors import ConfigurationError
 from ciuic.format import layout
@@ -39,6 +40,8 @@ class ManagerConfig:
     overlap: bool = False
     endpoint: str | None = None
     distributed: bool | None = None
+    #: when a snapshot is judged unhealthy; None: no statistics and no judgment
+    health: HealthPolicy | None = field(default_factory=HealthPolicy)
 
     @classmethod
     def build(cls, project_id: str, job: str | None = None, **kwargs: Any) -> ManagerConfig:
@@ -65,6 +68,15 @@ class ManagerConfig:
         if compression not in COMPRESSION_MODES:
             raise ConfigurationError(f"compression must be one of {COMPRESSION_MODES}, got "
                                      f"{compression!r}")
+        health = kwargs.get("health", True)
+        if health is True:
+            health = HealthPolicy()
+        elif health is False or health is None:
+            health = None
+        elif not isinstance(health, HealthPolicy):
+            raise ConfigurationError(f"health must be True, False or a ciuic.HealthPolicy, got "
+                                     f"{health!r}")
+        kwargs["health"] = health
         if kwargs.get("on_busy", "wait") not in ("skip", "wait"):
             raise ConfigurationError(f"on_busy must be 'skip' or 'wait', got "
                                      f"{kwargs['on_busy']!r}")

@@ -27,6 +27,7 @@ from typing import Any
 
 from ciuic.catalog.models import Run
 from ciuic.chain import runs
+from ciuic.chain.health import HealthPolicy
 from ciuic.chain.lease import Lease
 from ciuic.distributed.collective import Collective
 from ciuic.errors import CaptureError, CiuicError, ConfigurationError
@@ -98,6 +99,12 @@ class SnapshotManager:
         compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
             ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
             ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
+        health: compute every float tensor's statistics (NaN/Inf counts, min, max, mean, L2
+            norm) while the snapshot is hashed, and mark a snapshot unhealthy when a tensor holds
+            NaN or Inf, the loss is not finite or spikes, or a weight's norm jumps
+            (``ciuic log`` shows it; ``JOB@healthy`` and ``restore(snapshot="healthy")`` skip
+            it). True (the default), False, or a :class:`~ciuic.HealthPolicy` for other
+            thresholds.
     """
 
     def __init__(self, project_id: str, api_key: str | None = None,
@@ -110,7 +117,8 @@ class SnapshotManager:
                  on_busy: str = "wait", staging_budget_bytes: int | None = None,
                  mirror: str | Store | None = None, durability: str | None = None,
                  compression: str = "auto", overlap: bool = False,
-                 endpoint: str | None = None, distributed: bool | None = None) -> None:
+                 endpoint: str | None = None, distributed: bool | None = None,
+                 health: bool | HealthPolicy = True) -> None:
         self.config = c = ManagerConfig.build(
             project_id, job, api_key=api_key, save_interval=save_interval,
             encryption=encryption, store=store, time_interval_s=time_interval_s,
@@ -118,7 +126,7 @@ class SnapshotManager:
             asynchronous=asynchronous, on_busy=on_busy,
             staging_budget_bytes=staging_budget_bytes, mirror=mirror, durability=durability,
             compression=compression, overlap=overlap, endpoint=endpoint,
-            distributed=distributed)
+            distributed=distributed, health=health)
         self.project, self.job = c.project, c.job
         ensure_log_handler()
         # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
@@ -300,6 +308,10 @@ class SnapshotManager:
         Returns the step it recorded (training continues at that step + 1), or None when the job
         has no snapshot. A damaged latest snapshot is skipped for the previous one, with a
         warning; if snapshots exist but none loads, raises :class:`RestoreError`.
+
+        ``snapshot``: an ID, an ID prefix, ``"JOB@STEP"``, or ``"healthy"``: the newest snapshot
+        of this job judged healthy (no NaN or Inf, no loss spike, no norm jump; a damaged one
+        falls back to the previous healthy one). The chain continues from the snapshot loaded.
         """
         self._check_open()
         check_state_args("restore", model, optimizer)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ciuic.chain.health import HealthTracker
 from ciuic.chain.writer import ChunkCache, write_snapshot
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.plan import DistCaptured, capture_dist
@@ -53,6 +54,8 @@ class Pipeline:
         self.repo = session.repo
         self.staging = StagingArea(config.staging_budget_bytes)
         self.cache = ChunkCache()
+        #: judges each snapshot's health at its commit (None: health="off")
+        self.health = None if config.health is None else HealthTracker(config.health)
         self.codec = codec
         store = self.repo.store
         probe = coll.coordinator  # other ranks use the default speed
@@ -293,10 +296,10 @@ class LocalPipeline(Pipeline):
         if isinstance(captured, DistCaptured):
             return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent,
                               captured, self.cache, lease=self.session.lease, codec=self.codec,
-                              compression=self.compression)
+                              compression=self.compression, health=self.health)
         m, sid = write_snapshot(self.repo, c.project, c.job, step, self.parent, captured,
                                 self.cache, lease=self.session.lease, codec=self.codec,
-                                compression=self.compression)
+                                compression=self.compression, health=self.health)
         return m, sid, m.new_bytes
 
 

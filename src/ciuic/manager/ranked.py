@@ -66,7 +66,7 @@ class RankedPipeline(Pipeline):
         c = self.config
         return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent, captured,
                           self.cache, lease=self.session.lease, codec=self.codec,
-                          compression=self.compression, seq=self._seq)
+                          compression=self.compression, seq=self._seq, health=self.health)
 
     def written(self, captured: Captured, ok: bool) -> None:
         if not ok:

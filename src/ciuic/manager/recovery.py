@@ -103,7 +103,7 @@ class Recovery:
                 raise RestoreError(f"restoring snapshot {info.short_id} failed:\n{detail}")
             if outcome == "damaged":
                 problems.append(f"step {info.step} ({info.short_id}): {detail}")
-                if snapshot is not None:
+                if snapshot not in (None, "healthy"):
                     raise RestoreError(f"snapshot {info.short_id} cannot be restored: {detail}")
                 log.warning("Snapshot at step %d (%s) is damaged: %s; falling back to the "
                             "previous snapshot", info.step, info.short_id, detail)
@@ -146,7 +146,10 @@ class Recovery:
         s = self.session
         if self.coll.coordinator:
             try:
-                if snapshot is not None:
+                if snapshot == "healthy":  # every healthy one, newest first (damage: the next)
+                    self.repo.sync_job(s.project, s.job)
+                    found = self.repo.healthy(s.project, s.job)
+                elif snapshot is not None:
                     found = [self.repo.resolve(snapshot)]
                 else:
                     self.repo.sync_job(s.project, s.job)

@@ -91,8 +91,9 @@ def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return False
 
 
-def _read(repo: Repository, path: str, kind: str, desc: dict[str, Any],
-          pool: ThreadPoolExecutor) -> torch.Tensor:
+def read_tensor(repo: Repository, path: str, kind: str, desc: dict[str, Any],
+                pool: ThreadPoolExecutor) -> torch.Tensor:
+    """One tensor of a body, read and verified (a sharded one assembled whole)."""
     if "shards" in desc and kind == "tensor":
         return read_box(repo, path, desc, None, None, pool)
     flat, futures = leaf_buffer(repo, path, kind, desc, pool, None)
@@ -189,7 +190,8 @@ def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInf
                 continue
             t.read = True
             out.bytes_read += int(da.get("nbytes", 0)) + int(db.get("nbytes", 0))
-            _compare(t, _read(repo_a, path, ka, da, pool), _read(repo_b, path, kb, db, pool))
+            _compare(t, read_tensor(repo_a, path, ka, da, pool),
+                     read_tensor(repo_b, path, kb, db, pool))
     pa, pb = _plain(states_a), _plain(states_b)
     for path in sorted(set(pa) | set(pb)):
         va, vb = pa.get(path, _MISSING), pb.get(path, _MISSING)

@@ -1,0 +1,209 @@
+"""Snapshot health: whether a snapshot's state looks damaged, decided when it is committed.
+
+The writer computes every float tensor's statistics while it hashes (:mod:`ciuic.format.stats`);
+the commit then judges the snapshot against the recent chain and records the verdict in its
+manifest (docs/format.md, "Health"). A snapshot is **unhealthy** when:
+
+* a float tensor holds NaN or Inf;
+* the recorded loss (``metrics[loss_metric]``) is NaN or Inf, or spikes: its robust z-score
+  over the losses of the last ``loss_window`` snapshots of its lineage (median and MAD) is above
+  ``loss_zscore``;
+* a watched tensor's L2 norm grew by more than ``norm_jump`` times since the parent snapshot.
+
+An unhealthy snapshot is written all the same (it may be the evidence a user needs); ``JOB@healthy``
+and ``restore(snapshot="healthy")`` skip it, and retention never prunes the newest healthy one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic.chain.read import body_states
+from ciuic.chain.repo import Repository
+from ciuic.errors import CiuicError, ConfigurationError
+from ciuic.format import stats as st
+from ciuic.format.info import SnapshotInfo
+from ciuic.format.tree import walk_leaves
+
+log = logging.getLogger("ciuic")
+#: the most reasons a manifest lists (the rest are counted)
+MAX_REASONS = 8
+_MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """When a snapshot is marked unhealthy (``SnapshotManager(health=HealthPolicy(...))``).
+
+    Args:
+        loss_metric: the metric of ``step(..., loss=...)`` watched for NaN, Inf and spikes.
+        loss_zscore: a loss whose robust z-score over the recent chain is above this spikes.
+        loss_window: how many recent snapshots of the lineage the z-score is taken over.
+        loss_min_history: judge spikes only once this many earlier losses are known.
+        norm_jump: a watched tensor whose norm grew by more than this factor since the parent
+            snapshot is a jump (None: not checked).
+        norm_states: the states whose tensors' norms are watched (the optimizer's moments grow
+            fast early in training by design, so the default watches the model only).
+        norm_floor: norms below this are too small to judge a jump from (a zero-initialized
+            tensor).
+    """
+
+    loss_metric: str = "loss"
+    loss_zscore: float = 6.0
+    loss_window: int = 20
+    loss_min_history: int = 5
+    norm_jump: float | None = 10.0
+    norm_states: tuple[str, ...] = ("model",)
+    norm_floor: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.loss_zscore, (int, float)) and self.loss_zscore > 0):
+            raise ConfigurationError(f"loss_zscore must be a positive number, got "
+                                     f"{self.loss_zscore!r}")
+        if self.norm_jump is not None and not (isinstance(self.norm_jump, (int, float))
+                                               and self.norm_jump > 1):
+            raise ConfigurationError(f"norm_jump must be a factor above 1 or None, got "
+                                     f"{self.norm_jump!r}")
+        for name in ("loss_window", "loss_min_history"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+                raise ConfigurationError(f"{name} must be an integer >= 2, got {v!r}")
+        if isinstance(self.norm_states, str):
+            raise ConfigurationError("norm_states is a tuple of state names, e.g. ('model',)")
+
+
+def tensor_stats(states: dict[str, Any]) -> dict[str, st.Stats]:
+    """Every tensor's statistics in a body's states, by path (tensors without any omitted)."""
+    out: dict[str, st.Stats] = {}
+    for path, _kind, desc in walk_leaves({k: v for k, v in states.items() if k != "dist"}):
+        s = st.of_descriptor(desc)
+        if s is not None:
+            out[path] = s
+    return out
+
+
+def _state_of(path: str) -> str:
+    """The state a tensor path belongs to (``ranks/3/extra/...`` -> ``extra``)."""
+    parts = path.split("/")
+    return parts[2] if parts[0] == "ranks" and len(parts) > 2 else parts[0]
+
+
+def robust_z(value: float, history: list[float]) -> float:
+    """How far ``value`` lies above the median of ``history``, in robust standard deviations
+    (1.4826 x the median absolute deviation; a small floor keeps a flat history judgeable)."""
+    med = statistics.median(history)
+    mad = statistics.median(abs(h - med) for h in history)
+    scale = max(_MAD_SCALE * mad, 1e-3 * abs(med), 1e-12)
+    return (value - med) / scale
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[float],
+          parent_norms: dict[str, float] | None, policy: HealthPolicy) -> dict[str, Any]:
+    """The health record of a snapshot (the manifest's ``health``): ``healthy``, the
+    ``reasons`` it is not, the count of NaN/Inf elements and each state's L2 norm."""
+    reasons: list[str] = []
+    bad = [(p, s) for p, s in stats.items() if s.nonfinite]
+    for p, s in bad[:MAX_REASONS]:
+        what = " and ".join(f"{n} {name}" for n, name in ((s.nan, "NaN"), (s.inf, "Inf")) if n)
+        reasons.append(f"{p}: {what} of {s.count} elements")
+    if len(bad) > MAX_REASONS:
+        reasons.append(f"and {len(bad) - MAX_REASONS} more tensors hold NaN or Inf")
+    loss = _num(metrics.get(policy.loss_metric))
+    if loss is not None:
+        if not math.isfinite(loss):
+            reasons.append(f"{policy.loss_metric} is {loss}")
+        elif len(losses) >= policy.loss_min_history:
+            z = robust_z(loss, losses)
+            if z > policy.loss_zscore:
+                reasons.append(
+                    f"{policy.loss_metric} {loss:.6g} spikes: robust z-score {z:.1f} over the "
+                    f"last {len(losses)} snapshots (median {statistics.median(losses):.6g}; "
+                    f"threshold {policy.loss_zscore:g})")
+    if policy.norm_jump is not None and parent_norms:
+        jumps = []
+        for p, s in stats.items():
+            before = parent_norms.get(p)
+            if (before is None or before < policy.norm_floor or s.nonfinite
+                    or _state_of(p) not in policy.norm_states):
+                continue
+            if s.norm > policy.norm_jump * before:
+                jumps.append((s.norm / before, p, before, s.norm))
+        jumps.sort(reverse=True)
+        for factor, p, before, after in jumps[:MAX_REASONS]:
+            reasons.append(f"{p}: norm jumped {factor:.1f}x since the parent snapshot "
+                           f"({before:.4g} -> {after:.4g}; threshold {policy.norm_jump:g}x)")
+        if len(jumps) > MAX_REASONS:
+            reasons.append(f"and {len(jumps) - MAX_REASONS} more tensors' norms jumped")
+    sumsq: dict[str, float] = {}
+    for p, s in stats.items():
+        sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + s.sumsq
+    return {"healthy": not reasons, "reasons": reasons,
+            "nonfinite": sum(s.nonfinite for s in stats.values()),
+            "norms": {k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())}}
+
+
+@dataclass
+class HealthTracker:
+    """What judging the next snapshot needs from the chain, kept between commits: the losses of
+    the recent snapshots of the lineage and the parent's tensor norms. Rebuilt from the catalog
+    and the parent's body when the next snapshot's parent is not the last one judged (a resume,
+    another process's commit)."""
+
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    last_id: str = ""
+    losses: deque[float] = field(default_factory=deque)
+    norms: dict[str, float] | None = None
+
+    def judge(self, repo: Repository, project: str, job: str, parent: str,
+              states: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+        if parent != self.last_id or not parent:
+            self._rebuild(repo, project, job, parent)
+        stats = tensor_stats(states)
+        return judge(stats, metrics, list(self.losses), self.norms, self.policy)
+
+    def committed(self, sid: str, states: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Snapshot ``sid`` (with these states and metrics) was committed: the next one's
+        parent."""
+        self.last_id = sid
+        self.norms = {p: s.norm for p, s in tensor_stats(states).items()}
+        self._add_loss(metrics)
+
+    def _add_loss(self, metrics: dict[str, Any]) -> None:
+        loss = _num(metrics.get(self.policy.loss_metric))
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(loss)
+            while len(self.losses) > self.policy.loss_window:
+                self.losses.popleft()
+
+    def _rebuild(self, repo: Repository, project: str, job: str, parent: str) -> None:
+        self.losses.clear()
+        self.norms = None
+        self.last_id = parent
+        if not parent:
+            return
+        try:
+            every = {s.id: s for s in repo.catalog.snapshots(project, job, status=None)}
+            chain: list[SnapshotInfo] = []
+            sid = parent
+            while sid in every and len(chain) < self.policy.loss_window:
+                chain.append(every[sid])
+                sid = every[sid].parent
+            for info in reversed(chain):
+                self._add_loss(info.metrics)
+            if parent in every and every[parent].status == "committed":
+                m = repo.read_manifest(project, job, parent)
+                self.norms = {p: s.norm for p, s in tensor_stats(body_states(repo, m)).items()}
+        except (CiuicError, OSError) as e:  # health is advisory: never fail a commit over it
+            log.warning("snapshot health: could not read the parent snapshot %s (%s); the "
+                        "norm-jump check skips this snapshot", parent[:12], e)

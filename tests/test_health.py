@@ -1,0 +1,288 @@
+"""Snapshot health: statistics recorded while writing, the verdict in the manifest, ``@healthy``,
+``restore(snapshot="healthy")``, retention, ``ciuic log`` and ``ciuic inspect``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ciuic import HealthPolicy, SnapshotManager, knobs
+from ciuic.chain.health import judge, robust_z
+from ciuic.chain.read import read_body
+from ciuic.chain.repo import Repository
+from ciuic.errors import ConfigurationError, SnapshotNotFound
+from ciuic.format import manifest as mf
+from ciuic.format import stats as st
+from ciuic.format.shards import assemble
+from ciuic.format.tree import Leaf, walk_leaves
+from ciuic.restore import inspect
+from ciuic.restore.diff import diff
+from tests.test_cli import ciuic
+
+
+def _expect(t: torch.Tensor) -> dict[str, float | int]:
+    f = t.detach().to(torch.float64).reshape(-1)
+    fin = f[torch.isfinite(f)]
+    return {"nan": int(torch.isnan(f).sum()), "inf": int(torch.isinf(f).sum()),
+            "min": float(fin.min()), "max": float(fin.max()), "mean": float(fin.mean()),
+            "norm": float(fin.norm())}
+
+
+def _check(s: st.Stats | None, t: torch.Tensor) -> None:
+    assert s is not None
+    e = _expect(t)
+    assert (s.nan, s.inf) == (e["nan"], e["inf"])
+    assert s.lo == pytest.approx(e["min"], rel=1e-6) and s.hi == pytest.approx(e["max"], rel=1e-6)
+    assert s.mean == pytest.approx(e["mean"], rel=1e-3, abs=1e-6)
+    assert s.norm == pytest.approx(e["norm"], rel=1e-3)
+
+
+def test_statistics_are_recorded_piece_by_piece_for_every_float_dtype(store_dir: Path) -> None:
+    torch.manual_seed(0)
+    big = torch.randn(3000)  # 12000 bytes: 12 pieces of 1 KiB, the last one short
+    big[17], big[2500], big[2999] = float("nan"), float("inf"), float("-inf")
+    state = {"big": big, "half": torch.randn(700).half(), "bf": torch.randn(900).bfloat16(),
+             "f64": torch.randn(400, dtype=torch.float64), "small": torch.tensor([1.5, -2.0]),
+             "ints": torch.arange(1000), "np": np.linspace(-1, 3, 500, dtype=np.float32),
+             "allnan": torch.full((300,), float("nan"))}
+    with knobs.override(chunk_bytes=1024), SnapshotManager(
+            "p", store=store_dir, handle_signals=False) as m:
+        m.save(1, state)
+    with Repository.open(store_dir) as repo:
+        _, states = read_body(repo, repo.resolve("p/default@1"))
+        rows = {r.path: r for r in inspect.tensors(repo, repo.resolve("p/default@1"))}
+    descs = {p: d for p, _k, d in walk_leaves(states)}
+    assert len(descs["model/big"]["chunks"]) == 12
+    for name in ("big", "half", "bf", "f64", "small"):
+        _check(st.of_descriptor(descs[f"model/{name}"]), state[name])
+    _check(st.of_descriptor(descs["model/np"]), torch.from_numpy(state["np"]))
+    assert "stats" not in descs["model/ints"] and rows["model/ints"].stats is None
+    nan_only = st.of_descriptor(descs["model/allnan"])
+    assert nan_only is not None and nan_only.nan == 300 and nan_only.lo is None
+    assert not any(r.computed for r in rows.values())
+
+
+def test_a_snapshot_of_unchanged_pieces_does_not_reduce_them_again(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    net = nn.Linear(256, 64)
+    calls: list[int] = []
+    real = st.compute
+
+    def counting(flat: torch.Tensor | np.ndarray) -> st.Stats:
+        calls.append(int(flat.shape[0]))
+        return real(flat)
+
+    monkeypatch.setattr(st, "compute", counting)
+    with knobs.override(chunk_bytes=4096), SnapshotManager(
+            "p", store=store_dir, handle_signals=False) as m:
+        m.save(1, net)
+        first = len(calls)
+        with torch.no_grad():
+            net.bias.add_(1.0)  # the weight's 16 pieces stay as they were
+        m.save(2, net)
+    assert first == 16 + 1  # the weight's pieces, the bias (one piece)
+    assert len(calls) - first == 1  # only the changed bias again
+    with Repository.open(store_dir) as repo:
+        rows = {r.path: r for r in inspect.tensors(repo, repo.resolve("p/default@2"))}
+    _check(rows["model/weight"].stats, net.weight)
+    _check(rows["model/bias"].stats, net.bias)
+
+
+def test_sharded_descriptors_combine_their_shards_statistics() -> None:
+    whole = torch.randn(10, 4)
+    whole[7, 1] = float("nan")
+    leaf = Leaf("model/w", whole, {}, shard=([10, 4], [0, 0]))
+    written = []
+    for off, part in ((0, whole[:6]), (6, whole[6:])):
+        s = st.compute(part.reshape(-1))
+        written.append({"path": "model/w", "offsets": [off, 0], "desc": {
+            "dtype": "float32", "shape": list(part.shape), "nbytes": part.numel() * 4,
+            "inline": "", "stats": s.to_json()}})
+    assemble([leaf], written)
+    assert all("stats" in s for s in leaf.descriptor["shards"])  # type: ignore[union-attr]
+    _check(st.of_descriptor(leaf.descriptor), whole)
+
+
+def _train_to_nan(store_dir: Path, keep_last: int | None = None) -> nn.Module:
+    """Ten snapshots; from step 60 on, one weight holds NaN (a loss explosion)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with SnapshotManager("p", job="j", store=store_dir, save_interval=10, keep_last=keep_last,
+                         handle_signals=False) as m:
+        for step in range(1, 101):
+            opt.zero_grad()
+            loss = net(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            if step == 55:
+                with torch.no_grad():
+                    net[1].weight[0, 3] = float("nan")
+            m.step(step, net, opt, loss=loss.item())
+    return net
+
+
+def test_a_job_whose_weights_turn_nan(store_dir: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _train_to_nan(store_dir)
+    with Repository.open(store_dir) as repo:
+        snaps = repo.catalog.snapshots("p", "j")
+        assert [s.healthy for s in snaps] == [True] * 5 + [False] * 5
+        sick = snaps[5]
+        assert "model/1.weight: 16 NaN of 16 elements" in sick.health["reasons"]  # type: ignore[index]
+        assert sick.health["nonfinite"] >= 1  # type: ignore[index]
+        assert repo.resolve("p/j@healthy").step == 50
+        m = repo.read_manifest("p", "j", sick.id)
+        assert m.format == mf.HEALTH_FORMAT and m.healthy is False
+        d = diff(repo, repo.resolve("p/j@healthy"), repo, repo.resolve("p/j@latest"))
+    by = {t.path: t for t in d.tensors}
+    assert (by["model/1.weight"].nonfinite_a, by["model/1.weight"].nonfinite_b) == (0, 16)
+
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    with SnapshotManager("p", job="j", store=store_dir, handle_signals=False) as m:
+        assert m.restore(fresh, snapshot="healthy") == 50
+    assert torch.isfinite(fresh[1].weight).all()
+
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "log", "p/j")
+    assert code == 0, err
+    lines = {ln.split()[1]: ln for ln in out.splitlines()
+             if len(ln.split()) > 1 and ln.split()[1].isdigit()}
+    assert "unhealthy" in lines["60"] and "model/0.weight: 128 NaN" in lines["60"]
+    assert " ok " in lines["50"] and "loss=nan" in lines["60"]
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "diff",
+                           "p/j@healthy", "p/j@latest")
+    assert code == 0, err
+    assert "model/1.weight" in out and "NaN/Inf appeared" in out
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "show",
+                           "p/j@healthy")
+    assert code == 0, err and "50" in out
+
+
+def test_retention_keeps_the_newest_healthy_snapshot(store_dir: Path) -> None:
+    _train_to_nan(store_dir, keep_last=2)
+    with Repository.open(store_dir) as repo:
+        kept = {s.step: s.healthy for s in repo.catalog.snapshots("p", "j")}
+    assert kept == {50: True, 90: False, 100: False}
+
+
+def test_a_loss_spike_marks_a_snapshot_and_the_threshold_is_the_users(store_dir: Path) -> None:
+    losses = [2.0, 1.95, 1.97, 1.9, 1.92, 1.88, 1.9, 1.86, 9.5, 1.85, 1.84]
+    for job, policy in (("default", HealthPolicy()), ("lax", HealthPolicy(loss_zscore=1e6))):
+        with SnapshotManager("p", job=job, store=store_dir, handle_signals=False,
+                             health=policy) as m:
+            for step, loss in enumerate(losses):
+                m.save(step, {"w": torch.ones(4)}, loss=loss)
+    with Repository.open(store_dir) as repo:
+        strict = repo.catalog.snapshots("p", "default")
+        lax = repo.catalog.snapshots("p", "lax")
+    assert [s.step for s in strict if not s.healthy] == [8]
+    assert "spikes: robust z-score" in strict[8].health["reasons"][0]  # type: ignore[index]
+    assert all(s.healthy for s in lax)
+    with pytest.raises(ConfigurationError, match="loss_zscore"):
+        HealthPolicy(loss_zscore=0)
+    with pytest.raises(ConfigurationError, match="health must be"):
+        SnapshotManager("p", store=store_dir, health="yes")  # type: ignore[arg-type]
+
+
+def test_a_norm_jump_and_a_non_finite_loss_mark_a_snapshot() -> None:
+    w = st.compute(torch.ones(100))
+    ok = judge({"model/w": w}, {"loss": 1.0}, [1.0] * 10, {"model/w": 10.0}, HealthPolicy())
+    assert ok["healthy"] and ok["norms"] == {"model": "10.0"}
+    big = st.compute(torch.full((100,), 30.0))  # norm 300: 30x
+    jump = judge({"model/w": big, "optimizer/state/0/exp_avg_sq": big}, {}, [],
+                 {"model/w": 10.0, "optimizer/state/0/exp_avg_sq": 10.0}, HealthPolicy())
+    assert not jump["healthy"] and len(jump["reasons"]) == 1  # the optimizer's is not watched
+    assert "model/w: norm jumped 30.0x" in jump["reasons"][0]
+    assert judge({"model/w": big}, {}, [], {"model/w": 10.0},
+                 HealthPolicy(norm_jump=None))["healthy"]
+    nan_loss = judge({}, {"loss": math.nan}, [], None, HealthPolicy())
+    assert nan_loss["reasons"] == ["loss is nan"]
+    assert robust_z(5.0, [1.0, 1.0, 1.0]) > 1000  # a flat history still judges
+
+
+def test_older_snapshots_without_statistics_still_load_diff_and_inspect(
+        store_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(32, 8)
+    with SnapshotManager("p", store=store_dir, handle_signals=False, health=False) as m:
+        m.save(1, net)  # as ciuic wrote it before health: format-1 manifest, no statistics
+    with Repository.open(store_dir) as repo:
+        old = repo.resolve("p/default@1")
+        assert repo.read_manifest("p", "default", old.id).format == mf.FORMAT_VERSION
+        assert old.healthy is None
+        with pytest.raises(SnapshotNotFound, match="written before ciuic recorded health"):
+            repo.resolve("p/default@healthy")
+        rows = {r.path: r for r in inspect.tensors(repo, old)}
+        assert rows["model/weight"].stats is None
+        rows = {r.path: r for r in inspect.tensors(repo, old, compute=True)}
+        assert rows["model/weight"].computed
+        _check(rows["model/weight"].stats, net.weight)
+    with torch.no_grad():
+        net.weight.mul_(2.0)
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        assert m.restore(nn.Linear(32, 8)) == 1
+        m.save(2, net)
+    with Repository.open(store_dir) as repo:
+        new = repo.resolve("p/default@2")
+        assert new.healthy is True
+        d = diff(repo, repo.resolve("p/default@1"), repo, new)
+    w = {t.path: t for t in d.tensors}["model/weight"]
+    assert w.status == "changed" and w.rel_norm_change == pytest.approx(1.0)
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@1")
+    assert code == 0, err
+    assert "health not recorded" in out and "computed now" in out
+
+
+def test_inspect_shows_statistics_and_a_histogram(store_dir: Path,
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    values = torch.cat([torch.zeros(900), torch.ones(100)])
+    values[0] = float("nan")
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        m.save(3, {"w": values})
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@3", "model/w", "--bins", "4", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["counts"] == [899, 0, 0, 100] and got["edges"][0] == 0.0
+    assert got["tensor"]["stats"]["nan"] == 1
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@3", "model/w", "--bins", "4")
+    assert code == 0, err
+    assert "unhealthy" in out and "model/w: 1 NaN of 1000" in out and "█" in out
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@3", "model/nope")
+    assert code != 0 and "no tensor 'model/nope'" in (out + err)
+
+
+def test_chain_series_gives_loss_and_norms_along_the_chain(store_dir: Path) -> None:
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        for step in range(3):
+            m.save(step, {"w": torch.full((4,), float(step + 1))}, loss=3.0 - step)
+    with Repository.open(store_dir) as repo:
+        series = inspect.chain_series(repo, "p", "default")
+    assert [p["loss"] for p in series] == [3.0, 2.0, 1.0]
+    assert [p["norms"]["model"] for p in series] == [2.0, 4.0, 6.0]
+    assert all(p["healthy"] for p in series)
+
+
+def test_manifest_health_is_checked_when_read() -> None:
+    m = mf.Manifest(project="p", job="j", step=1, parent="", created=mf.utc_now(),
+                    body="0" * 64, body_bytes=1, total_bytes=1, new_bytes=1, tensors=1,
+                    health={"healthy": False, "reasons": ["x"], "nonfinite": 1, "norms": {}})
+    data = m.encode()
+    assert b'"format":2' in data and b'"health":{"healthy":false' in data
+    back = mf.Manifest.decode(data)
+    assert back == m and back.healthy is False
+    with pytest.raises(Exception, match="health"):
+        mf.Manifest.decode(data.replace(b'"healthy":false', b'"healthy":"no"'))
+    with pytest.raises(Exception, match="canonical"):  # format 1 holds no health
+        mf.Manifest.decode(data.replace(b'"format":2', b'"format":1'))
