@@ -6,7 +6,7 @@ import ciuic.errors
 
 def test_public_api_is_guarded() -> None:
     assert sorted(ciuic.__all__) == sorted([
-        "AmbiguousReference", "CaptureError", "CiuicError", "ConfigurationError",
+        "AmbiguousReference", "AutoInterval", "CaptureError", "CiuicError", "ConfigurationError",
         "CorruptObject", "HealthPolicy", "IntegrityError", "InvalidKey", "ObjectNotFound",
         "Repository",
         "RestoreError", "ResumableSampler", "SnapshotInfo", "SnapshotManager",

@@ -51,6 +51,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, P
                 with torch.no_grad():
                     model[0].weight.mul_(0.99)
                 m.step(step, model, loss=2.0 / (step + 1))
+        with SnapshotManager("dash", job="sick", api_key=writer, endpoint=url,
+                             handle_signals=False) as m:
+            for step in (1, 2, 3):
+                if step == 3:
+                    with torch.no_grad():
+                        model[1].bias[2] = float("nan")
+                m.save(step, model, loss=1.0 / step)
         yield url, reader, base
 
 
@@ -112,6 +119,46 @@ def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
         driver.quit()
     for path in shots:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_health_plots_and_the_diff_of_two_snapshots(site: tuple[str, str, Path],
+                                                     tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key, _ = site
+    driver = chrome(tmp_path / "profile")
+    try:
+        driver.get(f"{url}/#key={key}")
+        wait_ready(driver, "/")
+        driver.get(f"{url}/#/p/dash/j/sick")
+        wait_ready(driver, "/p/dash/j/sick")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step]")
+        assert [r.get_attribute("data-step") for r in rows] == ["3", "2", "1"]
+        health = [r.find_element(By.CSS_SELECTOR, "td.health").text for r in rows]
+        assert health[0].startswith("unhealthy: model/1.bias: 1 NaN") and health[1:] == [
+            "healthy", "healthy"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#chart circle.unhealthy")) == 1
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#norms circle")) == 3
+        assert "model" in driver.find_element(By.ID, "norms").text
+        driver.save_screenshot(str(tmp_path / "sick.png"))
+        rows[0].find_element(By.CSS_SELECTOR, "a.diff").click()
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_elements(By.ID, "diff") or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        bias = driver.find_element(By.CSS_SELECTOR, '#diff tr[data-path="model/1.bias"]').text
+        assert "NaN/Inf appeared" in bias and "0 → 1" in bias
+        assert "1 changed" in driver.find_element(By.ID, "diff-summary").text
+        assert "loss" in driver.find_element(By.ID, "diff-metrics").text
+        driver.save_screenshot(str(tmp_path / "diff.png"))
+        driver.back()
+        wait_ready(driver, "/p/dash/j/sick")
+        driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step] a")[0].click()
+        WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "tensors"))
+        assert "model/1.bias: 1 NaN of 4 elements" in driver.find_element(By.ID, "reasons").text
+    finally:
+        driver.quit()
+    assert (tmp_path / "diff.png").stat().st_size > 5000
 
 
 def test_a_refused_key_says_so_and_asks_for_another(site: tuple[str, str, Path],

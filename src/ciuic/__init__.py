@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
     from ciuic.manager import SnapshotManager
+    from ciuic.manager.interval import AutoInterval
     from ciuic.state.data import ResumableSampler
     from ciuic.state.holder import StateHolder
 
 #: imported on first use, so that ``import ciuic`` (and the command line, whose commands mostly
 #: need no torch) does not import torch until a name that needs it is used
 _LAZY = {
+    "AutoInterval": "ciuic.manager.interval",
     "HealthPolicy": "ciuic.chain.health",
     "Repository": "ciuic.chain.repo",
     "SnapshotInfo": "ciuic.format.info",
@@ -60,6 +62,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AmbiguousReference",
+    "AutoInterval",
     "CaptureError",
     "CiuicError",
     "ConfigurationError",

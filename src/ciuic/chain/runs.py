@@ -33,6 +33,23 @@ def describe_end(run: Run) -> str:
     return "it exited cleanly"
 
 
+def failure_history(every: list[Run], current: str) -> tuple[int, float]:
+    """(interruptions, seconds of training) of a job's runs other than ``current``: what
+    ``save_interval="auto"`` estimates the job's failure rate from. A run that may still be
+    running is not counted."""
+    failures, seconds = 0, 0.0
+    for run in every:
+        if run.id == current or may_still_run(run):
+            continue
+        try:
+            span = (parse_time(run.ended or run.last_seen) - parse_time(run.started))
+        except ValueError:
+            continue
+        seconds += max(0.0, span.total_seconds())
+        failures += was_interrupted(run)
+    return failures, seconds
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists on this machine (one we may not signal counts)."""
     try:

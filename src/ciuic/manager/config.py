@@ -12,6 +12,7 @@ from ciuic.chain.health import HealthPolicy
 from ciuic.engine.compression import MODES as COMPRESSION_MODES
 from ciuic.errors import ConfigurationError
 from ciuic.format import layout
+from ciuic.manager.interval import AutoInterval
 from ciuic.store import Store
 
 Location = str | os.PathLike[str] | Store | None
@@ -42,12 +43,24 @@ class ManagerConfig:
     distributed: bool | None = None
     #: when a snapshot is judged unhealthy; None: no statistics and no judgment
     health: HealthPolicy | None = field(default_factory=HealthPolicy)
+    #: ``save_interval="auto"`` (or ``time_interval_s="auto"``): the interval sets itself
+    auto_interval: AutoInterval | None = None
 
     @classmethod
     def build(cls, project_id: str, job: str | None = None, **kwargs: Any) -> ManagerConfig:
         """Check every argument; raise :class:`ConfigurationError` naming the first bad one."""
         project = layout.check_name("project", project_id)
         job = layout.check_name("job", job or "default")
+        auto = None
+        for name in ("save_interval", "time_interval_s"):
+            value = kwargs.get(name)
+            if value == "auto" or isinstance(value, AutoInterval):
+                auto = value if isinstance(value, AutoInterval) else AutoInterval()
+                kwargs[name] = None
+            elif isinstance(value, str):
+                raise ConfigurationError(f"{name} must be a number, None or 'auto', got "
+                                         f"{value!r}")
+        kwargs["auto_interval"] = auto
         _positive("time_interval_s", kwargs.get("time_interval_s"))
         save_interval = kwargs.get("save_interval", 1000)
         if save_interval is not None and (not isinstance(save_interval, int)

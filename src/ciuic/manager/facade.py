@@ -34,6 +34,7 @@ from ciuic.errors import CaptureError, CiuicError, ConfigurationError
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.info import SnapshotInfo
 from ciuic.manager.config import ManagerConfig, check_state_args, check_step
+from ciuic.manager.interval import AutoInterval, IntervalTuner
 from ciuic.manager.pipeline import LocalPipeline, Pipeline
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.ranked import RankedPipeline
@@ -59,13 +60,19 @@ class SnapshotManager:
         api_key: the key for a ciuic server (or ``CIUIC_API_KEY``); unused with the embedded
             store.
         save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
+            ``"auto"``: the interval sets itself, in time, from the measured cost of a
+            snapshot (stall plus in-run slowdown) and the job's observed failure rate, by
+            Young/Daly's rule ``sqrt(2 * cost * MTBF)``, within 1 % overhead and an hour between
+            snapshots (:class:`~ciuic.AutoInterval` for other bounds); ``stats.interval_s``
+            shows the current choice and ``stats.interval_reason`` why.
         encryption: seal every object with AES-256-GCM on the client, with the key from
             ``CIUIC_ENCRYPTION_KEY`` or ``CIUIC_ENCRYPTION_KEY_FILE`` (``ciuic keygen``).
         job: the job within the project (default ``"default"``). The same project and job
             restarted means the same chain.
         store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
             else ``./.ciuic``.
-        time_interval_s: also snapshot when this many seconds passed since the last one.
+        time_interval_s: also snapshot when this many seconds passed since the last one
+            (``"auto"``: as ``save_interval="auto"``).
         keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
         keep_every: also keep every snapshot whose step is a multiple of K.
         handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
@@ -108,10 +115,11 @@ class SnapshotManager:
     """
 
     def __init__(self, project_id: str, api_key: str | None = None,
-                 save_interval: int | None = 1000, encryption: bool = False, *,
+                 save_interval: int | str | AutoInterval | None = 1000,
+                 encryption: bool = False, *,
                  job: str | None = None,
                  store: str | os.PathLike[str] | Store | None = None,
-                 time_interval_s: float | None = None,
+                 time_interval_s: float | str | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  handle_signals: bool = True, asynchronous: bool = True,
                  on_busy: str = "wait", staging_budget_bytes: int | None = None,
@@ -145,6 +153,13 @@ class SnapshotManager:
         self._session.start()
         self.stats = ManagerStats()
         self._policy = SavePolicy(c, self.coll, self.stats)
+        self._last_exit: float | None = None  # when the last step() returned
+        if c.auto_interval is not None:
+            failures, seen = (runs.failure_history(
+                self.repo.catalog.runs(self.project, self.job), self.run_id)
+                if self.coll.coordinator else (0, 0.0))
+            self._policy.auto(IntervalTuner(c.auto_interval, failures, seen))
+            self._show_interval()
         self._pipeline: Pipeline = (RankedPipeline if self.coll.enabled else LocalPipeline)(
             c, self._session, self.coll, self.stats, codec)
         self._recovery = Recovery(self._session, self.coll, self._pipeline.suspect)
@@ -203,6 +218,29 @@ class SnapshotManager:
         stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
         latest.
         """
+        tuner = self._policy.tuner
+        if tuner is None:
+            return self._step(step, model, optimizer, snapshot, extras)
+        t0 = time.monotonic()
+        if self._last_exit is not None:  # the training time since the last step() returned
+            tuner.training_step(t0 - self._last_exit, self._pipeline.busy())
+        took = self._step(step, model, optimizer, snapshot, extras)
+        self._last_exit = time.monotonic()
+        if took:
+            tuner.snapshot_started(self._last_exit - t0, background=self.config.asynchronous)
+        self._show_interval()
+        return took
+
+    def _show_interval(self) -> None:
+        tuner = self._policy.tuner
+        if tuner is not None:
+            self.stats.interval_s = tuner.interval_s
+            self.stats.interval_reason = tuner.reason
+            self.stats.snapshot_cost_s = tuner.cost_s
+            self.stats.mtbf_s = tuner.mtbf_s
+
+    def _step(self, step: int, model: Any, optimizer: Any, snapshot: bool | None,
+              extras: dict[str, Any]) -> bool:
         if snapshot is not None and not isinstance(snapshot, bool):
             raise TypeError(f"step(snapshot=...) takes True, False or None, got {snapshot!r}")
         self._check_open()

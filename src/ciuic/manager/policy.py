@@ -11,6 +11,7 @@ from collections.abc import Callable
 from ciuic import knobs
 from ciuic.distributed.collective import Collective
 from ciuic.manager.config import ManagerConfig
+from ciuic.manager.interval import IntervalTuner
 from ciuic.manager.stats import ManagerStats
 
 log = logging.getLogger("ciuic")
@@ -24,6 +25,9 @@ class SavePolicy:
     def __init__(self, config: ManagerConfig, coll: Collective, stats: ManagerStats) -> None:
         self.save_interval = config.save_interval
         self.time_interval_s = config.time_interval_s
+        #: save_interval="auto": the time between snapshots, chosen from their measured cost
+        #: and the job's failure rate (manager/interval.py)
+        self.tuner: IntervalTuner | None = None
         # under torchrun, skipping would have to be agreed by every rank: they all wait
         self.on_busy = "wait" if coll.enabled else config.on_busy
         self.coll = coll
@@ -48,8 +52,15 @@ class SavePolicy:
         return bool(self.save_interval and step % self.save_interval == 0) or time_due
 
     def time_due(self, now: float) -> bool:
-        """Whether ``time_interval_s`` has passed since the last snapshot."""
-        return bool(self.time_interval_s and now - self.last_save_time >= self.time_interval_s)
+        """Whether ``time_interval_s`` (or the automatic interval) has passed since the last
+        snapshot."""
+        interval = self.tuner.interval_s if self.tuner is not None else self.time_interval_s
+        return bool(interval and now - self.last_save_time >= interval)
+
+    def auto(self, tuner: IntervalTuner) -> None:
+        """Let ``tuner`` choose the time between snapshots; it counts from now."""
+        self.tuner = tuner
+        self.last_save_time = time.monotonic()
 
     def taken(self, step: int) -> None:
         """A snapshot of ``step`` was started (or restored): the intervals count from here."""

@@ -20,3 +20,9 @@ class ManagerStats:
     last_error: str = ""
     overlap_wait_s: float = 0.0  # optimizer steps held back until an overlapped copy finished
     last_staged_bytes: int = 0  # what the last snapshot copied into staging buffers
+    #: save_interval="auto": the time between snapshots it chose, why, and the measured cost of
+    #: a snapshot (stall plus in-run slowdown; None until the first one)
+    interval_s: float | None = None
+    interval_reason: str = ""
+    snapshot_cost_s: float | None = None
+    mtbf_s: float | None = None  # the job's mean time between failures, as estimated

@@ -15,7 +15,7 @@ import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -167,14 +167,30 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(type(a) is type(b) and a == b)
 
 
+@overload
 def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInfo
-         ) -> SnapshotDiff:
-    """Compare snapshot ``a`` (of ``repo_a``) with ``b`` (of ``repo_b``, often the same)."""
+         ) -> SnapshotDiff: ...
+
+
+@overload
+def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInfo, *,
+         max_read_bytes: int) -> SnapshotDiff | None: ...
+
+
+def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInfo, *,
+         max_read_bytes: int | None = None) -> SnapshotDiff | None:
+    """Compare snapshot ``a`` (of ``repo_a``) with ``b`` (of ``repo_b``, often the same).
+    With ``max_read_bytes``: None, reading nothing, when the tensors whose bytes differ hold
+    more than that."""
     _, states_a = read_body(repo_a, a)
     _, states_b = read_body(repo_b, b)
     out = SnapshotDiff(a, b)
     la, lb = _leaves(states_a), _leaves(states_b)
     order = sorted(set(la) | set(lb), key=lambda p: (_noisy(p), p))
+    if max_read_bytes is not None and sum(
+            int(la[p][1].get("nbytes", 0)) + int(lb[p][1].get("nbytes", 0)) for p in order
+            if p in la and p in lb and not _same_bytes(la[p][1], lb[p][1])) > max_read_bytes:
+        return None
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-diff") as pool:
         for path in order:
             if path not in lb or path not in la:

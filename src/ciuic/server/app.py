@@ -224,6 +224,32 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             raise ApiError(422, "damaged", f"snapshot {found.short_id} is damaged: {e}; "
                            "`ciuic verify --deep` names every damaged object") from e
 
+    @app.get("/v1/projects/{project}/jobs/{job}/series", tags=["snapshots"])
+    def job_series(info: Caller, project: str, job: str) -> dict[str, Any]:
+        """The loss and each state's L2 norm at every snapshot, with its health (no tensor
+        is read: the manifests record them)."""
+        allow(info, project, "reader")
+        layout.check_name("job", job)
+        repo_of(project).sync_job(project, job)
+        return inspect.series(repo_of(project), project, job)
+
+    @app.get("/v1/projects/{project}/diff", tags=["snapshots"])
+    def snapshot_diff(info: Caller, project: str, a: str, b: str) -> dict[str, Any]:
+        """``ciuic diff A B`` of two snapshots of the project (IDs or ID prefixes)."""
+        allow(info, project, "reader")
+        found_a, found_b = _resolve(project, a), _resolve(project, b)
+        for found in (found_a, found_b):
+            if found.status != "committed":
+                raise _gone(found)
+        try:
+            return inspect.compare(repo_of(project), found_a, found_b)
+        except MissingKey as e:
+            raise ApiError(422, "encrypted", f"the snapshots are encrypted; only clients "
+                           f"holding the key can compare them ({e})") from e
+        except UnreadableObject as e:
+            raise ApiError(422, "damaged", f"a snapshot is damaged: {e}; `ciuic verify "
+                           "--deep` names every damaged object") from e
+
     def _body_gone(project: str, found: SnapshotInfo) -> bool:
         """Whether a snapshot's body was deleted (by any client); then the catalog says so."""
         if repo_of(project).store.has(layout.body_key(found.project, found.job, found.body)):

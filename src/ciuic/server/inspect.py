@@ -1,4 +1,5 @@
-"""What the dashboard shows of one snapshot: its tensors and their statistics, and a check."""
+"""What the dashboard shows: a snapshot's tensors and their statistics, a check, the diff of
+two snapshots, and the loss and norms along a chain."""
 
 from __future__ import annotations
 
@@ -6,61 +7,64 @@ import math
 import threading
 from typing import Any
 
-import numpy as np
-import torch
-
-from ciuic.chain.read import read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.format.info import SnapshotInfo
-from ciuic.format.tree import flat_tensors, walk_leaves
-from ciuic.restore.reader import load_trees
+from ciuic.restore import inspect as look
+from ciuic.restore.diff import diff
 
-#: statistics are computed for snapshots up to this size (they read every byte)
+#: statistics missing from a snapshot written before ciuic recorded them are computed (reading
+#: the tensors) for up to this many bytes
 STATS_MAX_BYTES = 512 * 1024 * 1024
-_ONE_AT_A_TIME = threading.Semaphore(1)
-
-
-def _stats(value: Any) -> dict[str, Any]:
-    t = torch.as_tensor(value) if isinstance(value, np.ndarray) else value
-    if not isinstance(t, torch.Tensor) or t.numel() == 0:
-        return {}
-    if t.is_complex() or t.dtype == torch.bool or not (t.is_floating_point()
-                                                        or t.dtype in (torch.int8, torch.int16,
-                                                                       torch.int32, torch.int64,
-                                                                       torch.uint8)):
-        return {}
-    f = t.detach().to(torch.float64).reshape(-1)
-    finite = f[torch.isfinite(f)]
-    out: dict[str, Any] = {"nan": int(torch.isnan(f).sum()), "inf": int(torch.isinf(f).sum())}
-    if finite.numel():
-        out |= {"min": float(finite.min()), "max": float(finite.max()),
-                "mean": float(finite.mean()),
-                "std": float(finite.std()) if finite.numel() > 1 else 0.0,
-                "norm": float(finite.norm())}
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in out.items()}
+#: a diff reads the tensors whose bytes differ: at most this many bytes of them
+DIFF_MAX_BYTES = 2 * 1024 * 1024 * 1024
+_ONE_AT_A_TIME = threading.Semaphore(1)  # reads of whole tensors: never several at once
 
 
 def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
-    """Every tensor of a snapshot (path, dtype, shape, bytes) with statistics when the snapshot
-    is at most ``STATS_MAX_BYTES``."""
-    _, trees = read_body(repo, info)
-    rows: list[dict[str, Any]] = [
-        {"path": p, "dtype": str(d["dtype"]), "shape": list(d["shape"]), "bytes": int(d["nbytes"])}
-        for p, _k, d in walk_leaves(trees)]
-    # the size the body describes (what would be read), not the manifest's declared total
-    with_stats = sum(row["bytes"] for row in rows) <= STATS_MAX_BYTES
-    if with_stats:
-        with _ONE_AT_A_TIME:  # statistics read whole snapshots: never several at once
-            states = load_trees(repo, trees, adapt=False)
-        values: dict[str, torch.Tensor] = {}
-        for name, value in states.items():
-            flat_tensors(value, name, values)
-        for row in rows:
-            row["stats"] = _stats(values.get(row["path"]))
-    return {"id": info.id, "step": info.step, "tensors": rows, "stats": with_stats,
-            "stats_limit_bytes": STATS_MAX_BYTES}
+    """Every tensor of a snapshot (path, dtype, shape, bytes) with its statistics: as the writer
+    recorded them (nothing read), else computed for up to ``STATS_MAX_BYTES``."""
+    with _ONE_AT_A_TIME:
+        rows = look.tensors(repo, info, compute=True, compute_max_bytes=STATS_MAX_BYTES)
+    return {"id": info.id, "step": info.step, "health": info.health,
+            "tensors": [r.to_json() for r in rows],
+            "stats": all(r.stats is not None or not _is_float(r.dtype) for r in rows),
+            "computed": any(r.computed for r in rows), "stats_limit_bytes": STATS_MAX_BYTES}
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "<f"))
+
+
+def compare(repo: Repository, a: SnapshotInfo, b: SnapshotInfo) -> dict[str, Any]:
+    """``ciuic diff`` of two snapshots of one project, as JSON (floats that are not finite as
+    null). Refused when the tensors it would have to read pass ``DIFF_MAX_BYTES``."""
+    from ciuic.errors import ConfigurationError
+
+    with _ONE_AT_A_TIME:
+        result = diff(repo, a, repo, b, max_read_bytes=DIFF_MAX_BYTES)
+        if result is None:
+            raise ConfigurationError(
+                f"comparing {a.short_id} with {b.short_id} would read more than "
+                f"{DIFF_MAX_BYTES >> 30} GiB of tensors; run `ciuic diff {a.short_id} "
+                f"{b.short_id}` on a machine that reads the store")
+    out: dict[str, Any] = _json_safe(result.to_json())
+    return out
+
+
+def series(repo: Repository, project: str, job: str) -> dict[str, Any]:
+    """The loss and each state's norm along a job's chain, with health: the dashboard's plots."""
+    return {"points": _json_safe(look.chain_series(repo, project, job))}
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
 
 
 def verify(repo: Repository, info: SnapshotInfo, deep: bool) -> dict[str, Any]:
