@@ -257,6 +257,7 @@ class Ciuic(System):
 
     encryption = False
     compression = "auto"  # on a local disk "auto" decides not to compress
+    health = True  # per-tensor statistics computed while hashing (the default)
 
     def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
         super().__init__(name, base, state)
@@ -273,7 +274,7 @@ class Ciuic(System):
 
         m = SnapshotManager("bench", job="ref", store=self.dir, save_interval=2,
                             handle_signals=False, encryption=self.encryption,
-                            compression=self.compression)
+                            compression=self.compression, health=self.health)
         self.step = 1
         m.step(self.step, state=StateHolder(self.state))  # not due: buffers allocated ahead
         m.wait()
@@ -336,6 +337,12 @@ class CiuicEncrypted(Ciuic):
     """The same, with every object sealed (AES-256-GCM, keyed names)."""
 
     encryption = True
+
+
+class CiuicNoHealth(Ciuic):
+    """The same without snapshot health (``health=False``): what the statistics cost."""
+
+    health = False
 
 
 class CiuicCompressed(Ciuic):
@@ -421,7 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                              Safetensors("safetensors", base, state),
                              DCP("dcp.save", base, state), DCPAsync("dcp.async_save", base, state),
                              Ciuic("ciuic", base, state), CiuicEncrypted("ciuic+aes", base, state),
-                             CiuicCompressed("ciuic+compress", base, state)]
+                             CiuicCompressed("ciuic+compress", base, state),
+                             CiuicNoHealth("ciuic-nohealth", base, state)]
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []

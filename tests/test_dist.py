@@ -14,8 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import ResumableSampler, SnapshotManager, knobs
+from ciuic import ResumableSampler, SnapshotManager, StateHolder, knobs
+from ciuic.chain.read import read_body
 from ciuic.chain.repo import Repository
+from ciuic.format.stats import of_descriptor
+from ciuic.format.tree import walk_leaves
+from ciuic.restore.diff import diff
 
 HELPER = Path(__file__).parent / "helpers" / "dist_train.py"
 
@@ -183,6 +187,24 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
 
     same(load_file(str(dest)), {k[len("model/"):]: v for k, v in saved.items()
                                 if k.startswith("model/")})
+    # the sharded snapshot against a single-process one of the same weights: every model
+    # tensor is unchanged (read from its shards), and its statistics are the whole tensor's
+    weights = {k[len("model/"):]: v for k, v in saved.items() if k.startswith("model/")}
+    with SnapshotManager("tests", job="flat", store=store, handle_signals=False) as m:
+        m.save(8, StateHolder(weights))
+    with Repository.open(store) as repo:
+        sharded = repo.resolve("tests/dist@latest")
+        result = diff(repo, sharded, repo, repo.resolve("tests/flat@8"))
+        _, states = read_body(repo, sharded)
+    assert sharded.healthy is True and float(sharded.health["norms"]["model"]) > 0  # type: ignore[index]
+    compared = [t for t in result.tensors if t.path.startswith("model/")]
+    assert len(compared) == len(weights)
+    assert all(t.status == "unchanged" and t.read for t in compared), compared
+    for path, _kind, desc in walk_leaves({"model": states["model"]}):
+        stats, want = of_descriptor(desc), saved[path].double()
+        assert stats is not None and "shards" in desc, path
+        assert stats.norm == pytest.approx(float(want.norm()), rel=1e-4), path
+        assert (stats.lo, stats.hi) == (float(want.min()), float(want.max())), path
 
 
 def test_ddp_snapshot_restores_into_a_plain_single_process_model_and_exports(

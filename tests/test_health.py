@@ -161,7 +161,12 @@ def test_a_job_whose_weights_turn_nan(store_dir: Path, capsys: pytest.CaptureFix
     assert "model/1.weight" in out and "NaN/Inf appeared" in out
     code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "show",
                            "p/j@healthy")
-    assert code == 0, err and "50" in out
+    assert code == 0, err
+    assert "step     50" in out and "health   healthy" in out
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "show",
+                           "p/j@latest")
+    assert code == 0, err
+    assert "health   unhealthy: model/0.weight: 128 NaN" in out
 
 
 def test_retention_keeps_the_newest_healthy_snapshot(store_dir: Path) -> None:

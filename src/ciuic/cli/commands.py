@@ -140,8 +140,10 @@ def show(snap: Annotated[str, typer.Argument(help=SNAP_HELP)],
                          ("created", m.created), ("parent", m.parent or "(root)"),
                          ("size", f"{size_text(m.total_bytes)} ({size_text(m.new_bytes)} new)"),
                          ("tensors", m.tensors), ("ranks", m.world_size),
-                         ("status", info.status), ("metrics", m.metrics or "-")):
-        console.print(f"  {label:8} {value}")
+                         ("status", info.status), ("metrics", m.metrics or "-"),
+                         ("health", "not recorded" if m.health is None else "healthy"
+                          if m.healthy else "unhealthy: " + "; ".join(m.health["reasons"]))):
+        console.print(f"  {label:8} {value}", highlight=False)
     if info.status != "committed":
         return
     _, states = read_body(repo, info)
