@@ -71,6 +71,10 @@ class FetchRng:
         self._consumed = 0
         self._plan: dict[str, Any] | None = None
         self.attached = False
+        #: generators the sampler draws its order from (a loader's own ``torch.Generator``):
+        #: their state at a pass's start is kept and replayed with the global RNG's
+        self.generators: list[Any] = []
+        self._gen_start: list[Any] | None = None
 
     def attach(self, batch_sampler: Any) -> bool:
         """Hook ``batch_sampler`` (a loader's, before it is iterated). Returns False, hooking
@@ -120,7 +124,10 @@ class FetchRng:
         # RNG the original pass started from
         if plan is not None and plan.get("start") is not None:
             set_rng_state(plan["start"])
+        if plan is not None and plan.get("generators") is not None:
+            _set_generators(self.generators, plan["generators"])
         self._start = rng_state()
+        self._gen_start = [g.get_state() for g in self.generators]
         pending: dict[int, Any] = plan["pending"] if plan else {}
         skip = plan is not None and self.skip
         for batch in inner:
@@ -146,13 +153,14 @@ class FetchRng:
 
     def state_dict(self) -> dict[str, Any]:
         consumed = self._consumed
-        if consumed == 0:
-            return {"consumed": 0, "pending": []}
+        if consumed == 0:  # between passes: the generators as they are now
+            return {"consumed": 0, "pending": [],
+                    "generators": [g.get_state() for g in self.generators]}
         missing = [j for j in range(consumed + 1, self._fetched + 1) if j not in self._states]
         if missing:
             log.warning("%d fetched-ahead batches are older than the %d remembered: their "
                         "augmentation will differ on resume", len(missing), _KEEP)
-        return {"consumed": consumed, "start": self._start,
+        return {"consumed": consumed, "start": self._start, "generators": self._gen_start,
                 "pending": [[j, self._states[j]] for j in range(consumed + 1, self._fetched + 1)
                             if j in self._states]}
 
@@ -164,9 +172,23 @@ class FetchRng:
             raise ConfigurationError("not a FetchRng state: expected 'consumed' and 'pending'")
         self._plan = {"consumed": int(state["consumed"]), "start": state.get("start"),
                       "pending": {int(j): s for j, s in state["pending"]},
-                      "final": None}
+                      "final": None, "generators": None}
+        if state.get("generators") is not None:
+            if self._plan["consumed"] == 0:  # the next pass draws from them as they were
+                _set_generators(self.generators, state["generators"])
+            else:  # the interrupted pass drew its order from them as they were at its start
+                self._plan["generators"] = state["generators"]
 
     def restored(self) -> None:
         """The snapshot's RNG is restored: it is the state to continue from after the replay."""
         if self._plan is not None:
             self._plan["final"] = rng_state()
+
+
+def _set_generators(generators: list[Any], states: list[Any]) -> None:
+    if len(states) != len(generators):
+        raise ConfigurationError(
+            f"the snapshot holds the state of {len(states)} data loader generator(s), this "
+            f"loader has {len(generators)}: build the loader as the snapshotted run did")
+    for g, s in zip(generators, states, strict=True):
+        g.set_state(s)
