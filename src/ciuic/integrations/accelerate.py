@@ -1,0 +1,208 @@
+"""Hugging Face Accelerate: snapshots of everything ``accelerator.save_state`` saves and what
+it misses, resumed bit-exactly, with your own training loop.
+
+::
+
+    from ciuic.integrations.accelerate import AccelerateSnapshots
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    snapshots = AccelerateSnapshots(accelerator, "proj", job="run-1", save_interval=100)
+    first_epoch = snapshots.restore()      # 0 for a new job; the loaders resume mid-epoch
+    for epoch in range(first_epoch, num_epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                ...  # forward, accelerator.backward(loss), optimizer.step(), ...
+            snapshots.step(loss=loss.item())
+    snapshots.finish()                     # the final state into the chain
+
+A snapshot holds what ``save_state`` holds (every prepared model, optimizer and scheduler, the
+grad scaler, the objects given to ``register_for_checkpointing``, each process's RNGs and the
+``accelerator.step`` counter) and what it does not: each prepared loader's epoch, the state of
+the generator its sampler draws its order from at the start of the epoch in progress, how many
+batches of that epoch were trained on, and the RNG at each batch fetched ahead
+(:class:`ciuic.state.replay.FetchRng`). On resume a loader skips the batches already trained on
+without loading them, in the same order, with the same augmentation.
+
+Snapshots are taken at optimizer steps only (``accelerator.sync_gradients``): within a gradient
+accumulation window the gradients are part of the state, and they are not saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ciuic.errors import ConfigurationError
+from ciuic.format.info import SnapshotInfo
+from ciuic.manager import SnapshotManager
+from ciuic.state.replay import FetchRng
+
+log = logging.getLogger("ciuic")
+_classes: dict[type, type] = {}
+_SET_CLASS = object.__dict__["__class__"].__set__
+
+__all__ = ["AccelerateSnapshots"]
+
+
+def _tracked_class(base: type) -> type:
+    """A subclass of a prepared loader's class whose passes go through its tracker."""
+    if base in _classes:
+        return _classes[base]
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        tracker: LoaderPosition = self.__dict__["_ciuic_position"]
+        return tracker.iterate(base.__iter__(self))  # type: ignore[attr-defined]
+
+    cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
+                                        "__qualname__": base.__qualname__})
+    _classes[base] = cls
+    return cls
+
+
+class LoaderPosition:
+    """Where a prepared loader is: its epoch, the batches of the epoch in progress the training
+    took, and (through a :class:`FetchRng` on its batch sampler) the RNGs of its order and of
+    its fetches. An extra of the snapshot (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.fetch = FetchRng(skip=True)
+        self.hooked = self.fetch.attach(getattr(loader, "batch_sampler", None))
+        seen: dict[int, torch.Generator] = {}
+        for g in (getattr(loader, "synchronized_generator", None),
+                  getattr(getattr(loader, "sampler", None), "generator", None),
+                  getattr(loader, "generator", None)):
+            if isinstance(g, torch.Generator):
+                seen.setdefault(id(g), g)
+        self.fetch.generators = list(seen.values())
+        self.consumed = 0
+        self._resume_at = 0  # batches of the resumed epoch already trained on
+        # accelerate's loaders answer __class__ with their base loader's (a property, so that
+        # isinstance(loader, DataLoader) holds): set the real class through object's slot
+        _SET_CLASS(loader, _tracked_class(type(loader)))
+        loader.__dict__["_ciuic_position"] = self
+
+    @property
+    def epoch(self) -> int:
+        return int(getattr(self.loader, "iteration", 0))
+
+    def iterate(self, inner: Iterator[Any]) -> Iterator[Any]:
+        self.consumed, self._resume_at = self._resume_at, 0
+        self.fetch.at(self.consumed)
+        for batch in inner:
+            self.consumed += 1
+            self.fetch.at(self.consumed)
+            yield batch
+        self.consumed = 0
+        self.fetch.at(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "fetch": self.fetch.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not {"epoch", "consumed", "fetch"} <= set(state):
+            raise ConfigurationError("not a loader position: expected epoch, consumed, fetch")
+        if hasattr(self.loader, "iteration"):
+            self.loader.iteration = int(state["epoch"])
+        elif hasattr(self.loader, "set_epoch"):
+            self.loader.set_epoch(int(state["epoch"]))
+        self.fetch.load_state_dict(state["fetch"])
+        self._resume_at = int(state["consumed"]) if self.hooked else 0
+        if state["consumed"] and not self.hooked:
+            log.warning("loader %s has no batch sampler to skip with: its resumed epoch starts "
+                        "over", type(self.loader).__name__)
+
+
+class AccelerateSnapshots:
+    """Snapshots of an ``Accelerator``'s training, taken from your loop (see the module).
+
+    Build it after ``accelerator.prepare(...)``, on every process. ``save_interval`` counts
+    optimizer steps; the other arguments are :class:`~ciuic.SnapshotManager`'s (``store``,
+    ``keep_last``, ``time_interval_s``, ``save_interval="auto"``, ...).
+    """
+
+    def __init__(self, accelerator: Any, project_id: str, job: str | None = None, *,
+                 save_interval: Any = 1000, **manager_options: Any) -> None:
+        if not hasattr(accelerator, "_models") or not hasattr(accelerator, "sync_gradients"):
+            raise TypeError(f"AccelerateSnapshots takes an accelerate.Accelerator, got "
+                            f"{type(accelerator).__name__}")
+        if not accelerator._models:
+            raise ConfigurationError(
+                "AccelerateSnapshots: the accelerator has no prepared model; build it after "
+                "model, optimizer, ... = accelerator.prepare(model, optimizer, ...)")
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind.upper() in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"):
+            raise ConfigurationError(
+                f"AccelerateSnapshots does not snapshot {kind} training yet (its state lives in "
+                "the engine); use accelerator.save_state for it")
+        self.accelerator = accelerator
+        self.manager = SnapshotManager(project_id, job=job, save_interval=save_interval,
+                                       **manager_options)
+        self.positions = [LoaderPosition(dl) for dl in accelerator._dataloaders]
+        #: optimizer steps completed (the snapshots' step numbers)
+        self.global_step = 0
+        self.restored: SnapshotInfo | None = None
+
+    def _states(self) -> tuple[Any, Any, dict[str, Any]]:
+        acc = self.accelerator
+        models, optimizers = list(acc._models), list(acc._optimizers)
+        extras: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(models[1:], 1)}
+        inner = [getattr(o, "optimizer", o) for o in optimizers]
+        extras |= {f"optimizer_{i}": o for i, o in enumerate(inner[1:], 1)}
+        extras |= {f"scheduler_{i}": s for i, s in enumerate(acc._schedulers)}
+        extras |= {f"custom_{i}": o for i, o in enumerate(acc._custom_objects)}
+        extras |= {f"loader_{i}": p for i, p in enumerate(self.positions)}
+        if acc.scaler is not None:
+            extras["scaler"] = acc.scaler
+        extras["accelerate"] = {"step": int(acc.step), "global_step": self.global_step}
+        return models[0], (inner[0] if inner else None), extras
+
+    def restore(self, snapshot: str | None = None) -> int:
+        """Load the job's latest snapshot (or ``snapshot``) into everything prepared. Returns
+        the epoch to start the loop at (0 for a new job); the first loader resumes within it."""
+        model, optimizer, extras = self._states()
+        extras.pop("accelerate")
+        step = self.manager.restore(model, optimizer, snapshot=snapshot, **extras)
+        if step is None:
+            return 0
+        self.restored = self.manager.restored
+        values = self.manager.restored_values.get("accelerate")
+        if not isinstance(values, dict):
+            raise ConfigurationError(
+                f"snapshot at step {step} was not taken by AccelerateSnapshots (it has no "
+                "accelerate counters); restore it with SnapshotManager.restore()")
+        self.accelerator.step = int(values["step"])
+        self.global_step = int(values["global_step"])
+        for p in self.positions:
+            p.fetch.restored()
+        epoch = self.positions[0].epoch if self.positions else 0
+        log.info("Resuming the Accelerate loop at global step %d (epoch %d, %d batches into it)",
+                 self.global_step, epoch, self.positions[0]._resume_at if self.positions else 0)
+        return epoch
+
+    def step(self, **metrics: Any) -> bool:
+        """Call after each batch (outside ``accumulate()``). At an optimizer step it counts
+        the step and snapshots when due; ``metrics`` (``loss=...``) are recorded with it.
+        Returns whether a snapshot was taken."""
+        if not self.accelerator.sync_gradients:
+            return False  # within an accumulation window: the gradients are not saved
+        self.global_step += 1
+        model, optimizer, extras = self._states()
+        return self.manager.step(self.global_step, model, optimizer, **extras, **metrics)
+
+    def finish(self) -> SnapshotInfo | None:
+        """The end of training: snapshot the last optimizer step unless a snapshot holds it,
+        wait until it is committed, and return the job's latest snapshot."""
+        return self.manager.finish()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self) -> AccelerateSnapshots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

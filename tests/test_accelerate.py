@@ -1,0 +1,113 @@
+"""Hugging Face Accelerate with ciuic: a loop of your own (tests/helpers/acc_train.py), SIGKILLed
+mid-epoch after epoch 0, the same command run again, and every model and optimizer tensor
+compared with an uninterrupted run's; Accelerate's own save_state/load_state alongside."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.framework_runs import differences, final, finished, resumed_at
+
+pytest.importorskip("accelerate", reason="pip install 'ciuic[accelerate]'")
+pytest.importorskip("safetensors.torch")
+
+HELPER = Path(__file__).parent / "helpers" / "acc_train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def train(out: Path, *args: str, ranks: int = 2, failpoints: str = ""
+          ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
+    launch = [sys.executable]
+    if ranks > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                  str(ranks), "--master_port", str(free_port())]
+    return subprocess.run([*launch, str(HELPER), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def killed(run: subprocess.CompletedProcess[str]) -> None:
+    assert run.returncode != 0, run.stdout[-2000:]
+    assert "GLOBAL_STEP" not in run.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted run under torchrun: 2 processes, 3 epochs of 6 steps each,
+    snapshots every 4 optimizer steps."""
+    out = tmp_path_factory.mktemp("acc-reference")
+    assert "GLOBAL_STEP 18 SEEN 72" in finished(train(out)).stdout
+    yield out
+
+
+def test_killed_mid_epoch_after_epoch_0_under_torchrun_it_ends_bit_exact(
+        reference: Path, tmp_path: Path) -> None:
+    killed(train(tmp_path, "--kill-at", "9"))  # epoch 1, 3 batches in: not a snapshot step
+    again = finished(train(tmp_path))
+    assert resumed_at(again, "Accelerate loop") == 8
+    assert "(epoch 1, 2 batches into it)" in again.stderr
+    assert "GLOBAL_STEP 18 SEEN 72" in again.stdout  # the registered object came back too
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from ciuic.errors import ConfigurationError
+    from ciuic.integrations.accelerate import AccelerateSnapshots
+
+    with pytest.raises(TypeError, match=r"takes an accelerate\.Accelerator"):
+        AccelerateSnapshots(object(), "p", store=tmp_path)
+    with pytest.raises(ConfigurationError, match="after model, optimizer"):
+        AccelerateSnapshots(Accelerator(cpu=True), "p", store=tmp_path)
+
+
+@pytest.mark.slow
+def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
+        reference: Path, tmp_path: Path) -> None:
+    killed(train(tmp_path, "--kill-at", "9"))
+    # resumed from step 8, then killed while rank 0 writes the first snapshot after it
+    killed(second := train(tmp_path, failpoints="body.put=kill@1"))
+    assert resumed_at(second, "Accelerate loop") == 8
+    again = finished(train(tmp_path))
+    assert resumed_at(again, "Accelerate loop") == 8
+    assert differences(final(reference), final(tmp_path)) == {}
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_in_one_process_resumes_bit_exact(tmp_path: Path) -> None:
+    args = ("--accumulate", "2", "--every", "3")
+    assert "GLOBAL_STEP 18" in finished(train(tmp_path / "a", *args, ranks=1)).stdout
+    killed(train(tmp_path / "b", *args, "--kill-at", "10", ranks=1))  # epoch 1
+    again = finished(train(tmp_path / "b", *args, ranks=1))
+    assert resumed_at(again, "Accelerate loop") == 9
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
+def test_accelerate_own_resume_is_not_bit_exact_which_docs_integrations_records(
+        reference: Path, tmp_path: Path) -> None:
+    """The comparison in docs/integrations.md: the same kill, resumed by Accelerate itself
+    (``load_state`` + ``skip_first_batches``, as its examples do)."""
+    own = finished(train(tmp_path / "a", "--mode", "acc"))
+    assert "GLOBAL_STEP 18" in own.stdout
+    killed(train(tmp_path / "b", "--mode", "acc", "--kill-at", "9"))
+    finished(train(tmp_path / "b", "--mode", "acc"))
+    # uninterrupted, the two agree: ciuic changes nothing in the training
+    assert differences(final(reference), final(tmp_path / "a", "acc")) == {}
+    diff = differences(final(tmp_path / "a", "acc"), final(tmp_path / "b", "acc"))
+    print(f"accelerate's own resume: {len(diff)} of 17 tensors differ, max "
+          f"{max(diff.values()):.3g}")
+    assert diff  # the data order and augmentation of the resumed epoch differ
