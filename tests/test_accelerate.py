@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.framework_runs import differences, final, finished, resumed_at
 
@@ -70,8 +71,19 @@ def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(TypeError, match=r"takes an accelerate\.Accelerator"):
         AccelerateSnapshots(object(), "p", store=tmp_path)
+    accelerator = Accelerator(cpu=True)
     with pytest.raises(ConfigurationError, match="after model, optimizer"):
-        AccelerateSnapshots(Accelerator(cpu=True), "p", store=tmp_path)
+        AccelerateSnapshots(accelerator, "p", store=tmp_path)
+    # a second AccelerateSnapshots on the same loaders tracks them once, not twice
+    _model, loader = accelerator.prepare(torch.nn.Linear(2, 2), torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(12, 2)), batch_size=2))
+    for _ in range(2):
+        snapshots = AccelerateSnapshots(accelerator, "p", store=tmp_path, handle_signals=False)
+        snapshots.close()
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    assert snapshots.positions[0].consumed == 3
 
 
 @pytest.mark.slow

@@ -95,6 +95,8 @@ def test_bounds_and_the_reason_for_the_choice(caplog: pytest.LogCaptureFixture) 
             AutoInterval(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="'auto'"):
         SnapshotManager("p", save_interval="often")
+    with pytest.raises(ConfigurationError, match="drop time_interval_s=30"):
+        SnapshotManager("p", save_interval="auto", time_interval_s=30)
 
 
 def test_the_slowdown_of_a_background_write_counts_in_the_cost() -> None:

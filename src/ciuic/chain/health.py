@@ -16,6 +16,7 @@ and ``restore(snapshot="healthy")`` skip it, and retention never prunes the newe
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import statistics
@@ -51,6 +52,8 @@ class HealthPolicy:
             fast early in training by design, so the default watches the model only).
         norm_floor: norms below this are too small to judge a jump from (a zero-initialized
             tensor).
+        nonfinite_ignore: tensor paths (``fnmatch`` patterns, e.g. ``"model/*.mask"``) whose
+            NaN and Inf are meant to be there (an attention mask filled with -inf).
     """
 
     loss_metric: str = "loss"
@@ -60,6 +63,7 @@ class HealthPolicy:
     norm_jump: float | None = 10.0
     norm_states: tuple[str, ...] = ("model",)
     norm_floor: float = 1e-6
+    nonfinite_ignore: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.loss_zscore, (int, float)) and self.loss_zscore > 0):
@@ -73,8 +77,9 @@ class HealthPolicy:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 2:
                 raise ConfigurationError(f"{name} must be an integer >= 2, got {v!r}")
-        if isinstance(self.norm_states, str):
-            raise ConfigurationError("norm_states is a tuple of state names, e.g. ('model',)")
+        for name in ("norm_states", "nonfinite_ignore"):
+            if isinstance(getattr(self, name), str):
+                raise ConfigurationError(f"{name} is a tuple of strings, e.g. ('model',)")
 
 
 def tensor_stats(states: dict[str, Any]) -> dict[str, st.Stats]:
@@ -95,10 +100,11 @@ def _state_of(path: str) -> str:
 
 def robust_z(value: float, history: list[float]) -> float:
     """How far ``value`` lies above the median of ``history``, in robust standard deviations
-    (1.4826 x the median absolute deviation; a small floor keeps a flat history judgeable)."""
+    (1.4826 x the median absolute deviation; a floor of 1 % of the median keeps a flat
+    history, a smoothed loss, from calling a small rise a spike)."""
     med = statistics.median(history)
     mad = statistics.median(abs(h - med) for h in history)
-    scale = max(_MAD_SCALE * mad, 1e-3 * abs(med), 1e-12)
+    scale = max(_MAD_SCALE * mad, 1e-2 * abs(med), 1e-12)
     return (value - med) / scale
 
 
@@ -113,7 +119,8 @@ def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[floa
     """The health record of a snapshot (the manifest's ``health``): ``healthy``, the
     ``reasons`` it is not, the count of NaN/Inf elements and each state's L2 norm."""
     reasons: list[str] = []
-    bad = [(p, s) for p, s in stats.items() if s.nonfinite]
+    bad = [(p, s) for p, s in stats.items() if s.nonfinite
+           and not any(fnmatch.fnmatchcase(p, pat) for pat in policy.nonfinite_ignore)]
     for p, s in bad[:MAX_REASONS]:
         what = " and ".join(f"{n} {name}" for n, name in ((s.nan, "NaN"), (s.inf, "Inf")) if n)
         reasons.append(f"{p}: {what} of {s.count} elements")
@@ -172,12 +179,15 @@ class HealthTracker:
         stats = tensor_stats(states)
         return judge(stats, metrics, list(self.losses), self.norms, self.policy)
 
-    def committed(self, sid: str, states: dict[str, Any], metrics: dict[str, Any]) -> None:
+    def committed(self, sid: str, states: dict[str, Any], metrics: dict[str, Any],
+                  healthy: bool) -> None:
         """Snapshot ``sid`` (with these states and metrics) was committed: the next one's
-        parent."""
+        parent. Only a healthy one becomes the baseline: after a divergence, the snapshots
+        that follow are judged against the last healthy state, not the diverged one."""
         self.last_id = sid
-        self.norms = {p: s.norm for p, s in tensor_stats(states).items()}
-        self._add_loss(metrics)
+        if healthy:
+            self.norms = {p: s.norm for p, s in tensor_stats(states).items()}
+            self._add_loss(metrics)
 
     def _add_loss(self, metrics: dict[str, Any]) -> None:
         loss = _num(metrics.get(self.policy.loss_metric))
@@ -194,16 +204,18 @@ class HealthTracker:
             return
         try:
             every = {s.id: s for s in repo.catalog.snapshots(project, job, status=None)}
-            chain: list[SnapshotInfo] = []
-            sid = parent
-            while sid in every and len(chain) < self.policy.loss_window:
-                chain.append(every[sid])
-                sid = every[sid].parent
+            chain: list[SnapshotInfo] = []  # the lineage's snapshots not judged unhealthy
+            sid, seen = parent, 0
+            while sid in every and len(chain) < self.policy.loss_window and seen < 10_000:
+                if every[sid].healthy is not False:
+                    chain.append(every[sid])
+                sid, seen = every[sid].parent, seen + 1
             for info in reversed(chain):
                 self._add_loss(info.metrics)
-            if parent in every and every[parent].status == "committed":
-                m = repo.read_manifest(project, job, parent)
+            base = next((s for s in chain if s.status == "committed"), None)
+            if base is not None:  # the newest healthy ancestor whose body is still stored
+                m = repo.read_manifest(project, job, base.id)
                 self.norms = {p: s.norm for p, s in tensor_stats(body_states(repo, m)).items()}
         except (CiuicError, OSError) as e:  # health is advisory: never fail a commit over it
-            log.warning("snapshot health: could not read the parent snapshot %s (%s); the "
+            log.warning("snapshot health: could not read the chain before %s (%s); the "
                         "norm-jump check skips this snapshot", parent[:12], e)

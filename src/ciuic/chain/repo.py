@@ -331,8 +331,9 @@ class Repository:
                    + "; ".join((sick[0].health or {}).get("reasons", [])) if sick else "")
             raise SnapshotNotFound(
                 f"job {project}/{job} has no snapshot known to be healthy: {len(sick)} of its "
-                f"{len(every)} snapshots are unhealthy, {len(every) - len(sick)} were written "
-                f"before ciuic recorded health{' (' + why + ')' if why else ''}. Name a "
+                f"{len(every)} snapshots are unhealthy, {len(every) - len(sick)} were not "
+                f"judged (written before ciuic recorded health, or with health=False)"
+                f"{' (' + why + ')' if why else ''}. Name a "
                 f"snapshot by step or ID instead (`ciuic log {project}/{job}`)")
         return found
 

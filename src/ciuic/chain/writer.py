@@ -283,8 +283,13 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
     snapshot's health, judged against the recent chain."""
     store = repo.store
     codec = codec or ObjectCodec()
-    verdict = (None if health is None
-               else health.judge(repo, project, job, parent, states, metrics))
+    verdict = None
+    if health is not None:
+        try:
+            verdict = health.judge(repo, project, job, parent, states, metrics)
+        except Exception:  # advisory: a defect in judging never loses the snapshot
+            log.exception("snapshot health could not be judged; the snapshot is written "
+                          "without a verdict (please report this)")
     body = mf.encode_body(states, distributed=distributed)
     body_digest = codec.name(body)
     failpoint("body.put")
@@ -308,8 +313,8 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
         if not store.create(key, codec.meta(key, data)) and repo.open_meta(
                 key, store.get(key))[0] != data:
             raise StoreError(f"{store.location(key)} exists with other content")
-    if health is not None:
-        health.committed(sid, states, metrics)
+    if health is not None and verdict is not None:
+        health.committed(sid, states, metrics, bool(verdict["healthy"]))
         if verdict is not None and not verdict["healthy"]:
             log.warning("snapshot %s of %s/%s at step %d is unhealthy: %s", sid[:12], project,
                         job, step, "; ".join(verdict["reasons"]))

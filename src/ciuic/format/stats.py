@@ -24,9 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-#: dtypes whose statistics are computed in float32 (reductions on them are not implemented)
+#: dtypes whose statistics are computed in float32: the float8 kinds (their reductions are not
+#: implemented) and the 16-bit floats (a sum or norm in their own precision drifts: a million
+#: bfloat16 ones sum to 999424)
 _UPCAST = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                        "float8_e5m2fnuz") if hasattr(torch, n)}
+                                        "float8_e5m2fnuz", "float16", "bfloat16")
+           if hasattr(torch, n)}
 
 
 @dataclass(frozen=True)
@@ -104,16 +107,18 @@ def combine(parts: Iterable[Stats | None]) -> Stats | None:
 def is_float(value: Any) -> bool:
     """Whether statistics are computed for ``value`` (real floating-point tensors and arrays)."""
     if isinstance(value, torch.Tensor):
-        return value.is_floating_point()
-    return isinstance(value, np.ndarray) and value.dtype.kind == "f"
+        return value.is_floating_point() and value.element_size() <= 8
+    # NumPy's longdouble (float96/float128) has no torch counterpart: no statistics
+    return isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.itemsize <= 8
 
 
 def compute(flat: torch.Tensor | np.ndarray) -> Stats:
     """The statistics of a flat float tensor or array (a piece of one: any 1-d slice).
 
-    The common case (every element finite) costs three fast reductions in the tensor's own
-    precision (sum, norm, min/max); only a tensor holding NaN or Inf, or whose reductions
-    overflow, is reduced again in float64 over its finite elements."""
+    The common case (every element finite) costs three fast reductions (sum, norm, min/max),
+    in the tensor's precision (float32 for the 16- and 8-bit floats); only a tensor holding NaN
+    or Inf, or whose reductions overflow, is reduced again in float64 over its finite
+    elements."""
     if isinstance(flat, np.ndarray):
         flat = torch.from_numpy(np.ascontiguousarray(flat))
     if flat.dtype in _UPCAST:

@@ -81,8 +81,10 @@ class LoaderPosition:
         self.consumed = 0
         self._resume_at = 0  # batches of the resumed epoch already trained on
         # accelerate's loaders answer __class__ with their base loader's (a property, so that
-        # isinstance(loader, DataLoader) holds): set the real class through object's slot
-        _SET_CLASS(loader, _tracked_class(type(loader)))
+        # isinstance(loader, DataLoader) holds): set the real class through object's slot. A
+        # loader tracked already (a second AccelerateSnapshots) only gets this new tracker.
+        if "_ciuic_position" not in loader.__dict__:
+            _SET_CLASS(loader, _tracked_class(type(loader)))
         loader.__dict__["_ciuic_position"] = self
 
     @property

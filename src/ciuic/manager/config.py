@@ -54,12 +54,20 @@ class ManagerConfig:
         auto = None
         for name in ("save_interval", "time_interval_s"):
             value = kwargs.get(name)
-            if value == "auto" or isinstance(value, AutoInterval):
-                auto = value if isinstance(value, AutoInterval) else AutoInterval()
-                kwargs[name] = None
-            elif isinstance(value, str):
+            if isinstance(value, str) and value != "auto":
                 raise ConfigurationError(f"{name} must be a number, None or 'auto', got "
                                          f"{value!r}")
+            if value == "auto" or isinstance(value, AutoInterval):
+                auto = value if isinstance(value, AutoInterval) else AutoInterval()
+        if auto is not None:
+            if kwargs.get("time_interval_s") not in (None, "auto") and not isinstance(
+                    kwargs.get("time_interval_s"), AutoInterval):
+                raise ConfigurationError(
+                    f"save_interval='auto' chooses the time between snapshots itself: drop "
+                    f"time_interval_s={kwargs['time_interval_s']!r}, or bound the choice with "
+                    "save_interval=AutoInterval(max_interval_s=...)")
+            # the automatic interval is a time interval: the step trigger is off
+            kwargs["save_interval"] = kwargs["time_interval_s"] = None
         kwargs["auto_interval"] = auto
         _positive("time_interval_s", kwargs.get("time_interval_s"))
         save_interval = kwargs.get("save_interval", 1000)

@@ -72,7 +72,7 @@ class SnapshotManager:
         store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
             else ``./.ciuic``.
         time_interval_s: also snapshot when this many seconds passed since the last one
-            (``"auto"``: as ``save_interval="auto"``).
+            (``"auto"``: the same as ``save_interval="auto"``; the step trigger is then off).
         keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
         keep_every: also keep every snapshot whose step is a multiple of K.
         handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.

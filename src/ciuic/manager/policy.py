@@ -135,7 +135,10 @@ class SavePolicy:
         """Start the all-reduce that the next ``step()`` reads (see :meth:`agree`)."""
         if (self._step_calls - 1) % knobs.get().dist_agree_every_steps:
             return
-        time_due = self.time_due(time.monotonic())
+        # an automatic interval is rank 0's (it alone reads the job's failure history): the
+        # other ranks' choices would otherwise make the shortest of them win
+        time_due = (self.time_due(time.monotonic())
+                    if self.tuner is None or self.coll.coordinator else False)
         self._agreement = self.coll.start_max([signal or 0, int(time_due), step, -step])
 
     def close(self) -> None:

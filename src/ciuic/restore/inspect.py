@@ -45,6 +45,13 @@ class TensorRow:
         return out
 
 
+def _float(v: object) -> float | None:
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def _finite(v: float | None) -> float | None:
     return None if v is None or not math.isfinite(v) else v
 
@@ -131,6 +138,7 @@ def chain_series(repo: Repository, project: str, job: str, metric: str = "loss"
             metric: value if isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) else None,
             "healthy": s.healthy, "reasons": (s.health or {}).get("reasons", []),
-            "norms": {k: _finite(float(v)) for k, v in norms.items()},
+            "norms": {k: _finite(_float(v)) for k, v in norms.items()}
+            if isinstance(norms, dict) else {},
         })
     return out
