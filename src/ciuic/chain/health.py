@@ -8,7 +8,8 @@ manifest (docs/format.md, "Health"). A snapshot is **unhealthy** when:
 * the recorded loss (``metrics[loss_metric]``) is NaN or Inf, or spikes: its robust z-score
   over the losses of the last ``loss_window`` snapshots of its lineage (median and MAD) is above
   ``loss_zscore``;
-* a watched tensor's L2 norm grew by more than ``norm_jump`` times since the parent snapshot.
+* a watched tensor's L2 norm grew by more than ``norm_jump`` times since the newest healthy snapshot of the lineage (the parent, unless it was unhealthy: a
+  divergence that persists stays unhealthy; losses likewise come from healthy snapshots).
 
 An unhealthy snapshot is written all the same (it may be the evidence a user needs); ``JOB@healthy``
 and ``restore(snapshot="healthy")`` skip it, and retention never prunes the newest healthy one.
@@ -148,7 +149,7 @@ def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[floa
                 jumps.append((s.norm / before, p, before, s.norm))
         jumps.sort(reverse=True)
         for factor, p, before, after in jumps[:MAX_REASONS]:
-            reasons.append(f"{p}: norm jumped {factor:.1f}x since the parent snapshot "
+            reasons.append(f"{p}: norm jumped {factor:.1f}x since the last healthy snapshot "
                            f"({before:.4g} -> {after:.4g}; threshold {policy.norm_jump:g}x)")
         if len(jumps) > MAX_REASONS:
             reasons.append(f"and {len(jumps) - MAX_REASONS} more tensors' norms jumped")
