@@ -8,8 +8,9 @@ manifest (docs/format.md, "Health"). A snapshot is **unhealthy** when:
 * the recorded loss (``metrics[loss_metric]``) is NaN or Inf, or spikes: its robust z-score
   over the losses of the last ``loss_window`` snapshots of its lineage (median and MAD) is above
   ``loss_zscore``;
-* a watched tensor's L2 norm grew by more than ``norm_jump`` times since the newest healthy snapshot of the lineage (the parent, unless it was unhealthy: a
-  divergence that persists stays unhealthy; losses likewise come from healthy snapshots).
+* a watched tensor's L2 norm grew by more than ``norm_jump`` times since the newest healthy
+  snapshot of the lineage (the parent, unless it was unhealthy: a divergence that persists
+  stays unhealthy; the loss history likewise holds healthy snapshots only).
 
 An unhealthy snapshot is written all the same (it may be the evidence a user needs); ``JOB@healthy``
 and ``restore(snapshot="healthy")`` skip it, and retention never prunes the newest healthy one.
