@@ -15,7 +15,7 @@ services:
 	@scripts/services.sh
 
 test: lint services
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
 
 test-slow: venv
 	.venv/bin/python -m pytest -q -m slow

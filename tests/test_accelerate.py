@@ -53,6 +53,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield out
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_after_epoch_0_under_torchrun_it_ends_bit_exact(
         reference: Path, tmp_path: Path) -> None:
     killed(train(tmp_path, "--kill-at", "9"))  # epoch 1, 3 batches in: not a snapshot step
