@@ -173,22 +173,24 @@ class HealthTracker:
     last_id: str = ""
     losses: deque[float] = field(default_factory=deque)
     norms: dict[str, float] | None = None
+    _judged: dict[str, float] = field(default_factory=dict)
 
     def judge(self, repo: Repository, project: str, job: str, parent: str,
               states: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
         if parent != self.last_id or not parent:
             self._rebuild(repo, project, job, parent)
         stats = tensor_stats(states)
+        self._judged = {p: s.norm for p, s in stats.items()}  # the baseline, if committed
         return judge(stats, metrics, list(self.losses), self.norms, self.policy)
 
-    def committed(self, sid: str, states: dict[str, Any], metrics: dict[str, Any],
-                  healthy: bool) -> None:
-        """Snapshot ``sid`` (with these states and metrics) was committed: the next one's
-        parent. Only a healthy one becomes the baseline: after a divergence, the snapshots
-        that follow are judged against the last healthy state, not the diverged one."""
+    def committed(self, sid: str, metrics: dict[str, Any], healthy: bool) -> None:
+        """The snapshot just judged was committed as ``sid`` (with these metrics): the next
+        one's parent. Only a healthy one becomes the baseline: after a divergence, the
+        snapshots that follow are judged against the last healthy state, not the diverged
+        one."""
         self.last_id = sid
         if healthy:
-            self.norms = {p: s.norm for p, s in tensor_stats(states).items()}
+            self.norms = self._judged
             self._add_loss(metrics)
 
     def _add_loss(self, metrics: dict[str, Any]) -> None:

@@ -314,7 +314,7 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
                 key, store.get(key))[0] != data:
             raise StoreError(f"{store.location(key)} exists with other content")
     if health is not None and verdict is not None:
-        health.committed(sid, states, metrics, bool(verdict["healthy"]))
+        health.committed(sid, metrics, bool(verdict["healthy"]))
         if verdict is not None and not verdict["healthy"]:
             log.warning("snapshot %s of %s/%s at step %d is unhealthy: %s", sid[:12], project,
                         job, step, "; ".join(verdict["reasons"]))

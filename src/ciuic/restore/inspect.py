@@ -60,7 +60,8 @@ def _leaves(states: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     return list(walk_leaves({k: v for k, v in states.items() if k != "dist"}))
 
 
-def _float_dtype(name: str) -> bool:
+def is_float_dtype(name: str) -> bool:
+    """Whether a descriptor's dtype name is a float one (the tensors that get statistics)."""
     return name.startswith(("float", "bfloat", "<f"))
 
 
@@ -76,7 +77,7 @@ def tensors(repo: Repository, info: SnapshotInfo, compute: bool = False,
         for path, kind, desc in _leaves(states):
             row = TensorRow(path, str(desc.get("dtype")), list(desc.get("shape", [])),
                             int(desc.get("nbytes", 0)), st.of_descriptor(desc))
-            if (row.stats is None and compute and _float_dtype(row.dtype)
+            if (row.stats is None and compute and is_float_dtype(row.dtype)
                     and (budget is None or row.nbytes <= budget)):
                 value = read_tensor(repo, path, kind, desc, pool)
                 row.stats, row.computed = st.compute(value.reshape(-1)), True

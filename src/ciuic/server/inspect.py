@@ -28,12 +28,8 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
         rows = look.tensors(repo, info, compute=True, compute_max_bytes=STATS_MAX_BYTES)
     return {"id": info.id, "step": info.step, "health": info.health,
             "tensors": [r.to_json() for r in rows],
-            "stats": all(r.stats is not None or not _is_float(r.dtype) for r in rows),
+            "stats": all(r.stats is not None or not look.is_float_dtype(r.dtype) for r in rows),
             "computed": any(r.computed for r in rows), "stats_limit_bytes": STATS_MAX_BYTES}
-
-
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat", "<f"))
 
 
 def compare(repo: Repository, a: SnapshotInfo, b: SnapshotInfo) -> dict[str, Any]:
