@@ -3,11 +3,34 @@ writes (tests/helpers/hf_train.py, pl_train.py), and how two final states differ
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(helper: Path, out: Path, *args: str, ranks: int = 1, failpoints: str = "",
+           env: dict[str, str] | None = None, timeout: float = 300
+           ) -> subprocess.CompletedProcess[str]:
+    """Run a helper job with ``--out OUT ARGS``: one process, or ``ranks`` under torchrun."""
+    command = [sys.executable]
+    if ranks > 1:
+        command += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                    "--master_port", str(free_port())]
+    environ = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore",
+               **(env or {})}
+    return subprocess.run([*command, str(helper), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout, env=environ)
 
 
 def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

@@ -4,17 +4,14 @@ compared with an uninterrupted run's; Accelerate's own save_state/load_state alo
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.framework_runs import differences, final, finished, resumed_at
+from tests.framework_runs import differences, final, finished, launch, resumed_at
 
 pytest.importorskip("accelerate", reason="pip install 'ciuic[accelerate]'")
 pytest.importorskip("safetensors.torch")
@@ -22,21 +19,9 @@ pytest.importorskip("safetensors.torch")
 HELPER = Path(__file__).parent / "helpers" / "acc_train.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train(out: Path, *args: str, ranks: int = 2, failpoints: str = ""
           ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
-    launch = [sys.executable]
-    if ranks > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                  str(ranks), "--master_port", str(free_port())]
-    return subprocess.run([*launch, str(HELPER), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return launch(HELPER, out, *args, ranks=ranks, failpoints=failpoints)
 
 
 def killed(run: subprocess.CompletedProcess[str]) -> None:

@@ -8,15 +8,12 @@ keep it in ``.venv/torch_extensions`` (``TORCH_EXTENSIONS_DIR``), built once per
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.framework_runs import final, finished, resumed_at
+from tests.framework_runs import final, finished, launch, resumed_at
 
 pytest.importorskip("deepspeed", reason="pip install 'ciuic[deepspeed]'")
 pytest.importorskip("safetensors.torch")
@@ -25,19 +22,9 @@ HELPER = Path(__file__).parent / "helpers" / "ds_train.py"
 EXTENSIONS = Path(__file__).resolve().parent.parent / ".venv" / "torch_extensions"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def train(out: Path, *args: str, failpoints: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore",
-           "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", "--master_port", str(free_port()), str(HELPER), "--out",
-                           str(out), *args], capture_output=True, text=True, timeout=400,
-                          env=env)
+    return launch(HELPER, out, *args, ranks=2, failpoints=failpoints, timeout=400,
+                  env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)})
 
 
 def killed(run: subprocess.CompletedProcess[str]) -> None:

@@ -4,16 +4,13 @@ and optimizer tensor with the uninterrupted fit's (torch.equal)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.framework_runs import differences, final, finished, resumed_at
+from tests.framework_runs import differences, final, finished, launch, resumed_at
 
 pytest.importorskip("lightning", reason="pip install 'ciuic[lightning]'")
 pytest.importorskip("safetensors.torch")
@@ -21,22 +18,10 @@ pytest.importorskip("safetensors.torch")
 HELPER = Path(__file__).parent / "helpers" / "pl_train.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def fit(out: Path, *args: str, failpoints: str = "", ddp: bool = False
         ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
-    launch = [sys.executable]
-    if ddp:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                  "--master_port", str(free_port())]
-        args = (*args, "--ddp")
-    return subprocess.run([*launch, str(HELPER), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=240, env=env)
+    return launch(HELPER, out, *args, *(["--ddp"] if ddp else []), ranks=2 if ddp else 1,
+                  failpoints=failpoints, timeout=240)
 
 
 

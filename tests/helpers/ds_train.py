@@ -25,22 +25,10 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from noisy import Noisy  # beside this script
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-
-class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(3)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 def optimizer_tensors(engine: Any) -> dict[str, torch.Tensor]:
