@@ -14,5 +14,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # The dev/CI pin: a CPU build of torch that this machine installs from local files.
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[dev]"
+  # torchtitan (Python 3.11+) on its own: resolved together with the dev extra, pip's
+  # resolver backtracks for many minutes; against what is installed it resolves at once
+  if "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    .venv/bin/python -m pip install --quiet "torchtitan==0.3.0"
+  fi
   echo "$want" > "$stamp"
 fi
