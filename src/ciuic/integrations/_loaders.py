@@ -5,7 +5,7 @@ loader is, kept as a snapshot extra, and put back so that the loader resumes mid
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,19 +18,25 @@ _classes: dict[type, type] = {}
 _SET_CLASS = object.__dict__["__class__"].__set__
 
 
-def _tracked_class(base: type) -> type:
-    """A subclass of a prepared loader's class whose passes go through its tracker."""
-    if base in _classes:
-        return _classes[base]
+def with_iter(base: type, cache: dict[type, type],
+              make: Callable[[type], Callable[[Any], Iterator[Any]]]) -> type:
+    """A subclass of a loader's class, under the same name, whose ``__iter__`` is
+    ``make(base)``; made once per class and ``cache``."""
+    if base not in cache:
+        cache[base] = type(base.__name__, (base,), {
+            "__iter__": make(base), "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
+    return cache[base]
+
+
+def _tracked_iter(base: type) -> Callable[[Any], Iterator[Any]]:
+    """Passes that go through the loader's tracker."""
 
     def __iter__(self: Any) -> Iterator[Any]:
         tracker: LoaderPosition = self.__dict__["_ciuic_position"]
         return tracker.iterate(base.__iter__(self))  # type: ignore[attr-defined]
 
-    cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
-                                        "__qualname__": base.__qualname__})
-    _classes[base] = cls
-    return cls
+    return __iter__
 
 
 class LoaderPosition:
@@ -55,7 +61,7 @@ class LoaderPosition:
         # accelerate's loaders answer __class__ with their base loader's (a property, so that
         # isinstance(loader, DataLoader) holds): set the real class through object's slot
         if "_ciuic_position" not in loader.__dict__:
-            _SET_CLASS(loader, _tracked_class(type(loader)))
+            _SET_CLASS(loader, with_iter(type(loader), _classes, _tracked_iter))
         loader.__dict__["_ciuic_position"] = self
 
     @property

@@ -38,13 +38,14 @@ parallelism) or more than one optimizer per part (use torchtitan's DCP manager f
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ciuic.errors import ConfigurationError
+from ciuic.integrations._loaders import with_iter
 from ciuic.manager import SnapshotManager
 
 try:
@@ -68,29 +69,26 @@ __all__ = ["CiuicCheckpointManager", "LoaderState"]
 _quiet_classes: dict[type, type] = {}
 
 
-def _quiet_class(base: type) -> type:
-    """A subclass of a loader's class whose first pass after a restore leaves the RNGs as the
-    restore set them."""
-    if base in _quiet_classes:
-        return _quiet_classes[base]
+def _quiet_iter(base: type) -> Callable[[Any], Iterator[Any]]:
+    """A first pass after a restore that leaves the RNGs (torch's, and the loader's own
+    generator) as the restore set them."""
 
     def __iter__(self: Any) -> Iterator[Any]:
         if not self.__dict__.pop("_ciuic_restored", False):
             return base.__iter__(self)  # type: ignore[attr-defined, no-any-return]
         generator = getattr(self, "generator", None)
-        saved = (torch.get_rng_state(),
-                 generator.get_state() if isinstance(generator, torch.Generator) else None)
+        if not isinstance(generator, torch.Generator):
+            generator = None
+        own = generator.get_state() if generator is not None else None
+        cpu = torch.get_rng_state()
         try:
             return base.__iter__(self)  # type: ignore[attr-defined, no-any-return]
         finally:
-            torch.set_rng_state(saved[0])
-            if isinstance(generator, torch.Generator) and saved[1] is not None:
-                generator.set_state(saved[1])
+            torch.set_rng_state(cpu)
+            if generator is not None and own is not None:
+                generator.set_state(own)
 
-    cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
-                                        "__qualname__": base.__qualname__})
-    _quiet_classes[base] = cls
-    return cls
+    return __iter__
 
 
 class LoaderState:
@@ -115,7 +113,7 @@ class LoaderState:
         self.loader = loader
         self._base = StatefulDataLoader
         if type(loader) not in _quiet_classes.values():
-            loader.__class__ = _quiet_class(type(loader))
+            loader.__class__ = with_iter(type(loader), _quiet_classes, _quiet_iter)
 
     def state_dict(self) -> dict[str, Any]:
         return {"world_size": int(getattr(self.loader, "dp_world_size", 1)),
@@ -190,7 +188,6 @@ class CiuicCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.config = config
         self.model = model_parts[0]
         self.optimizer = inner[0]
-        self.interval = config.interval
         self.extras: dict[str, Any] = {LR_SCHEDULER: lr_schedulers, **states}
         if dataloader is not None:
             self.extras[DATALOADER] = LoaderState(dataloader)
@@ -218,29 +215,24 @@ class CiuicCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         restored = self.manager.restore(self.model, optimizer, snapshot=snapshot, **extras)
         if restored is not None:
             return True
-        if step != -1:
-            raise ConfigurationError(f"checkpoint.load_step={step}: job {self.config.job!r} "
-                                     "has no snapshots")
         if self.config.initial_load_path:
             self._initial_load(self.config.initial_load_path)
             return True
         return False
 
     def _initial_load(self, path: str) -> None:
-        """A job's first start from a torchtitan (DCP) checkpoint: the model only, or
-        everything torchtitan's manager saved there."""
+        """A job's first start from a torchtitan (DCP) checkpoint: its model only."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             set_model_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load
 
         if not self.config.initial_load_model_only:
             raise ConfigurationError(
                 "CiuicCheckpointManager loads the model only from initial_load_path (its "
                 "optimizer and data state are torchtitan's DCP layout); set "
                 "initial_load_model_only=True")
-        from torch.distributed.checkpoint.state_dict_loader import load
-
         state = get_model_state_dict(self.model)
         load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state)
@@ -250,7 +242,7 @@ class CiuicCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         if self.config.load_only:
             return False
         first = self.config.enable_first_step_checkpoint and curr_step == 1
-        due = last_step or first or curr_step % self.interval == 0
+        due = last_step or first or curr_step % self.config.interval == 0
         # not due: None lets time_interval_s decide
         took = self.manager.step(curr_step, self.model, self.optimizer,
                                  snapshot=True if due else None, **self.extras)
