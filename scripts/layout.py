@@ -28,6 +28,7 @@ LEVELS: dict[str, int] = {
     **dict.fromkeys(FOUNDATION, 0),
     "ciuic.format": 1,
     "ciuic.store": 2, "ciuic.catalog": 2, "ciuic.engine": 2, "ciuic.state": 2,
+    "ciuic.supervisor": 2,
     "ciuic.chain": 3,
     "ciuic.restore": 4,
     "ciuic.distributed": 5,

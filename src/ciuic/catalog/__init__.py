@@ -344,6 +344,22 @@ class Catalog:
             if run is not None and (run.last_step is None or run.last_step < step):
                 run.last_step = step
 
+    def interrupted_by(self, run_id: str, cause: str) -> None:
+        """Record why a run stopped, as the supervisor (``ciuic run``) saw it."""
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is not None:
+                run.cause = cause[:2000]
+                s.add(RunEvent(run_id=run_id, job_id=run.job_id, at=utc_now(),
+                               kind="interrupted", step=run.last_step, detail=run.cause))
+
+    def restarted(self, run_id: str, number: int) -> None:
+        """Record that ``ciuic run`` started this run as its restart ``number``."""
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is not None:
+                run.restart = number
+
     def heartbeat(self, run_id: str, step: int) -> None:
         with self.session() as s:
             run = s.get(Run, run_id)

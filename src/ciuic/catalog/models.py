@@ -70,6 +70,10 @@ class Run(Base):
     ended: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # clean | exit | exception:<Type> | signal:<NAME> ; NULL while running (or after a kill)
     end_kind: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # why it stopped, as ``ciuic run`` saw it ("hang: no step() for 600 s ..."); NULL otherwise
+    cause: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the restart number ``ciuic run`` gave this run (NULL: not started by it, or its first)
+    restart: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class RunEvent(Base):

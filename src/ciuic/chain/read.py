@@ -67,6 +67,19 @@ def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
     repo.read_verified(key, read)
 
 
+def take_chunk(repo: Repository, d: str, n: int, dest: memoryview, src: memoryview | None,
+               name_key: bytes | None) -> bool:
+    """Chunk ``d`` from memory that should hold it (the host-memory tier): copy ``src`` into
+    ``dest`` (unless ``src`` is None: ``dest`` holds it already) and check it against its name;
+    when it differs, read the chunk from the store instead. Returns whether memory served it."""
+    if src is not None:
+        dest[:] = src
+    if digest(dest) == d or (name_key is not None and digest(dest, key=name_key) == d):
+        return True
+    read_chunk(repo, d, n, dest)
+    return False
+
+
 def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,
                      dest: memoryview | None = None) -> None:
     """Check a whole stored chunk (plain or sealed) against its name; optionally copy its

@@ -23,6 +23,10 @@ def was_interrupted(run: Run | None) -> bool:
 
 
 def describe_end(run: Run) -> str:
+    """How ``run`` ended, as a clause ("it raised ValueError"); the supervisor's cause when
+    ``ciuic run`` saw it ("hang: no step() for 600 s ...")."""
+    if run.cause:
+        return run.cause
     kind = run.end_kind
     if kind is None:
         return "it was killed or crashed: no clean exit was recorded"
@@ -96,12 +100,15 @@ def history(runs: list[Run], events: list[dict[str, Any]]) -> dict[str, list[str
     :meth:`ciuic.catalog.Catalog.events` returns them."""
     found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
     last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
+    restarts = {r.id: r.restart for r in runs if r.restart}
     for e in sorted(events, key=lambda e: (e["at"], e["kind"] != "restore")):
         if e["kind"] in ("snapshot", "restore") and e["detail"]:
             last[e["run"]] = e["detail"]
         if e["kind"] == "restore" and e["detail"]:
+            by = (f" (restart {restarts[e['run']]} by ciuic run)" if e["run"] in restarts
+                  else "")
             found.setdefault(e["detail"], []).append(
-                (e["at"], f"resumed by run {e['run'][:8]}"))
+                (e["at"], f"resumed by run {e['run'][:8]}{by}"))
     for r in runs:
         where = last.get(r.id)
         if where is None or not was_interrupted(r):

@@ -19,7 +19,7 @@ from ciuic.errors import CiuicError
 
 def main() -> None:
     """The console script: every command registered, errors printed as one line (exit 2)."""
-    from ciuic.cli import commands, inspect, server  # noqa: F401 - registering the commands
+    from ciuic.cli import commands, inspect, run, server  # noqa: F401 - registering the commands
     from ciuic.cli.app import app, err
 
     try:

@@ -144,6 +144,22 @@ def allocate_host(nbytes: int, pin: int | None = None) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def _pin_existing(buf: torch.Tensor, device: int) -> bool:
+    """Page-lock ``buf`` (page-aligned host memory, e.g. shared) for CUDA ``device``; False
+    where that fails (the caller allocates ordinary pinned memory instead)."""
+    ptr, span = buf.data_ptr(), -(-buf.numel() // _PAGE) * _PAGE
+    try:
+        err = _pin_thread.run(_register, ptr, span, device)
+    except Exception as e:
+        log.debug("could not page-lock a shared staging buffer: %s", e)
+        return False
+    if err != 0:
+        log.debug("could not page-lock a shared staging buffer: cudaError %s", err)
+        return False
+    weakref.finalize(buf, _unpin, ptr, device)
+    return True
+
+
 class PendingCopy:
     """Copies still running after :meth:`StagingArea.stage_overlapped` returned."""
 
@@ -173,8 +189,12 @@ class StagingArea:
         budget_bytes: the most host memory the buffers may hold (None: the state's size).
     """
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None,
+                 allocator: Callable[[str, int], torch.Tensor | None] | None = None) -> None:
         self.budget_bytes = budget_bytes
+        #: where host buffers come from first (shared memory under ``ciuic run``); None from
+        #: it, or no allocator: ordinary memory
+        self.allocator = allocator
         self._buffers: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one per source device
@@ -196,13 +216,33 @@ class StagingArea:
         if buf is None or buf.numel() != nbytes or (pin is not None and path not in self._pinned):
             self._buffers.pop(path, None)  # free the old one before allocating anew
             self._staged.pop(path, None)
-            buf = allocate_host(nbytes, pin)
+            buf = self._allocate(path, nbytes, pin)
             self._buffers[path] = buf
             if pin is not None:
                 self._pinned.add(path)
             else:
                 self._pinned.discard(path)
         return buf
+
+    def _allocate(self, path: str, nbytes: int, pin: int | None) -> torch.Tensor:
+        if self.allocator is not None:
+            buf = self.allocator(path, nbytes)
+            if buf is not None and (pin is None or _pin_existing(buf, pin)):
+                return buf
+        return allocate_host(nbytes, pin)
+
+    def adopt(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Take these host buffers (path -> flat uint8, unpinned) as the staging buffers of
+        their paths: the host copy a previous process left (``ciuic run``)."""
+        self.join()
+        for path, buf in buffers.items():
+            self._buffers[path] = buf
+            self._staged.pop(path, None)
+            self._pinned.discard(path)
+
+    def buffers(self) -> list[torch.Tensor]:
+        self.join()
+        return list(self._buffers.values())
 
     def reserve(self, sizes: Iterable[tuple[str, int]], pin: int | None) -> bool:
         """Allocate buffers for tensors of these (path, bytes) on a background thread, so that

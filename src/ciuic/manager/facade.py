@@ -2,7 +2,8 @@
 
     from ciuic.snapshot import SnapshotManager
     manager = SnapshotManager(project_id="deepseek_v2", save_interval=1000)
-    start = (manager.restore(model, optimizer) or -1) + 1
+    last = manager.restore(model, optimizer)  # None for a new job; 0 is a step
+    start = 0 if last is None else last + 1
     for step in range(start, total_steps):
         ...  # forward, backward, optimizer.step()
         manager.step(step, model, optimizer)
@@ -47,6 +48,7 @@ from ciuic.manager.session import (
 )
 from ciuic.manager.signals import SignalGuard
 from ciuic.manager.stats import ManagerStats
+from ciuic.manager.supervised import busy
 from ciuic.store import Store
 
 log = logging.getLogger("ciuic")
@@ -277,7 +279,12 @@ class SnapshotManager:
         return self._take(step, model, optimizer, extras)
 
     def _take(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> bool:
-        """A snapshot is due: take it (the rest of :meth:`step`)."""
+        """A snapshot is due: take it (the rest of :meth:`step`); not a hang for ``ciuic
+        run``, however long it waits or writes."""
+        with busy(self._session.supervised, "save"):
+            return self._take_now(step, model, optimizer, extras)
+
+    def _take_now(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> bool:
         if model is None and optimizer is None and not extras:
             log.warning("step(%d): a snapshot is due but step() was given no state to save "
                         "(pass the model and optimizer)", step)
@@ -304,9 +311,10 @@ class SnapshotManager:
         """Snapshot now, wait until it is committed, and return its info. Raises on failure
         (unlike :meth:`step`)."""
         self._check_open()
-        self.wait()
-        # written on this thread, at its priority: the caller waits for it
-        return self._submit(step, model, optimizer, extras, inline=True).result()
+        with busy(self._session.supervised, "save"):
+            self.wait()
+            # written on this thread, at its priority: the caller waits for it
+            return self._submit(step, model, optimizer, extras, inline=True).result()
 
     def save_async(self, step: int, model: Any = None, optimizer: Any = None,
                    **extras: Any) -> Future[SnapshotInfo]:
@@ -330,7 +338,8 @@ class SnapshotManager:
         """Block until every started snapshot is durable and committed (or has failed: failures
         are logged and counted in ``stats``, not raised here), and until staging buffers being
         allocated ahead of the first snapshot are ready."""
-        self._pipeline.wait()
+        with busy(self._session.supervised, "wait"):
+            self._pipeline.wait()
 
     def latest(self) -> SnapshotInfo | None:
         """The newest committed snapshot of this job, or None."""
@@ -353,10 +362,18 @@ class SnapshotManager:
         """
         self._check_open()
         check_state_args("restore", model, optimizer)
+        with busy(self._session.supervised, "restore"):
+            return self._restore(model, optimizer, extras, snapshot)
+
+    def _restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
+                 snapshot: str | None) -> int | None:
         self.wait()
         self._restore_called = True
+        host = self._pipeline.host_copy()
         done = self._recovery.restore(model, optimizer, extras, snapshot,
-                                      self._pipeline.lend_buffers(model))
+                                      self._pipeline.lend_buffers(model), host)
+        if host is not None and (done is None or done.info.id != host.snapshot):
+            self._pipeline.tier_invalidate()  # the restore read another snapshot into them
         if done is None:
             return None
         info = done.info
@@ -390,6 +407,11 @@ class SnapshotManager:
 
     def _emergency(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
         """A signal was received: snapshot this step (unless it is the latest) and exit."""
+        with busy(self._session.supervised, "emergency"):
+            self._emergency_snapshot(step, model, optimizer, extras)
+
+    def _emergency_snapshot(self, step: int, model: Any, optimizer: Any,
+                            extras: dict[str, Any]) -> None:
         name = self._signals.name
         code = 128 + (self._signals.pending or 0)
         self.wait()
@@ -416,6 +438,10 @@ class SnapshotManager:
         Idempotent. Leaving a ``with`` block by an exception closes without that snapshot."""
         if self._closed:
             return
+        with busy(self._session.supervised, "close"):
+            self._close(final)
+
+    def _close(self, final: bool) -> None:
         if final:
             self._final_snapshot()
         self._pipeline.close()

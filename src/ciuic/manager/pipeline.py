@@ -32,8 +32,9 @@ from ciuic.format.crypto import ObjectCodec
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
-from ciuic.manager.session import RunSession
+from ciuic.manager.session import RunSession, quietly
 from ciuic.manager.stats import ManagerStats
+from ciuic.restore.leaves import Resident
 from ciuic.state.capture import Captured, capture
 from ciuic.threads import lower_priority
 
@@ -52,7 +53,14 @@ class Pipeline:
         self.coll = coll
         self.stats = stats
         self.repo = session.repo
-        self.staging = StagingArea(config.staging_budget_bytes)
+        sup = session.supervised
+        #: under ``ciuic run``: the staging buffers are the host-memory copy (single process)
+        self.tier = sup.tier if sup is not None else None
+        self.staging = StagingArea(config.staging_budget_bytes,
+                                   allocator=self.tier.allocate if self.tier else None)
+        if self.tier is not None and self.tier.adopted:
+            self.staging.adopt(self.tier.adopted)
+        self._publishable = False  # the buffers hold the snapshot being written
         self.cache = ChunkCache()
         #: judges each snapshot's health at its commit (None: health="off")
         self.health = None if config.health is None else HealthTracker(config.health)
@@ -142,12 +150,16 @@ class Pipeline:
             if self.config.asynchronous:
                 leaves = self.to_stage(captured)
                 self.stats.last_staged_bytes = sum(leaf.nbytes for leaf in leaves)
+                self._publishable = False
+                if self.tier is not None:  # the buffers change: no host copy until the commit
+                    self.tier.invalidate()
                 try:
                     if self.config.overlap and optimizer is not None:
                         pending = self._stage_overlapped(leaves, model, optimizer)
                     else:
                         self.staging.stage(leaves)  # the only part that blocks
                     staged = True
+                    self._publishable = not isinstance(captured, DistCaptured)
                 except StagingBudgetExceeded as e:
                     if not self._warned_budget:
                         self._warned_budget = True
@@ -220,6 +232,9 @@ class Pipeline:
         s.bytes_written += written
         s.last_save_s = time.perf_counter() - t0
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
+        if self.tier is not None and self._publishable:
+            quietly("keep the snapshot in host memory", self.tier.publish, sid, step,
+                    self.staging.buffers())
         self.session.committed(step, sid)
         return SnapshotInfo.from_manifest(m, sid)
 
@@ -262,6 +277,18 @@ class Pipeline:
             return self.staging.lend(path, nbytes, pin)
 
         return buffer_for
+
+    def host_copy(self) -> Resident | None:
+        """The snapshot a previous process of this job left in host memory (``ciuic run``),
+        as the buffers this process adopted, or None."""
+        tier = self.tier
+        if tier is None or tier.snapshot is None or not tier.adopted:
+            return None
+        return Resident(tier.snapshot, dict(tier.adopted), self.codec.name_key)
+
+    def tier_invalidate(self) -> None:
+        if self.tier is not None:
+            self.tier.invalidate()
 
     def suspect(self, digest: str) -> None:
         """A chunk a restore found damaged: the next snapshot holding its bytes writes it again

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from ciuic.errors import (
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
 from ciuic.manager.session import RunSession
+from ciuic.restore.leaves import Resident
 from ciuic.restore.reader import load_trees
 from ciuic.state.capture import (
     check_loadable,
@@ -66,7 +68,10 @@ class Recovery:
         self._suspect = suspect
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
-                snapshot: str | None, buffer_for: BufferFor | None) -> Restored | None:
+                snapshot: str | None, buffer_for: BufferFor | None,
+                host: Resident | None = None) -> Restored | None:
+        """``host``: a snapshot's bytes in host memory (``ciuic run``), used only when it is the
+        snapshot being restored, never in place of a newer one."""
         project, job = self.session.project, self.session.job
         candidates = self.candidates(snapshot)
         if not candidates:
@@ -75,13 +80,20 @@ class Recovery:
         problems: list[str] = []
         for info in candidates:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
+            resident = host if host is not None and host.snapshot == info.id else None
             where = self.repo.location(layout.manifest_key(info.project, info.job, info.id))
-            log.info("%s snapshot from %s", "Loading" if "://" not in where else "Downloading",
-                     where)
+            if resident is not None:
+                log.info("Loading snapshot from host memory (ciuic run holds %s of it), every "
+                         "chunk checked against its digest; the rest from %s",
+                         _size(sum(b.numel() for b in resident.buffers.values())), where)
+            else:
+                log.info("%s snapshot from %s", "Loading" if "://" not in where
+                         else "Downloading", where)
+            t0 = time.perf_counter()
             prepared: Prepared | None = None
             outcome, detail = "ok", ""
             try:
-                prepared = self.prepare(info, model, optimizer, extras, buffer_for)
+                prepared = self.prepare(info, model, optimizer, extras, buffer_for, resident)
             except MissingKey as e:  # not damage: an older snapshot is no answer to it
                 outcome, detail = "error", f"{e}; nothing was restored"
             except (IntegrityError, ObjectNotFound) as e:
@@ -109,6 +121,10 @@ class Recovery:
                             "previous snapshot", info.step, info.short_id, detail)
                 continue
             assert prepared is not None
+            if resident is not None:
+                log.info("Read %s from host memory and %s from the store in %.2f s",
+                         _size(resident.from_memory), _size(resident.from_store),
+                         time.perf_counter() - t0)
             prepared.apply()
             return Restored(info, prepared.values)
         raise RestoreError(
@@ -174,7 +190,7 @@ class Recovery:
         return [SnapshotInfo(**info) for info in shared["found"]]  # what rank 0's catalog says
 
     def prepare(self, info: SnapshotInfo, model: Any, optimizer: Any, extras: dict[str, Any],
-                buffer_for: BufferFor | None) -> Prepared:
+                buffer_for: BufferFor | None, resident: Resident | None = None) -> Prepared:
         """Read and verify a snapshot and check it against the live objects; nothing live
         changes until the result's ``apply()``."""
         _, trees = read_body(self.repo, info)
@@ -183,7 +199,7 @@ class Recovery:
                            self.coll.world_size)
         skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
         states = load_trees(self.repo, {k: v for k, v in trees.items() if k not in skip},
-                            buffer_for)
+                            buffer_for, resident=resident)
         return _prepare_local(info, states, model, optimizer, extras)
 
     def agree(self, outcome: str, detail: str) -> tuple[str, str]:
@@ -202,6 +218,10 @@ class Recovery:
                     f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}"
                     for d, rs in ranks.items())
         return "ok", ""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _where(session: RunSession, found: list[SnapshotInfo]) -> str:

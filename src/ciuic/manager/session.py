@@ -35,6 +35,7 @@ from ciuic.errors import RankError
 from ciuic.manager import progress
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.progress import Progress
+from ciuic.manager.supervised import Supervised, attach
 from ciuic.store.mirror import MirrorStore
 
 log = logging.getLogger("ciuic")
@@ -99,6 +100,8 @@ class RunSession:
         self.previous_last_step: int | None = None
         self._progress: Progress | None = None
         self._last_heartbeat = 0.0
+        #: under ``ciuic run``: the heartbeats, the host-memory tier, the previous start's cause
+        self.supervised: Supervised | None = attach(multi_rank=coll.enabled)
 
     def start(self) -> None:
         """Record the run, take the lease, catch the mirror up (rank 0, which shares the run's
@@ -142,6 +145,7 @@ class RunSession:
         prev = self.previous_run
         if prev is not None and prev.host == socket.gethostname():
             self.previous_last_step = progress.last_step(prev.id)
+            self._supervisor_said(prev)
             if self.previous_last_step is not None:  # for `ciuic log` and the dashboard
                 self.repo.catalog.stopped_at(prev.id, self.previous_last_step)
                 if prev.last_step is None or prev.last_step < self.previous_last_step:
@@ -149,6 +153,24 @@ class RunSession:
         self._progress = Progress(self.run_id)
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
         self._catch_up_mirror()
+
+    def _supervisor_said(self, prev: Run) -> None:
+        """Under ``ciuic run``, after a restart: record why the previous start stopped (the
+        supervisor saw it), and this run's restart number."""
+        sup = self.supervised
+        restart = sup.restart if sup is not None else None
+        if restart is None:
+            return
+        self.repo.catalog.restarted(self.run_id, restart.number)
+        if restart.pids and prev.pid not in restart.pids:
+            return  # the previous start never reached its manager: prev is an older run
+        if restart.stopped_at is not None and (self.previous_last_step is None
+                                               or restart.stopped_at > self.previous_last_step):
+            self.previous_last_step = restart.stopped_at
+        if restart.cause:
+            self.repo.catalog.interrupted_by(prev.id, restart.cause)
+            prev.cause = restart.cause
+            self.interrupted = True
 
     def _warn_if_taken_over(self) -> None:
         prev, lease = self.previous_run, self.lease
@@ -193,6 +215,8 @@ class RunSession:
         step in the progress file, now and then in the catalog."""
         if self._progress is not None:
             self._progress.set(step)
+        if self.supervised is not None:
+            self.supervised.beacon.step(step)
         if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
                 ).heartbeat_interval_s:
             self._last_heartbeat = now
@@ -204,7 +228,10 @@ class RunSession:
                     self.project, self.job, kind, step, snapshot_id)
 
     def committed(self, step: int, snapshot_id: str) -> None:
-        """After a commit (rank 0): record it, then prune what retention no longer keeps."""
+        """After a commit: tell the supervisor (every rank); record it, then prune what
+        retention no longer keeps (rank 0)."""
+        if self.supervised is not None:
+            self.supervised.beacon.committed(step)
         if not self.coll.coordinator:
             return
         self.event("snapshot", step, snapshot_id)
@@ -226,6 +253,8 @@ class RunSession:
         if self._progress is not None:  # kept after a crash: the next run reads it
             self._progress.close(remove=kind in ("clean", "exit"))
             self._progress = None
+        if self.supervised is not None and kind == "clean":
+            self.supervised.beacon.detach()  # done training: no longer watched for a hang
         if not self.coll.coordinator:
             return
         try:
@@ -234,6 +263,8 @@ class RunSession:
             log.debug("could not record the end of run %s: %s", self.run_id, e)
 
     def close(self) -> None:
+        if self.supervised is not None:
+            self.supervised.close()
         self.repo.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ciuic.chain.read import read_chunk
+from ciuic.chain.read import read_chunk, take_chunk
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
 from ciuic.format.tree import torch_dtype
@@ -50,11 +51,48 @@ def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, 
 BufferFor = Callable[[str, int], "torch.Tensor | None"]
 
 
+class Resident:
+    """A snapshot's leaf bytes already in host memory (``ciuic run``'s host-memory tier): a
+    restore takes each chunk from here after checking it against its digest, and reads a chunk
+    that differs from the store."""
+
+    def __init__(self, snapshot: str, buffers: dict[str, torch.Tensor],
+                 name_key: bytes | None) -> None:
+        self.snapshot = snapshot
+        self.buffers = buffers
+        self.name_key = name_key
+        self.from_memory = 0  # bytes
+        self.from_store = 0
+        self._lock = threading.Lock()
+
+    def get(self, path: str, nbytes: int) -> torch.Tensor | None:
+        buf = self.buffers.get(path)
+        return buf if buf is not None and buf.numel() == nbytes else None
+
+    def count(self, n: int, memory: bool) -> None:
+        with self._lock:
+            if memory:
+                self.from_memory += n
+            else:
+                self.from_store += n
+
+
+def _take(repo: Repository, resident: Resident, d: str, n: int, dest: memoryview,
+          src: memoryview | None) -> None:
+    resident.count(n, take_chunk(repo, d, n, dest, src, resident.name_key))
+
+
+def _read(repo: Repository, resident: Resident | None, d: str, n: int, dest: memoryview) -> None:
+    read_chunk(repo, d, n, dest)
+    if resident is not None:
+        resident.count(n, memory=False)
+
+
 def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
-                 pool: ThreadPoolExecutor, buffer_for: BufferFor | None
-                 ) -> tuple[torch.Tensor, list[Future[None]]]:
+                 pool: ThreadPoolExecutor, buffer_for: BufferFor | None,
+                 resident: Resident | None = None) -> tuple[torch.Tensor, list[Future[None]]]:
     """A buffer for one leaf (lent by ``buffer_for``, else fresh) and the reads, already
-    submitted, that fill and verify it."""
+    submitted, that fill and verify it (from ``resident`` memory where it holds the leaf)."""
     leaf_layout(path, kind, desc)
     nbytes = int(desc["nbytes"])
     if "inline" in desc:
@@ -63,10 +101,16 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     lent = buffer_for(path, nbytes) if buffer_for is not None else None
     out = lent if lent is not None and lent.numel() == nbytes else uninitialized(nbytes)
     view = bytes_view(out)
+    src = resident.get(path, nbytes) if resident is not None else None
+    src_view = None if src is None or src.data_ptr() == out.data_ptr() else bytes_view(src)
     futures = []
     off = 0
     for d, n in refs:
-        futures.append(pool.submit(read_chunk, repo, d, n, view[off:off + n]))
+        if src is not None and resident is not None:
+            futures.append(pool.submit(_take, repo, resident, d, n, view[off:off + n],
+                                       None if src_view is None else src_view[off:off + n]))
+        else:
+            futures.append(pool.submit(_read, repo, resident, d, n, view[off:off + n]))
         off += n
     return out, futures
 

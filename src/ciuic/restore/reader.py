@@ -19,7 +19,7 @@ from ciuic.format import manifest as mf
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
 from ciuic.restore.boxread import read_box
-from ciuic.restore.leaves import BufferFor, leaf_buffer, materialize
+from ciuic.restore.leaves import BufferFor, Resident, leaf_buffer, materialize
 
 
 def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = (),
@@ -39,12 +39,13 @@ def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = ()
 
 
 def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor | None = None,
-               *, adapt: bool = True) -> dict[str, Any]:
+               *, adapt: bool = True, resident: Resident | None = None) -> dict[str, Any]:
     """Read, verify and decode state trees (name -> tree) into Python values.
 
     Buffers are kept per descriptor, not per path: snapshots written before ciuic refused
     dict keys of equal text (``{0: a, "0": b}``) hold two leaves under one path, and each
-    must come back as itself (the repeated path is not lent a buffer either)."""
+    must come back as itself (the repeated path is not lent a buffer either). ``resident``:
+    the leaves' bytes already in host memory, each chunk checked before use."""
     buffers: dict[int, torch.Tensor] = {}  # id(descriptor) -> its bytes
     reads: list[Future[None]] = []
     sharded: list[tuple[str, dict[str, Any]]] = []
@@ -63,7 +64,7 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
                     sharded.append((path, desc))  # assembled below, while the rest reads
                     continue
                 buffers[id(desc)], submitted = leaf_buffer(repo, path, kind, desc, pool,
-                                                            lend_once)
+                                                            lend_once, resident)
                 reads.extend(submitted)
             if sharded:
 

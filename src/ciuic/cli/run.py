@@ -1,0 +1,95 @@
+"""``ciuic run``: supervise a training command (:mod:`ciuic.supervisor`). Imports no torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from typing import Annotated
+
+import typer
+
+from ciuic.cli.app import app, size_text
+from ciuic.errors import ConfigurationError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def host_memory_budget(text: str) -> int | None:
+    """``--host-memory``: bytes (``64G``, ``512MiB``, ``1e9`` as a plain number), a share of
+    this machine's memory (``50%``), or ``off``/``0`` (no host-memory tier)."""
+    if text.strip().lower() in ("off", "0", "none", "no"):
+        return None
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigurationError(f"--host-memory {text!r}: give a size (64G, 512M), a share of "
+                                 "this machine's memory (50%), or off")
+    value, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ConfigurationError(f"--host-memory {text!r}: a share is between 0 and 100 %")
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * value / 100)
+    return int(value * _UNITS[unit[:1]])
+
+
+@app.command("run", context_settings={"allow_extra_args": True,
+                                      "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", min=0, help="Restart the job at most N times.")] = 10,
+    hang_timeout: Annotated[float, typer.Option(
+        "--hang-timeout", metavar="SECONDS", min=0,
+        help="A rank that makes no step() for this long, while not restoring, saving or "
+             "waiting for a snapshot, is hung: the job is stopped and restarted. 0: off.")
+    ] = 600.0,
+    startup_timeout: Annotated[float, typer.Option(
+        "--startup-timeout", metavar="SECONDS", min=0,
+        help="Also restart a start whose manager sends no heartbeat within this long "
+             "(0: wait as long as it takes).")] = 0.0,
+    grace: Annotated[float, typer.Option(
+        "--grace", metavar="SECONDS", min=0,
+        help="After SIGTERM to a hung job, wait this long before SIGKILL.")] = 30.0,
+    max_stalls: Annotated[int, typer.Option(
+        "--max-stalls", min=1,
+        help="Give up after N failures in a row that committed no new snapshot.")] = 3,
+    backoff: Annotated[float, typer.Option(
+        "--backoff", metavar="SECONDS", min=0,
+        help="The first wait before restarting a job that made no progress; it doubles with "
+             "each such failure (a job that committed a snapshot restarts at once).")] = 1.0,
+    host_memory: Annotated[str, typer.Option(
+        "--host-memory", metavar="SIZE",
+        help="Keep the latest snapshot's bytes in host memory, up to SIZE (64G, 50%), so that "
+             "a restart restores from memory; off: from the store.")] = "50%",
+) -> None:
+    """Run a training command, restart it when it fails or hangs, resume it from host memory.
+
+    Usage: ciuic run [OPTIONS] -- COMMAND [ARGS...], e.g.
+    ciuic run --hang-timeout 300 -- torchrun --nproc-per-node 8 train.py
+    """
+    from ciuic.supervisor.agent import Options, Supervisor
+
+    command = list(ctx.args)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise ConfigurationError("ciuic run needs the command to run: ciuic run [OPTIONS] -- "
+                                 "python train.py")
+    budget = host_memory_budget(host_memory)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    log = logging.getLogger("ciuic.run")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    logging.getLogger("ciuic").addHandler(handler)  # the channel's warnings
+    log.info("ciuic run: %s (restarts at most %d, hang timeout %s, host memory %s)",
+             " ".join(command), max_restarts, f"{hang_timeout:g} s" if hang_timeout else "off",
+             size_text(budget) if budget is not None else "off")
+    options = Options(command, max_restarts=max_restarts,
+                      hang_timeout_s=hang_timeout or None,
+                      startup_timeout_s=startup_timeout or None, grace_s=grace,
+                      backoff_s=backoff, max_stalls=max_stalls, host_memory=budget)
+    raise typer.Exit(Supervisor(options).run())

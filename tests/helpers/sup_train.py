@@ -1,0 +1,94 @@
+"""A deterministic training job for the ``ciuic run`` tests: one process, or DDP ranks under
+torchrun (gloo, CPU), with faults that strike on a given start of the supervisor.
+
+    ciuic run -- python tests/helpers/sup_train.py --store DIR --out DIR --steps 20 \
+        [--kill-at STEP:START[:RANK]] [--hang-at STEP:START[:RANK]] [--fail-start]
+
+``START`` is ``CIUIC_RUN_RESTART`` (0: the first start). A kill is a SIGKILL of the rank itself
+after the optimizer update of STEP and before its ``step()``; a hang sleeps there. At the end
+rank 0 writes every model and optimizer tensor to ``OUT/final-ciuic.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from finalstate import write_final  # noqa: E402
+
+from ciuic import SnapshotManager  # noqa: E402
+
+
+def fault(spec: str | None, step: int, rank: int) -> bool:
+    if not spec:
+        return False
+    parts = [int(x) for x in spec.split(":")]
+    at, start = parts[0], parts[1]
+    who = parts[2] if len(parts) > 2 else 0
+    return (step == at and int(os.environ.get("CIUIC_RUN_RESTART", "0")) == start
+            and rank == who)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--kill-at")
+    p.add_argument("--hang-at")
+    p.add_argument("--fail-start", action="store_true")
+    p.add_argument("--sync", action="store_true", help="asynchronous=False")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    a = p.parse_args()
+    if a.fail_start:
+        raise RuntimeError("the data set is not mounted (injected start-up failure)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(nn.Linear(64, a.hidden), nn.ReLU(), nn.Dropout(0.1),
+                                     nn.Linear(a.hidden, 4))
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = SnapshotManager("sup", store=a.store, save_interval=a.every,
+                              asynchronous=not a.sync)
+    last = manager.restore(model, opt)
+    start = 0 if last is None else last + 1
+    for step in range(start, a.steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if fault(a.kill_at, step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault(a.hang_at, step, rank):
+            print(f"hanging at step {step} (rank {rank})", file=sys.stderr, flush=True)
+            time.sleep(3600)
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        manager.step(step, model, opt)
+    manager.close()
+    if rank == 0:
+        a.out.mkdir(parents=True, exist_ok=True)
+        write_final(model.module if world > 1 else model, opt, a.out / "final-ciuic.safetensors")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
