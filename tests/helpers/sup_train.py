@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finalstate import write_final  # noqa: E402
+from finalstate import write_final
 
-from ciuic import SnapshotManager  # noqa: E402
+from ciuic import SnapshotManager
 
 
 def fault(spec: str | None, step: int, rank: int) -> bool:
@@ -67,6 +67,7 @@ def main() -> None:
                               asynchronous=not a.sync)
     last = manager.restore(model, opt)
     start = 0 if last is None else last + 1
+    longest = 0.0
     for step in range(start, a.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
@@ -81,8 +82,10 @@ def main() -> None:
             time.sleep(3600)
         if a.step_sleep:
             time.sleep(a.step_sleep)
-        manager.step(step, model, opt)
+        if manager.step(step, model, opt):
+            longest = max(longest, manager.stats.last_save_s)
     manager.close()
+    print(f"longest snapshot: {longest:.2f} s", file=sys.stderr)
     if rank == 0:
         a.out.mkdir(parents=True, exist_ok=True)
         write_final(model.module if world > 1 else model, opt, a.out / "final-ciuic.safetensors")

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ciuic.catalog.keys import KeyInfo, audit, authenticate
 from ciuic.chain.repo import Repository, list_jobs
 from ciuic.chain.retention import prune_one
+from ciuic.chain.runs import history
 from ciuic.errors import (
     ApiError,
     CiuicError,
@@ -178,8 +179,11 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
         found = catalog.snapshots(project, job, newest_first=True)
+        # where runs were interrupted after each snapshot and why, and who resumed from it
+        notes = history(catalog.runs(project, job), catalog.events(project, job, limit=100_000))
         return {"total": len(found), "offset": offset, "limit": limit,
-                "snapshots": [asdict(s) for s in found[offset:offset + limit]]}
+                "snapshots": [{**asdict(s), "notes": notes.get(s.id, [])}
+                              for s in found[offset:offset + limit]]}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:

@@ -1,0 +1,346 @@
+"""``ciuic run``: restarts after a kill and a hang (bit-exact), causes, giving up, preemption,
+the host-memory tier (same bytes as the store; nothing leaks when the supervisor is killed),
+and no false hang while a snapshot is written."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ciuic.chain.repo import Repository
+from ciuic.supervisor.causes import OomWatch, classify, exception_line
+from tests.framework_runs import free_port
+
+HELPER = Path(__file__).parent / "helpers" / "sup_train.py"
+CIUIC = [sys.executable, "-m", "ciuic"]
+
+
+def supervise(tmp: Path, *args: str, run_args: tuple[str, ...] = (), env: dict[str, str] | None
+              = None, timeout: float = 240, torchrun: int = 0) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable]
+    if torchrun:
+        command += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+                    "--master_port", str(free_port()), "--max-restarts", "0"]
+    return subprocess.run(
+        [*CIUIC, "run", *run_args, "--", *command, str(HELPER), "--store", str(tmp / "store"),
+         "--out", str(tmp / "out"), *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+
+
+def reference(tmp: Path, *args: str, torchrun: int = 0) -> dict[str, torch.Tensor]:
+    """The same job, uninterrupted and unsupervised."""
+    command = [sys.executable]
+    if torchrun:
+        command += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+                    "--master_port", str(free_port())]
+    run = subprocess.run([*command, str(HELPER), "--store", str(tmp / "ref-store"), "--out",
+                          str(tmp / "ref"), *args], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return final(tmp / "ref")
+
+
+def final(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final-ciuic.safetensors"))
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
+
+
+def runs_of(tmp: Path) -> list[tuple[str | None, int | None, str | None]]:
+    repo = Repository.open(tmp / "store")
+    try:
+        return [(r.cause, r.restart, r.end_kind) for r in repo.catalog.runs("sup", "default")]
+    finally:
+        repo.close()
+
+
+def test_a_kill_then_a_hang_are_restarted_and_the_job_ends_bit_exact(tmp_path: Path) -> None:
+    ref = reference(tmp_path, "--steps", "20", "--every", "5")
+    run = supervise(tmp_path, "--steps", "20", "--every", "5", "--kill-at", "7:0",
+                    "--hang-at", "13:1", run_args=("--hang-timeout", "2", "--grace", "1"))
+    err = run.stderr
+    assert run.returncode == 0, err[-4000:]
+    assert_same(final(tmp_path / "out"), ref)
+    # one line per interruption, naming the cause and the last step() seen
+    assert "ciuic run: the job stopped at step 6: signal: SIGKILL (killed). Restart 1" in err
+    assert re.search(r"ciuic run: the job stopped at step 12: hang: no step\(\) for 2 s \(pid "
+                     r"\d+\)\. Restart 2", err), err[-4000:]
+    detected = float(re.search(r"detected ([\d.]+) s after its last sign of training",
+                               err).group(1))  # type: ignore[union-attr]
+    assert 2.0 <= detected < 2.0 + 3.0
+    # the recovery log's first line names the cause and where the job really stopped
+    assert "Detected training interruption at step 6 (signal: SIGKILL (killed))" in err
+    assert re.search(r"Detected training interruption at step 12 \(hang: no step\(\) for 2 s",
+                     err)
+    # the second restart came back from host memory: the snapshot at step 10
+    assert re.search(r"Found snapshot at step 10.*\n\[INFO\] Loading snapshot from host memory",
+                     err), err[-4000:]
+    assert re.search(r"Read 0\.\d\d MiB from host memory and 0\.0\d MiB from the store", err)
+    assert "the job finished (exit 0) after 2 restart(s)" in err
+    causes = runs_of(tmp_path)
+    assert [c[1] for c in causes] == [None, 1, 2]
+    assert causes[0][0] == "signal: SIGKILL (killed)"
+    assert (causes[1][0] or "").startswith("hang: no step() for 2 s")
+    assert causes[2] == (None, 2, "clean")
+    # `ciuic log` says where each interruption happened and why
+    shown = subprocess.run([*CIUIC, "log", "sup/default"], capture_output=True, text=True,
+                           env={**os.environ, "CIUIC_HOME": str(tmp_path / "store"),
+                                "COLUMNS": "400"})
+    assert "stopped at step 6: signal: SIGKILL (killed); resumed by run" in shown.stdout
+    assert "(restart 1 by ciuic run)" in shown.stdout
+    assert "stopped at step 12: hang: no step() for 2 s" in shown.stdout
+
+
+def test_a_job_that_fails_at_start_up_stops_after_the_limit_and_says_why(tmp_path: Path) -> None:
+    run = supervise(tmp_path, "--fail-start",
+                    run_args=("--max-stalls", "3", "--backoff", "0.1", "--hang-timeout", "5"))
+    err = run.stderr
+    assert run.returncode == 1, err[-3000:]
+    assert len(re.findall(r"^Traceback", err, re.M)) == 3  # three starts, no fourth
+    assert ("ciuic run: giving up: it failed 3 time(s) in a row without committing a new "
+            "snapshot. The last failure, before its first step(): exception: RuntimeError: the "
+            "data set is not mounted (injected start-up failure)") in err
+    assert "Restart 1 of at most 10 in 0.1 s" in err and "Restart 2 of at most 10 in 0.2 s" in err
+
+
+def test_sigterm_to_the_supervisor_takes_an_emergency_snapshot_and_does_not_restart(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CIUIC, "run", "--", sys.executable, str(HELPER), "--store", str(tmp_path / "store"),
+         "--out", str(tmp_path / "out"), "--steps", "100000", "--every", "50",
+         "--step-sleep", "0.01"], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # until the job trains
+        lines.append(line)
+        if "Resuming training" in line or "starting from scratch" in line:
+            break
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 128 + signal.SIGTERM, rest
+    err = "".join(lines) + rest
+    assert "ciuic run: SIGTERM received: passing it on to the job" in err
+    assert re.search(r"Emergency snapshot at step (\d+) saved", err), err[-3000:]
+    assert "after SIGTERM: not restarted" in err and "Restart" not in err
+    step = int(re.search(r"Emergency snapshot at step (\d+)", err).group(1))  # type: ignore[union-attr]
+    repo = Repository.open(tmp_path / "store")
+    latest = repo.catalog.latest("sup", "default")
+    assert latest is not None and latest.step == step
+    assert [r.end_kind for r in repo.catalog.runs("sup", "default")] == ["signal:SIGTERM"]
+    repo.close()
+
+
+def _restore_dump(tmp: Path, env: dict[str, str]) -> tuple[dict[str, torch.Tensor], str]:
+    """A process that restores the job and writes what it restored."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(HELPER.parent)!r})
+from torch import nn
+from safetensors.torch import save_file
+from ciuic import SnapshotManager
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+m = SnapshotManager("sup", store={str(tmp / "store")!r}, save_interval=None)
+m.restore(model, opt)
+from finalstate import write_final
+write_final(model, opt, __import__("pathlib").Path(sys.argv[1]))
+import os; os._exit(0)  # like a crash: the host copy stays as it is
+"""
+    out = tmp / f"restored-{len(list(tmp.glob('restored-*')))}.safetensors"
+    run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
+                         text=True, env={**os.environ, **env}, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    return load_file(str(out)), run.stderr
+
+
+def test_a_restore_from_host_memory_gives_the_bytes_of_the_store(tmp_path: Path) -> None:
+    from ciuic.supervisor.channel import ENV, Holder
+
+    holder = Holder(budget=1 << 30)  # this test is the supervisor
+    try:
+        env = {ENV: holder.name, "CIUIC_RUN_RESTART": "0"}
+        run = subprocess.run([sys.executable, str(HELPER), "--store", str(tmp_path / "store"),
+                              "--out", str(tmp_path / "out"), "--steps", "6", "--every", "5"],
+                             capture_output=True, text=True, env={**os.environ, **env})
+        assert run.returncode == 0, run.stderr[-3000:]
+        copies = holder.copies()
+        assert list(copies) == [0] and copies[0][1] == 5 and copies[0][2] >= 3 * 128 * 1024
+        from_memory, said = _restore_dump(tmp_path, env)
+        assert "Loading snapshot from host memory" in said, said[-2000:]
+        assert re.search(r"Read 0\.38 MiB from host memory and 0\.0\d MiB from the store", said)
+        from_store, said = _restore_dump(tmp_path, {ENV: ""})
+        assert "host memory" not in said
+        assert_same(from_memory, from_store)
+        # damage in host memory: every chunk is checked, and a bad one comes from the store
+        region = _map_first_buffer(holder)
+        region[100:108] = b"\xff" * 8
+        damaged, said = _restore_dump(tmp_path, env)
+        assert re.search(r"Read 0\.\d\d MiB from host memory and 0\.[1-9]\d MiB from the store",
+                         said), said[-2000:]
+        assert_same(damaged, from_store)
+    finally:
+        holder.close()
+
+
+def _map_first_buffer(holder: object) -> memoryview:
+    import mmap
+
+    rank = holder._ranks[0]  # type: ignore[attr-defined]
+    b = rank.buffers[rank.ids[0]]
+    return memoryview(mmap.mmap(b.fd, b.nbytes))
+
+
+def _memfds(name: str = "ciuic") -> list[str]:
+    """Every memfd of ciuic's that any process on this machine still holds or maps."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(f"/memfd:{name}"):
+                    found.append(f"{proc.name}: {target}")
+            found += [f"{proc.name}: {line.split()[-2]}" for line in
+                      (proc / "maps").read_text().splitlines() if f"/memfd:{name}" in line]
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_supervisor_leaks_no_shared_memory(tmp_path: Path) -> None:
+    before = _memfds()
+    proc = subprocess.Popen(
+        [*CIUIC, "run", "--", sys.executable, str(HELPER), "--store", str(tmp_path / "store"),
+         "--out", str(tmp_path / "out"), "--steps", "100000", "--every", "20",
+         "--step-sleep", "0.01"], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    deadline = time.monotonic() + 60
+    held: list[str] = []
+    while time.monotonic() < deadline and not any(f"{proc.pid}: /memfd:ciuic:" in h
+                                                  for h in held):
+        time.sleep(0.2)
+        held = _memfds()
+    assert any(f"{proc.pid}: /memfd:ciuic:" in h for h in held), held
+    children = [int(h.split(":")[0]) for h in held if not h.startswith(f"{proc.pid}:")]
+    assert children  # the training process maps its staging buffers
+    proc.kill()  # SIGKILL: nothing of the supervisor's runs after this
+    proc.wait()
+    deadline = time.monotonic() + 60  # the job gets SIGTERM, snapshots and exits
+    while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() for c in children):
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{c}").exists() for c in children)
+    assert _memfds() == before
+    assert not [p for p in Path("/dev/shm").iterdir() if "ciuic" in p.name]
+
+
+def test_a_slow_save_with_fast_training_is_no_hang(tmp_path: Path) -> None:
+    run = supervise(tmp_path, "--steps", "8", "--every", "4", "--sync",
+                    run_args=("--hang-timeout", "1", "--grace", "1"),
+                    env={"CIUIC_FAILPOINTS": "chunk.put=sleep:0.4"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    longest = float(re.search(r"longest snapshot: ([\d.]+) s", run.stderr).group(1))  # type: ignore[union-attr]
+    assert longest > 1.0  # longer than the hang timeout, inside step()
+    assert "no step()" not in run.stderr and "Restart" not in run.stderr
+    repo = Repository.open(tmp_path / "store")
+    try:
+        info = repo.catalog.latest("sup", "default")
+        assert info is not None and info.step == 7
+    finally:
+        repo.close()
+
+
+# -- causes, from what the kernel, Python and torchrun print -------------------------------------
+
+TORCHRUN_TAIL = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_10:00:00
+  host      : node7
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================"""
+
+
+def test_causes_are_told_apart() -> None:
+    assert str(classify(-signal.SIGKILL, [], None)) == "signal: SIGKILL (killed)"
+    assert str(classify(-signal.SIGSEGV, [], None)) == "signal: SIGSEGV (killed)"
+    assert str(classify(137, [], None)) == "signal: SIGKILL (exit 137)"
+    assert str(classify(1, TORCHRUN_TAIL.splitlines(), None)) == "signal: rank 1: SIGKILL (killed)"
+    tail = ["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
+            "    boom()", "[rank0]: ValueError: loss is NaN at step 12"]
+    assert str(classify(1, tail, None)) == "exception: ValueError: loss is NaN at step 12"
+    assert exception_line(tail + TORCHRUN_TAIL.splitlines()) == (
+        "ValueError: loss is NaN at step 12")
+    assert str(classify(3, ["bye"], None)) == "exit: exit status 3, last stderr line: bye"
+
+
+def test_the_oom_killer_is_named_with_its_evidence(tmp_path: Path) -> None:
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 0\n")
+    watch = OomWatch()
+    watch.sources = {f"cgroup {events}": events}
+    watch.before = {f"cgroup {events}": 0}
+    assert str(classify(-signal.SIGKILL, [], watch)) == "signal: SIGKILL (killed)"
+    events.write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\n")  # as the kernel counts
+    assert str(classify(-signal.SIGKILL, [], watch)) == (
+        f"oom: killed by the kernel's OOM killer (cgroup {events} oom_kill 0 -> 1)")
+    assert str(classify(-signal.SIGTERM, [], watch)) == "signal: SIGTERM (killed)"
+    assert OomWatch().sources  # this machine lets at least /proc/vmstat be read
+
+
+def test_host_memory_budget_parses_and_refuses_nonsense() -> None:
+    from ciuic.cli.run import host_memory_budget
+    from ciuic.errors import ConfigurationError
+
+    assert host_memory_budget("64G") == 64 << 30
+    assert host_memory_budget("512MiB") == 512 << 20
+    assert host_memory_budget("off") is None and host_memory_budget("0") is None
+    assert 0 < host_memory_budget("50%") < os.sysconf("SC_PAGE_SIZE") * os.sysconf(  # type: ignore[operator]
+        "SC_PHYS_PAGES")
+    for bad in ("lots", "150%", "-3G"):
+        with pytest.raises(ConfigurationError, match="--host-memory"):
+            host_memory_budget(bad)
+
+
+def test_over_its_budget_the_host_copy_is_released_and_training_goes_on(tmp_path: Path) -> None:
+    run = supervise(tmp_path, "--steps", "8", "--every", "4", "--kill-at", "6:0",
+                    run_args=("--host-memory", "200K", "--hang-timeout", "30"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "host-memory copy released: the host copy would hold" in run.stderr
+    assert "over its budget of" in run.stderr and "Loading snapshot from host memory" not in (
+        run.stderr)
+    assert "the job finished (exit 0) after 1 restart(s)" in run.stderr
+
+
+def test_ciuic_run_needs_a_command() -> None:
+    run = subprocess.run([*CIUIC, "run"], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "ciuic run needs the command to run" in run.stderr
