@@ -344,3 +344,28 @@ def test_ciuic_run_needs_a_command() -> None:
     run = subprocess.run([*CIUIC, "run"], capture_output=True, text=True)
     assert run.returncode == 2
     assert "ciuic run needs the command to run" in run.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_killed_then_hung_restarts_the_whole_job(tmp_path: Path) -> None:
+    ref = reference(tmp_path, "--steps", "20", "--every", "5", torchrun=2)
+    run = supervise(tmp_path, "--steps", "20", "--every", "5", "--kill-at", "7:0:1",
+                    "--hang-at", "13:1:1", run_args=("--hang-timeout", "3", "--grace", "2"),
+                    torchrun=2, timeout=400)
+    err = run.stderr
+    assert run.returncode == 0, err[-5000:]
+    assert_same(final(tmp_path / "out"), ref)
+    # torchrun's own report names the rank that was killed
+    assert re.search(r"ciuic run: the job stopped at step \d+: signal: rank 1: SIGKILL", err), (
+        err[-5000:])
+    assert re.search(r"hang: no step\(\) for 3 s \(rank 1, pid \d+\)", err)
+    assert "the job finished (exit 0) after 2 restart(s)" in err
+    repo = Repository.open(tmp_path / "store")
+    try:  # every rank resumed from the same snapshot: one restore event per start, rank 0's
+        events = [e for e in repo.catalog.events("sup", "default", limit=1000)
+                  if e["kind"] == "restore"]
+        assert len(events) == 2
+        runs = repo.catalog.runs("sup", "default")
+        assert [r.restart for r in runs] == [None, 1, 2]
+    finally:
+        repo.close()
