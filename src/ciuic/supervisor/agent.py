@@ -209,7 +209,7 @@ class Supervisor:
             if self._stop is None and hang is None:
                 hang = self._hung(start, beats, now)
                 if hang is not None:
-                    log.warning("ciuic run: %s, detected %.1f s after its last sign of "
+                    log.warning("ciuic run: %s, detected %.2f s after its last sign of "
                                 "training; stopping the job (SIGTERM, then SIGKILL after %g s)",
                                 hang, start.hang_seen_s or 0.0, o.grace_s)
                     rc = self._terminate(proc, start)
