@@ -369,3 +369,68 @@ def test_under_torchrun_one_rank_killed_then_hung_restarts_the_whole_job(tmp_pat
         assert [r.restart for r in runs] == [None, 1, 2]
     finally:
         repo.close()
+
+
+def _memory_cgroup(tmp_name: str, limit: int) -> tuple[Path, Path] | None:
+    """A new memory cgroup limited to ``limit`` bytes: (its folder, its cgroup.procs), or None
+    where this machine does not let us make one (not root, no memory controller)."""
+    for root, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                             (Path("/sys/fs/cgroup"), "memory.max")):
+        folder = root / tmp_name
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        try:
+            (folder / limit_file).write_text(str(limit))
+            if (folder / "memory.swappiness").exists():  # v1: no swapping instead of the kill
+                (folder / "memory.swappiness").write_text("0")
+            return folder, folder / "cgroup.procs"
+        except OSError:
+            folder.rmdir()
+    return None
+
+
+def test_the_kernels_oom_killer_is_named_with_its_evidence(tmp_path: Path) -> None:
+    made = _memory_cgroup(f"ciuic-test-{os.getpid()}", 400 << 20)
+    if made is None:
+        pytest.skip("this machine does not let the test make a memory cgroup")
+    folder, procs = made
+    try:
+        job = "x = bytearray(2 << 30)  # zero-filled: every page is touched"
+        run = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *CIUIC, "run",
+             "--max-stalls", "1", "--host-memory", "off", "--", sys.executable, "-c", job],
+            capture_output=True, text=True, timeout=120)
+        err = run.stderr
+        assert run.returncode == 128 + signal.SIGKILL, err[-3000:]
+        assert re.search(r"giving up: .*The last failure, before its first step\(\): oom: "
+                         r"killed by the kernel's OOM killer \(cgroup \S+ oom_kill 0 -> 1\)",
+                         err), err[-3000:]
+    finally:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                folder.rmdir()
+                break
+            except OSError:  # its last process is still exiting
+                time.sleep(0.2)
+
+
+def test_the_servers_snapshot_listing_says_where_runs_stopped_and_why(tmp_path: Path) -> None:
+    from tests.serverutil import new_key, serve
+
+    store = tmp_path / "server-store"
+    key = new_key(store, "sup", "writer")
+    with serve(store, tmp_path / "server.log") as url:
+        run = supervise(tmp_path, "--steps", "10", "--every", "4", "--kill-at", "6:0",
+                        "--endpoint", url, env={"CIUIC_API_KEY": key})
+        assert run.returncode == 0, run.stderr[-3000:]
+        import httpx
+
+        body = httpx.get(f"{url}/v1/projects/sup/jobs/default/snapshots",
+                         headers={"Authorization": f"Bearer {key}"}).json()
+    notes = [n for s in body["snapshots"] for n in s["notes"]]
+    assert any(re.search(r"then run \w+ stopped at step [56]: signal: SIGKILL \(killed\)", n)
+               for n in notes), notes
+    assert any(re.search(r"resumed by run \w+ \(restart 1 by ciuic run\)", n) for n in notes)

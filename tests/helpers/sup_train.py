@@ -41,6 +41,7 @@ def fault(spec: str | None, step: int, rank: int) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
+    p.add_argument("--endpoint", help="a ciuic server instead of the store (CIUIC_API_KEY)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=3)
@@ -66,7 +67,8 @@ def main() -> None:
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = SnapshotManager("sup", store=a.store, save_interval=a.every,
+    manager = SnapshotManager("sup", store=None if a.endpoint else a.store,
+                              endpoint=a.endpoint, save_interval=a.every,
                               asynchronous=not a.sync)
     last = manager.restore(model, opt)
     start = 0 if last is None else last + 1

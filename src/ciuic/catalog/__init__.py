@@ -397,5 +397,44 @@ class Catalog:
             return [{"run": r.run_id, "at": r.at, "kind": r.kind, "step": r.step,
                      "detail": r.detail} for r in rows]
 
+    # -- runs reported to a server by its clients (ciuic.manager.report) ---------------------
+
+    #: the fields of a run a client reports (its row as its own catalog holds it)
+    RUN_FIELDS = ("started", "host", "pid", "last_step", "last_seen", "ended", "end_kind",
+                  "cause", "restart")
+
+    def run_report(self, run_id: str, after_event: int) -> tuple[dict[str, Any] | None,
+                                                                  list[dict[str, Any]], int]:
+        """A run's row and its events after ``after_event`` (an event ID), and the last ID."""
+        with self.session() as s:
+            run = s.get(Run, run_id)
+            if run is None:
+                return None, [], after_event
+            rows = s.scalars(select(RunEvent).where(RunEvent.run_id == run_id,
+                                                    RunEvent.id > after_event)
+                             .order_by(RunEvent.id)).all()
+            fields = {f: getattr(run, f) for f in self.RUN_FIELDS}
+            events = [{"at": r.at, "kind": r.kind, "step": r.step, "detail": r.detail}
+                      for r in rows]
+            return fields, events, rows[-1].id if rows else after_event
+
+    def record_run(self, project: str, job: str, run_id: str, fields: dict[str, Any],
+                   events: list[dict[str, Any]]) -> None:
+        """Insert or update a run a client reported, and add its new events."""
+        with self.session() as s:
+            jid = self._job_id(s, project, job)
+            run = s.get(Run, run_id)
+            if run is None:
+                run = Run(id=run_id, job_id=jid, **fields)
+                s.add(run)
+            elif run.job_id != jid:
+                raise ConfigurationError(f"run {run_id} belongs to another job")
+            else:
+                for f, v in fields.items():
+                    setattr(run, f, v)
+            for e in events:
+                s.add(RunEvent(run_id=run_id, job_id=jid, at=e["at"], kind=e["kind"],
+                               step=e["step"], detail=e["detail"]))
+
 
 __all__ = ["Catalog"]

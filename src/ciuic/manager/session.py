@@ -35,6 +35,7 @@ from ciuic.errors import RankError
 from ciuic.manager import progress
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.progress import Progress
+from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import Supervised, attach
 from ciuic.store.mirror import MirrorStore
 
@@ -91,6 +92,7 @@ class RunSession:
         self.config = config
         self.coll = coll
         self.project, self.job = config.project, config.job
+        self._reporter: RunReporter | None = None  # rank 0 of a job on a server
         coll.run("opening the store", self._open_repo)
         self.run_id = secrets.token_hex(8)
         self.previous_run: Run | None = None
@@ -132,6 +134,8 @@ class RunSession:
             server = HttpStore(c.endpoint, self.project, c.api_key)
             self.repo = Repository.open(server, cached_catalog_url(server.url), mirror=c.mirror,
                                         durability=c.durability)
+            if self.coll.coordinator:
+                self._reporter = RunReporter(server, self.repo.catalog, self.job)
         else:
             self.repo = Repository.open(c.store, mirror=c.mirror, durability=c.durability,
                                         writable=True)
@@ -151,6 +155,10 @@ class RunSession:
                 if prev.last_step is None or prev.last_step < self.previous_last_step:
                     prev.last_step = self.previous_last_step
         self._progress = Progress(self.run_id)
+        if self._reporter is not None:
+            if prev is not None:  # what this run learnt of how the previous one ended
+                self._reporter.report(prev.id)
+            self._reporter.report(self.run_id)
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
         self._catch_up_mirror()
 
@@ -221,11 +229,15 @@ class RunSession:
                 ).heartbeat_interval_s:
             self._last_heartbeat = now
             quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
+            if self._reporter is not None:
+                self._reporter.report(self.run_id)
 
     def event(self, kind: str, step: int, snapshot_id: str) -> None:
         if self.coll.coordinator:
             quietly(f"record the {kind} event", self.repo.catalog.event, self.run_id,
                     self.project, self.job, kind, step, snapshot_id)
+            if self._reporter is not None:
+                self._reporter.report(self.run_id)
 
     def committed(self, step: int, snapshot_id: str) -> None:
         """After a commit: tell the supervisor (every rank); record it, then prune what
@@ -261,6 +273,8 @@ class RunSession:
             self.repo.catalog.end_run(self.run_id, kind, step)
         except Exception as e:  # the catalog may be gone at interpreter exit
             log.debug("could not record the end of run %s: %s", self.run_id, e)
+        if self._reporter is not None:
+            self._reporter.report_now(self.run_id)
 
     def close(self) -> None:
         if self.supervised is not None:

@@ -47,6 +47,7 @@ from ciuic.store.prefix import PrefixStore
 from ciuic.version import __version__
 
 log = logging.getLogger("ciuic.server")
+_RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
 
@@ -57,6 +58,29 @@ class MissingRequest(BaseModel):
 
 class MissingResponse(BaseModel):
     missing: list[str]
+
+
+class RunEventReport(BaseModel):
+    at: str = Field(max_length=32)
+    kind: str = Field(max_length=32)
+    step: int | None = None
+    detail: str = Field(default="", max_length=4000)
+
+
+class RunReport(BaseModel):
+    """A client's run of a job, as its own catalog holds it, and its events since the last
+    report (``ciuic.manager.report``): what ``ciuic log`` and the dashboard say about runs."""
+
+    started: str = Field(max_length=32)
+    host: str = Field(max_length=255)
+    pid: int
+    last_step: int | None = None
+    last_seen: str = Field(max_length=32)
+    ended: str | None = Field(default=None, max_length=32)
+    end_kind: str | None = Field(default=None, max_length=64)
+    cause: str | None = Field(default=None, max_length=2000)
+    restart: int | None = None
+    events: list[RunEventReport] = Field(default_factory=list, max_length=10_000)
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -184,6 +208,18 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return {"total": len(found), "offset": offset, "limit": limit,
                 "snapshots": [{**asdict(s), "notes": notes.get(s.id, [])}
                               for s in found[offset:offset + limit]]}
+
+    @app.put("/v1/projects/{project}/jobs/{job}/runs/{run_id}", tags=["snapshots"])
+    def report_run(info: Caller, project: str, job: str, run_id: str,
+                   report: RunReport) -> dict[str, Any]:
+        allow(info, project, "writer")
+        layout.check_name("job", job)
+        if not _RUN_ID.match(run_id):
+            raise ApiError(422, "invalid_run", "a run ID is 16 hexadecimal characters")
+        fields = report.model_dump(exclude={"events"})
+        catalog.record_run(project, job, run_id, fields,
+                           [e.model_dump() for e in report.events])
+        return {"run": run_id, "events": len(report.events)}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:

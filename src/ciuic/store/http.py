@@ -133,6 +133,10 @@ class HttpStore(Store):
         with contextlib.suppress(ObjectNotFound):  # deleting a missing key is not an error
             self._call("DELETE", self._obj(key))
 
+    def report_run(self, job: str, run_id: str, report: dict[str, Any]) -> None:
+        """Send a run's record and new events (``ciuic.manager.report``)."""
+        self._call("PUT", f"/jobs/{quote(job)}/runs/{quote(run_id)}", json=report)
+
     def whoami(self) -> dict[str, Any]:
         """The key's project and role, as the server sees them."""
         try:
