@@ -5,9 +5,10 @@
 Builds the reference state of ../shared/docs/PERFORMANCE.md ("GPT-like 1 GiB": 88 M fp32
 parameters of a 5-layer, d=1024, 24k-vocab transformer plus Adam's two moments, seeded), then
 measures, interleaving the systems round by round: the stall (how long the call blocks training),
-the time until durable (fsync'ed), the cold time to load back into fresh CPU tensors, the bytes
-written and the peak extra host memory; for ciuic also an incremental snapshot with 10 % of the
-tensors changed. Prints min/median/max.
+the time until durable (fsync'ed), the cold time to restore into the live tensors (a model's
+and optimizer's, allocated once: every system's load ends with the bytes in them, as a user's
+restore does), the bytes written and the peak extra host memory; for ciuic also an incremental
+snapshot with 10 % of the tensors changed. Prints min/median/max.
 ``--quick`` uses a 1/16-size state (for the test suite's smoke run).
 """
 
@@ -167,10 +168,19 @@ class System:
     """One tool under test. ``save`` returns the stall (how long training was blocked); the
     caller times the whole call until durable."""
 
-    def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor],
+                 live: dict[str, torch.Tensor]) -> None:
         self.name, self.state = name, state
+        #: the live tensors a restore ends in (a training job's model and optimizer)
+        self.live = live
         self.device = next(iter(state.values())).device
         self.dir = base / name.replace(" ", "_").replace(".", "_")
+
+    def into_live(self, loaded: dict[str, torch.Tensor]) -> None:
+        """``load_state_dict``: copy what was loaded into the live tensors."""
+        for k, v in loaded.items():
+            self.live[k].copy_(v)
+        sync(self.live)
 
     def fresh(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -200,8 +210,8 @@ class TorchSave(System):
             os.fsync(f.fileno())
 
     def load(self) -> None:
-        out = torch.load(self.dir / "state.pt", weights_only=True, map_location=self.device)
-        sync(out)
+        self.into_live(torch.load(self.dir / "state.pt", weights_only=True,
+                                  map_location=self.device))
 
 
 class Safetensors(System):
@@ -214,10 +224,8 @@ class Safetensors(System):
     def load(self) -> None:
         from safetensors.torch import load_file
 
-        out = load_file(str(self.dir / "state.safetensors"), device=str(self.device))
-        for t in out.values():  # load_file maps lazily: touch every byte
-            t.sum()
-        sync(out)
+        # load_file maps the file: the copy into the live tensors reads every byte
+        self.into_live(load_file(str(self.dir / "state.safetensors"), device=str(self.device)))
 
 
 class DCP(System):
@@ -230,9 +238,8 @@ class DCP(System):
     def load(self) -> None:
         import torch.distributed.checkpoint as dcp
 
-        target = {k: torch.empty_like(v) for k, v in self.state.items()}
-        dcp.load(target, checkpoint_id=str(self.dir / "ckpt"))
-        sync(target)
+        dcp.load(self.live, checkpoint_id=str(self.dir / "ckpt"))  # in place
+        sync(self.live)
 
 
 class DCPAsync(DCP):
@@ -259,8 +266,9 @@ class Ciuic(System):
     compression = "auto"  # on a local disk "auto" decides not to compress
     health = True  # per-tensor statistics computed while hashing (the default)
 
-    def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor]) -> None:
-        super().__init__(name, base, state)
+    def __init__(self, name: str, base: Path, state: dict[str, torch.Tensor],
+                 live: dict[str, torch.Tensor]) -> None:
+        super().__init__(name, base, state, live)
         self.manager: object = None
         self.basis: dict[str, dict[str, float]] = {}  # compression="auto": what it decided, why
         self.step = 0
@@ -312,12 +320,8 @@ class Ciuic(System):
 
         self.close()  # a restarted job: the writer is gone (else the reader would take over)
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
-            if self.device.type == "cpu":
-                m.restore(state=StateHolder({}))  # fresh CPU tensors, as torch.load makes
-            else:  # into the live device tensors, through pinned (reused) staging buffers
-                target = {k: torch.empty_like(v) for k, v in self.state.items()}
-                m.restore(state=DeviceHolder(target))
-                sync(target)
+            m.restore(state=LiveHolder(self.live))  # every digest verified, then copied in
+            sync(self.live)
 
     def close(self) -> None:
         if self.manager is not None:
@@ -325,8 +329,9 @@ class Ciuic(System):
             self.manager = None
 
 
-class DeviceHolder(StateHolder):
-    """Restores by copying into tensors that already live on the device (a GPU job's state)."""
+class LiveHolder(StateHolder):
+    """Restores by copying into tensors that already live (a module's ``load_state_dict``; on a
+    GPU, from pinned buffers)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -419,17 +424,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     device = a.device or ("cuda" if a.state == "h200" else "cpu")
     state = (h200_state(scale, device=device) if a.state == "h200"
              else {k: v.to(device) for k, v in reference_state(scale).items()})
+    live = {k: v.clone() for k, v in state.items()}  # allocated and touched once, as a model's
     size = nbytes(state)
     base.mkdir(parents=True, exist_ok=True)
     write_floor = disk_floor(base, size)
     print(f"disk write floor (64 MiB writes + fsync of the state's size): {write_floor:.3f} s")
     print(f"state: {len(state)} tensors, {size / 2**30:.3f} GiB; machine: {machine()}")
-    systems: list[System] = [TorchSave("torch.save", base, state),
-                             Safetensors("safetensors", base, state),
-                             DCP("dcp.save", base, state), DCPAsync("dcp.async_save", base, state),
-                             Ciuic("ciuic", base, state), CiuicEncrypted("ciuic+aes", base, state),
-                             CiuicCompressed("ciuic+compress", base, state),
-                             CiuicNoHealth("ciuic-nohealth", base, state)]
+    systems: list[System] = [
+        cls(name, base, state, live) for cls, name in (
+            (TorchSave, "torch.save"), (Safetensors, "safetensors"), (DCP, "dcp.save"),
+            (DCPAsync, "dcp.async_save"), (Ciuic, "ciuic"), (CiuicEncrypted, "ciuic+aes"),
+            (CiuicCompressed, "ciuic+compress"), (CiuicNoHealth, "ciuic-nohealth"))]
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []

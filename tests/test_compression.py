@@ -154,3 +154,59 @@ def test_a_damaged_compressed_chunk_is_caught(store_dir: Path) -> None:
 def test_bad_compression_mode_is_refused(store_dir: Path) -> None:
     with pytest.raises(ConfigurationError, match="compression must be one of"):
         SnapshotManager("p", store=store_dir, compression="zip")
+
+
+def test_auto_follows_what_the_writes_take_when_the_probe_is_wrong(tmp_path: Path) -> None:
+    class MisprobedDisk(LocalStore):
+        def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
+            return 1e6, 1e6  # a probe that misread this disk as a slow link
+
+    g = torch.Generator().manual_seed(1)
+    s = {f"w{i}": torch.randn(2_000_000, generator=g) * 0.02 for i in range(3)}  # 24 MB
+    codecs = []
+    with SnapshotManager("p", store=MisprobedDisk(tmp_path / "objects"), handle_signals=False,
+                         compression="auto") as m:
+        policy = m._pipeline.compression
+        for step in range(1, 4):
+            for t in s.values():  # every chunk new: full snapshots
+                t.add_(1e-3)
+            m.save(step, s=StateHolder(s))
+            info = m.repo.catalog.latest("p", "default")
+            assert info is not None
+            _, states = read_body(m.repo, info)
+            codecs.append({m.repo.store.get(layout.chunk_key(d))[5] for d in chunk_refs(states)})
+            if step == 1:  # the probe's choice, then raw to measure it
+                assert ck.CODEC_FLOAT in codecs[0]
+                assert "measuring raw" in m.stats.compression
+        raw, packed = policy.cost[False], policy.cost[True]
+    assert codecs[1] == {ck.CODEC_RAW}
+    chose = packed < 0.95 * raw
+    assert (ck.CODEC_FLOAT in codecs[2]) is chose
+    assert m.stats.compression.startswith(f"auto: {'compress' if chose else 'raw'} (measured ")
+    assert "s/GiB raw against" in m.stats.compression
+
+
+def test_auto_revisits_the_choice_it_did_not_take() -> None:
+    from ciuic.engine.compression import REVISIT, CompressionPolicy
+
+    policy = CompressionPolicy("auto", (1e6, 1e6))  # the model says: compress
+    g = torch.Generator().manual_seed(2)
+    piece = memoryview((torch.randn(1 << 18, generator=g) * 0.02).numpy().tobytes())
+    big = 64 << 20
+
+    def snapshot(seconds: float) -> bool:
+        policy.start_snapshot()
+        compressed = policy.encode(("f32", 4), piece) is not None
+        policy.observe(big, seconds)
+        return compressed
+
+    assert snapshot(2.0)  # the model's choice
+    assert not snapshot(1.0)  # measuring raw: cheaper
+    taken = [snapshot(1.0 if not policy._forced else 2.0) for _ in range(REVISIT + 2)]
+    assert taken.count(True) == 1  # compressed once more to measure it again, then raw
+    assert policy.choice == "auto: raw (measured 16.00 s/GiB raw against 32.00 s/GiB compressed)"
+    before = dict(policy.cost)
+    policy.observe(1024, 0.001)  # too small a snapshot to say anything about the store
+    assert policy.cost == before
+    assert not snapshot(4.0)  # the disk got slower for raw writes ...
+    assert snapshot(2.0)  # ... so compressed, now cheaper per byte, is taken from the next on

@@ -18,6 +18,15 @@ most half of that (the store stays the bottleneck with room to spare: a restore 
 many cores, and a CPU training job wants its cores). Compression is chosen when both hold and it
 saves at least 10 %. On the development VM (2 cores, a disk that takes 1.7 GB/s) that says raw;
 on object storage and on a 16-core GPU machine with a 1 GB/s disk, compressed.
+
+The model starts from a probe, and a probe of a noisy disk can be wrong by 2x. So ``"auto"``
+then follows what the snapshots' writes actually take (:meth:`CompressionPolicy.observe`):
+the seconds per new byte from the start of the write to the commit, smoothed, for snapshots
+written raw and for compressed ones. Once both are known, the cheaper wins (raw unless
+compressed is at least 5 % cheaper); when only compressed ones were measured, the next full
+enough snapshot is written raw to measure it; every :data:`REVISIT` snapshots the other choice
+is measured again. Each change is logged with the figures, and :attr:`CompressionPolicy.choice`
+says what holds and why (``stats.compression``).
 """
 
 from __future__ import annotations
@@ -77,6 +86,14 @@ MIN_GAIN = 0.10
 #: improve and the cold restore took 1.84 s instead of 0.9 (docs/benchmarks.md,
 #: "compression=auto on this VM").
 HEADROOM = 0.5
+#: Snapshots that write fewer new bytes than this say nothing about the store's speed.
+OBSERVE_MIN_BYTES = 16 * 1024 * 1024
+#: Compressed must be this much cheaper than raw, per byte, to be chosen over it.
+MEASURED_GAIN = 0.05
+#: Measure the choice not taken again after this many observed snapshots.
+REVISIT = 16
+#: Weight of the newest observation in the smoothed cost.
+SMOOTHING = 0.5
 
 
 def compression_pays(ratio: float, encode_s: float, hash_s: float, copy_s: float, workers: int,
@@ -116,6 +133,10 @@ def _per_byte(fn: Callable[[], object], nbytes: int) -> float:
 _decider = OwnThread("ciuic-decide", lower_priority)  # timed as the writer threads run
 
 
+def _gib_s(per_byte: float) -> str:
+    return f"{per_byte * 2**30:.2f} s/GiB"
+
+
 class CompressionPolicy:
     """Decides, per snapshot and float kind, whether chunks are compressed. Thread-safe.
 
@@ -139,11 +160,52 @@ class CompressionPolicy:
         self._decided: dict[str, bool] = {}
         #: the last decision per float kind and what it was based on (for logs and benchmarks)
         self.basis: dict[str, dict[str, float]] = {}
+        #: measured seconds per new byte, smoothed: raw snapshots, compressed ones
+        self.cost: dict[bool, float] = {}
+        self._forced: bool | None = None  # what the measurements decided (None: the model)
+        self._since_other = 0  # observed snapshots since the choice not taken was measured
+        self._encoded_any = False  # this snapshot compressed a chunk
+        #: what holds and why, in words (``stats.compression``)
+        self.choice = {"auto": "auto: not decided yet", "on": "on (pinned)",
+                       "off": "off (pinned)"}[mode]
 
     def start_snapshot(self) -> None:
         """Forget the previous snapshot's decisions (the data changes as training goes)."""
         with self._lock:
             self._decided.clear()
+            self._encoded_any = False
+
+    def observe(self, new_bytes: int, seconds: float) -> None:
+        """After a snapshot's commit: its new (raw) bytes and the seconds from the start of its
+        write to the commit. Updates the measured costs and, for ``"auto"``, the choice."""
+        if self.mode != "auto" or new_bytes < OBSERVE_MIN_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            compressed = self._encoded_any
+            per_byte = seconds / new_bytes
+            old = self.cost.get(compressed)
+            self.cost[compressed] = per_byte if old is None else (
+                SMOOTHING * per_byte + (1 - SMOOTHING) * old)
+            if self._forced is not None and compressed == self._forced:
+                self._since_other += 1  # another snapshot of the choice taken
+            before = self._forced
+            raw, packed = self.cost.get(False), self.cost.get(True)
+            if raw is not None and packed is not None:
+                best = packed < (1 - MEASURED_GAIN) * raw
+                self._forced = best
+                if self._since_other >= REVISIT:  # measure the other one again, once
+                    self._forced, self._since_other = not best, 0
+                why = f"measured {_gib_s(raw)} raw against {_gib_s(packed)} compressed"
+            elif packed is not None:  # only compressed was measured: measure raw next
+                self._forced, why = False, f"measured {_gib_s(packed)} compressed; measuring raw"
+            else:  # only raw was measured: the model may still choose compression next
+                self._forced, why = None, f"measured {_gib_s(raw or per_byte)} raw"
+            label = {True: "compress", False: "raw", None: "as the model says"}[self._forced]
+            self.choice = f"auto: {label} ({why})"
+            changed = before != self._forced and self._forced is not None
+        if changed:
+            log.info("compression=auto: %s chunks from the next snapshot on (%s)",
+                     "compressing" if self._forced else "not compressing", why)
 
     def store_bps(self) -> float:
         """Bytes/s the store takes from all writer threads together."""
@@ -164,6 +226,9 @@ class CompressionPolicy:
             return floatcodec.encode(piece, itemsize, float_kind=name)
         with self._lock:
             decided = self._decided.get(name)
+            forced = self._forced
+        if forced is not None:  # what the snapshots' own writes said
+            decided = forced
         if decided is None:
             # one decision at a time while the writer threads wait (idle): timings taken while
             # every writer thread competes for the cores and the GIL read several times slow
@@ -174,7 +239,11 @@ class CompressionPolicy:
                     decided = _decider.run(self._decide, name, itemsize, piece)
                     with self._lock:
                         self._decided[name] = decided
-        return floatcodec.encode(piece, itemsize, float_kind=name) if decided else None
+        if not decided:
+            return None
+        with self._lock:
+            self._encoded_any = True
+        return floatcodec.encode(piece, itemsize, float_kind=name)
 
     def _decide(self, name: str, itemsize: int, piece: memoryview) -> bool:
         """Time the codec and BLAKE3 on the first :data:`DECIDE_BYTES` of this first piece of
@@ -196,6 +265,9 @@ class CompressionPolicy:
                  "compress": float(pays)}
         with self._lock:
             self.basis[name] = basis
+            if not self.cost:
+                self.choice = (f"auto: {'compress' if pays else 'raw'} (a probe of the store: "
+                               f"{store / 1e9:.2f} GB/s; not measured yet)")
         log.debug("compression=auto, %s: %s", name,
                   ", ".join(f"{k} {v:.3g}" for k, v in basis.items()))
         return pays

@@ -69,6 +69,7 @@ class Pipeline:
         probe = coll.coordinator  # other ranks use the default speed
         self.compression = CompressionPolicy(config.compression,
                                              lambda: store.write_speed(measure=probe))
+        stats.compression = self.compression.choice
         if config.compression == "auto" and probe:
             session.probe_write_speed()
         self.parent = ""  # the snapshot the next one links to
@@ -208,6 +209,7 @@ class Pipeline:
     def _write(self, step: int, captured: Captured, t0: float,
                pending: PendingCopy | None = None) -> SnapshotInfo:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
+        began = time.perf_counter()
         try:
             if pending is not None:
                 try:
@@ -231,6 +233,8 @@ class Pipeline:
         s.bytes_new += m.new_bytes
         s.bytes_written += written
         s.last_save_s = time.perf_counter() - t0
+        self.compression.observe(written, time.perf_counter() - began)
+        s.compression = self.compression.choice
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
         if self.tier is not None and self._publishable:
             quietly("keep the snapshot in host memory", self.tier.publish, sid, step,

@@ -26,3 +26,6 @@ class ManagerStats:
     interval_reason: str = ""
     snapshot_cost_s: float | None = None
     mtbf_s: float | None = None  # the job's mean time between failures, as estimated
+    #: whether chunks are compressed, and why ("auto: raw (measured 0.61 s/GiB raw against
+    #: 1.20 s/GiB compressed)"; "off (pinned)")
+    compression: str = ""
