@@ -19,6 +19,7 @@ a few kilobytes), so that a state of many small tensors does not cost a descript
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -44,7 +45,7 @@ class HostTier:
         self._next = 1
         self._lock = threading.Lock()
         self._valid = False
-        self._freed: list[int] = []
+        self._freed: collections.deque[int] = collections.deque()
         #: the snapshot a previous process of this rank left in host memory, and its buffers
         self.snapshot: str | None = None
         self.step: int | None = None
@@ -91,7 +92,9 @@ class HostTier:
     def _call(self, message: dict[str, Any], fds: list[int] = ()  # type: ignore[assignment]
               ) -> dict[str, Any] | None:
         if self._freed and message["op"] != "free":
-            freed, self._freed = self._freed, []
+            freed = []
+            while self._freed:  # deque: atomic against a finalizer's append
+                freed.append(self._freed.popleft())
             self._call({"op": "free", "ids": freed})
         try:
             reply, got = self._link.request(message, fds)
