@@ -34,6 +34,10 @@ _speeds: dict[int, float] = {}  # st_dev -> bytes/s
 _speeds_lock = threading.Lock()
 
 
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_WILLNEED_BYTES = 256 * 1024  # below this the kernel's own readahead covers the object
+
+
 def _advance(views: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes from a list of views (after a partial readv/writev)."""
     while views and n >= len(views[0]):
@@ -253,6 +257,11 @@ class LocalStore(Store):
             raise StoreError(f"cannot read {self.location(key)}: {e}") from e
         try:
             size = os.fstat(fd).st_size
+            if _WILLNEED is not None and size > _WILLNEED_BYTES:
+                # the whole object at once: the kernel reads it ahead while readv copies the
+                # first pages (a cold 1 GiB restore: 1.13 s against 1.36, medians of 8)
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, _WILLNEED)
             views = [memoryview(b).cast("B") for b in buffers if len(b)]
             while views:
                 n = os.readv(fd, views)
