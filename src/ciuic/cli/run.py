@@ -71,6 +71,9 @@ def run(
     """
     from ciuic.supervisor.agent import Options, Supervisor
 
+    if not hasattr(os, "memfd_create"):
+        raise ConfigurationError("ciuic run needs Linux (memfd and abstract Unix sockets); on "
+                                 "this system, restart the job yourself: restore() resumes it")
     command = list(ctx.args)
     if command[:1] == ["--"]:
         command = command[1:]
