@@ -174,3 +174,29 @@ def test_a_refused_key_says_so_and_asks_for_another(site: tuple[str, str, Path],
         assert driver.find_element(By.ID, "login").is_displayed()
     finally:
         driver.quit()
+
+
+def test_the_chain_shows_where_runs_stopped_and_why(tmp_path: Path) -> None:
+    """A job killed once under ``ciuic run`` against the server: the chain's runs column says
+    where it stopped, why, and which restart resumed it."""
+    from selenium.webdriver.common.by import By
+
+    from tests.test_supervisor import supervise
+
+    store = tmp_path / "store"
+    writer, reader = new_key(store, "sup", "writer"), new_key(store, "sup", "reader")
+    with serve(store, tmp_path / "server.log") as url:
+        run = supervise(tmp_path, "--steps", "10", "--every", "4", "--kill-at", "6:0",
+                        "--endpoint", url, env={"CIUIC_API_KEY": writer})
+        assert run.returncode == 0, run.stderr[-3000:]
+        driver = chrome(tmp_path / "profile")
+        try:
+            driver.get(f"{url}/#key={reader}")
+            wait_ready(driver, "/")
+            driver.get(f"{url}/#/p/sup/j/default")
+            wait_ready(driver, "/p/sup/j/default")
+            notes = " ".join(c.text for c in driver.find_elements(By.CSS_SELECTOR, "td.notes"))
+        finally:
+            driver.quit()
+    assert "stopped at step" in notes and "signal: SIGKILL (killed)" in notes, notes
+    assert "(restart 1 by ciuic run)" in notes
