@@ -175,6 +175,8 @@ class SnapshotManager:
         self._signals = SignalGuard(self._session.record_end)
         if c.handle_signals:
             self._signals.install()
+        if self._session.supervised is not None:  # built: silence from here on is a hang
+            self._session.supervised.beacon.started()
 
     # -- what the run is ---------------------------------------------------------------------
 

@@ -246,9 +246,9 @@ class Supervisor:
             return None
         start.hang_seen_s = silent
         who = f"rank {worst.rank}, " if len(beats) > 1 or worst.rank else ""
-        first = "" if worst.step is not None else " since it attached"
-        return Cause("hang", f"hang: no step() for {o.hang_timeout_s:g} s{first} "
-                             f"({who}pid {worst.pid})")
+        what = (f"no step() for {o.hang_timeout_s:g} s" if worst.step is not None else
+                f"no first step() within {o.hang_timeout_s:g} s of its manager's start")
+        return Cause("hang", f"hang: {what} ({who}pid {worst.pid})")
 
     def _terminate(self, proc: subprocess.Popen[bytes], start: Start) -> int:
         self._kill(proc, signal.SIGTERM, start.pids)

@@ -39,9 +39,10 @@ _BUSY = struct.Struct("<qd")  # busy, since: at offset 32
 _ALIVE = struct.Struct("<d")
 _COMMIT = struct.Struct("<qq")  # at offset 48
 BUSY = {0: "training", 1: "restoring a snapshot", 2: "saving a snapshot",
-        3: "waiting for a snapshot write", 4: "closing", 5: "taking an emergency snapshot"}
+        3: "waiting for a snapshot write", 4: "closing", 5: "taking an emergency snapshot",
+        6: "opening its store"}
 _KIND = {name: code for code, name in (
-    (1, "restore"), (2, "save"), (3, "wait"), (4, "close"), (5, "emergency"))}
+    (1, "restore"), (2, "save"), (3, "wait"), (4, "close"), (5, "emergency"), (6, "start"))}
 
 
 class Beacon:
@@ -54,9 +55,17 @@ class Beacon:
         self._off = slot * SLOT_BYTES
         self._depth = 0
         now = time.monotonic()
-        _SLOT.pack_into(region, self._off, 0, pid, 0, now, 0, 0.0, 0, 0, now, rank)
+        _SLOT.pack_into(region, self._off, 0, pid, 0, now, _KIND["start"], now, 0, 0, now, rank)
         struct.pack_into("<q", region, self._off, SLOT_MAGIC)  # valid from here on
         self._commits = 0
+        self._starting = True  # busy opening the store until the manager is built: started()
+
+    def started(self) -> None:
+        """The manager is built: from here on, silence counts."""
+        if self._starting:
+            self._starting = False
+            _BUSY.pack_into(self._map, self._off + 32, 0, 0.0)
+            _ALIVE.pack_into(self._map, self._off + 24, time.monotonic())
 
     def step(self, step: int) -> None:
         _STEP.pack_into(self._map, self._off + 16, step + 1, time.monotonic())
