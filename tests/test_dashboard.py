@@ -68,6 +68,14 @@ def wait_ready(driver: Any, route: str) -> None:
         lambda d: d.execute_script("return document.body.dataset.ready") == route)
 
 
+def open_page(driver: Any, url: str, key: str, route: str) -> None:
+    """Sign in with ``key`` (the page keeps it), then open ``route`` and wait until it shows."""
+    driver.get(f"{url}/#key={key}")
+    wait_ready(driver, "/")
+    driver.get(f"{url}/#{route}")
+    wait_ready(driver, route)
+
+
 def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
                                              tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
@@ -129,10 +137,7 @@ def test_health_plots_and_the_diff_of_two_snapshots(site: tuple[str, str, Path],
     url, key, _ = site
     driver = chrome(tmp_path / "profile")
     try:
-        driver.get(f"{url}/#key={key}")
-        wait_ready(driver, "/")
-        driver.get(f"{url}/#/p/dash/j/sick")
-        wait_ready(driver, "/p/dash/j/sick")
+        open_page(driver, url, key, "/p/dash/j/sick")
         rows = driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step]")
         assert [r.get_attribute("data-step") for r in rows] == ["3", "2", "1"]
         health = [r.find_element(By.CSS_SELECTOR, "td.health").text for r in rows]
@@ -191,10 +196,7 @@ def test_the_chain_shows_where_runs_stopped_and_why(tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr[-3000:]
         driver = chrome(tmp_path / "profile")
         try:
-            driver.get(f"{url}/#key={reader}")
-            wait_ready(driver, "/")
-            driver.get(f"{url}/#/p/sup/j/default")
-            wait_ready(driver, "/p/sup/j/default")
+            open_page(driver, url, reader, "/p/sup/j/default")
             notes = " ".join(c.text for c in driver.find_elements(By.CSS_SELECTOR, "td.notes"))
         finally:
             driver.quit()
