@@ -66,7 +66,6 @@ class Start:
     pids: set[int] = field(default_factory=set)
     step: int | None = None  # the highest step() seen
     committed: int | None = None  # the highest committed step seen
-    commits: int = 0
     cause: Cause | None = None
     returncode: int | None = None
     hang_seen_s: float | None = None  # how long after the hang began it was detected
@@ -229,7 +228,6 @@ class Supervisor:
             if b.committed is not None and (start.committed is None
                                             or b.committed > start.committed):
                 start.committed = b.committed
-        start.commits = max([start.commits, *(b.commits for b in beats)])
 
     def _hung(self, start: Start, beats: list[beat.Beat], now: float) -> Cause | None:
         o = self.o

@@ -91,11 +91,6 @@ class Holder:
         self._closed = False
         threading.Thread(target=self._accept, name="ciuic-run-accept", daemon=True).start()
 
-    @property
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(b.nbytes for r in self._ranks.values() for b in r.buffers.values())
-
     def copies(self) -> dict[int, tuple[str | None, int | None, int]]:
         """rank -> (snapshot, step, bytes) of each rank's published host copy."""
         with self._lock:

@@ -11,7 +11,7 @@ host copy of the state that ciuic keeps anyway, so the tier costs no second copy
 A process that dies between the two leaves no valid host copy, and its restart restores from the
 store; one that dies after a commit leaves the buffers of the snapshot it committed, which the
 restarted process maps again. A restore from them checks every chunk against the manifest's
-digest (:func:`ciuic.chain.read.read_chunk_from`); a chunk that differs is read from the store.
+digest (:func:`ciuic.chain.read.take_chunk`); a chunk that differs is read from the store.
 
 Buffers under :data:`MIN_BYTES` stay in ordinary memory (their restore reads the store; they are
 a few kilobytes), so that a state of many small tensors does not cost a descriptor each.
@@ -44,7 +44,6 @@ class HostTier:
         self._ids: dict[int, int] = {}  # data_ptr of a shared buffer -> its id
         self._next = 1
         self._lock = threading.Lock()
-        self._valid = False
         self._freed: collections.deque[int] = collections.deque()
         #: the snapshot a previous process of this rank left in host memory, and its buffers
         self.snapshot: str | None = None
@@ -71,12 +70,7 @@ class HostTier:
             for fd in fds:
                 os.close(fd)
         self.snapshot, self.step = str(copy["snapshot"]), int(copy["step"])
-        self._valid = True
         self._next = max([i for _, i, _ in entries], default=0) + 1
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(b.numel() for b in self.adopted.values())
 
     def _track(self, buf: torch.Tensor, i: int) -> None:
         self._ids[buf.data_ptr()] = i
@@ -133,9 +127,8 @@ class HostTier:
 
     def invalidate(self) -> None:
         """The buffers are about to change: no host copy until the next :meth:`publish`."""
-        if self._valid and self.enabled:
+        if self.snapshot is not None and self.enabled:
             self._call({"op": "invalidate"})
-        self._valid = False
         self.snapshot = None
 
     def publish(self, snapshot: str, step: int, buffers: list[torch.Tensor]) -> None:
@@ -146,6 +139,7 @@ class HostTier:
         if not ids:
             return
         reply = self._call({"op": "publish", "snapshot": snapshot, "step": step, "ids": ids})
-        self._valid = bool(reply and reply.get("ok"))
-        if self._valid:
+        if reply and reply.get("ok"):
             self.snapshot, self.step = snapshot, step
+        else:
+            self.snapshot = None
