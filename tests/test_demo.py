@@ -25,11 +25,8 @@ def test_demo_kills_resumes_and_is_bit_identical(tmp_path: Path) -> None:
     assert result.resumed_from in (10, 20)
     # ... but it resumes from the latest snapshot the killed run committed: were there a later
     # one, the resumed run would have written its step again.
-    repo = Repository.open(str(tmp_path / "store"))
-    try:
+    with Repository.open(str(tmp_path / "store")) as repo:
         steps = [s.step for s in repo.catalog.snapshots("demo", result.job)]  # commit order
-    finally:
-        repo.close()
     assert steps == sorted(set(steps)), steps
     assert result.resumed_from in steps
     assert result.identical
