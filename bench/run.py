@@ -31,11 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-
-from ciuic import StateHolder
 
 Fn = Callable[[], None]
 
@@ -254,13 +251,35 @@ class DCPAsync(DCP):
         return stall
 
 
+def training_objects(state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module,
+                                                                 torch.optim.Optimizer]:
+    """The state as a training job holds it, sharing its tensors (no copies): a module whose
+    parameters are the ``model.*`` tensors, and Adam over the ``master.*`` tensors where there
+    are (the H200 state: bf16 weights, fp32 master weights) or the module's, its moments the
+    ``adam.*`` tensors (and a step count, as after a step)."""
+    module = torch.nn.Module()
+    for k, v in state.items():  # the master weights too: a job saves its module's
+        if k.startswith(("model.", "master.")):
+            module.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v))
+    names = [k[6:] for k in state if k.startswith("model.")]
+    params = [module.get_parameter(f"master_{n}".replace(".", "_")) if f"master.{n}" in state
+              else module.get_parameter(f"model_{n}".replace(".", "_")) for n in names]
+    opt = torch.optim.Adam(params)
+    for n, p in zip(names, params, strict=True):
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": state[f"adam.exp_avg.{n}"],
+                        "exp_avg_sq": state[f"adam.exp_avg_sq.{n}"]}
+    return module, opt
+
+
 class Ciuic(System):
     """ciuic's asynchronous ``step()``: the stall is the staging copy; ``wait()`` = durable.
 
     One manager per round (a fresh store, so the snapshot is full), snapshotting every other
     step: its first ``step()`` takes no snapshot and allocates the staging buffers in the
     background, as a training job's first steps do (``reserve_s``: how long that took); the
-    measured snapshot is the next. ``steady`` re-snapshots with 10 % of the tensors changed."""
+    measured snapshot is the next. ``steady`` re-snapshots with 10 % of the tensors changed.
+    The state goes in and comes back as a job's module and Adam optimizer
+    (``training_objects``): the restore ends in the live tensors they hold."""
 
     encryption = False
     compression = "auto"  # on a local disk "auto" decides not to compress
@@ -284,7 +303,7 @@ class Ciuic(System):
                             handle_signals=False, encryption=self.encryption,
                             compression=self.compression, health=self.health)
         self.step = 1
-        m.step(self.step, state=StateHolder(self.state))  # not due: buffers allocated ahead
+        m.step(self.step, *training_objects(self.state))  # not due: buffers allocated ahead
         m.wait()
         self.steady["reserve_s"].append(m._pipeline.staging.reserve_s)
         self.manager = m
@@ -293,8 +312,9 @@ class Ciuic(System):
         m = self.manager
         assert m is not None
         self.step += 1
+        objects = training_objects(self.state)
         t0 = time.perf_counter()
-        m.step(self.step, state=StateHolder(self.state))  # type: ignore[attr-defined]
+        m.step(self.step, *objects)  # type: ignore[attr-defined]
         stall = time.perf_counter() - t0
         m.wait()  # type: ignore[attr-defined]
         self.basis = dict(m._pipeline.compression.basis)  # type: ignore[attr-defined]
@@ -307,8 +327,9 @@ class Ciuic(System):
         changed = {k: self.state[k] + 1e-3 for k in names[::10]}
         state = {**self.state, **changed}
         self.step += 2
+        objects = training_objects(state)
         t0 = time.perf_counter()
-        m.step(self.step, state=StateHolder(state))  # type: ignore[attr-defined]
+        m.step(self.step, *objects)  # type: ignore[attr-defined]
         self.steady["stall"].append(time.perf_counter() - t0)
         m.wait()  # type: ignore[attr-defined]
         self.steady["durable"].append(time.perf_counter() - t0)
@@ -319,23 +340,23 @@ class Ciuic(System):
         from ciuic import SnapshotManager
 
         self.close()  # a restarted job: the writer is gone (else the reader would take over)
+        model, opt = training_objects(self.live)
         with SnapshotManager("bench", job="ref", store=self.dir, handle_signals=False) as m:
-            m.restore(state=LiveHolder(self.live))  # every digest verified, then copied in
+            m.restore(model, opt)  # every digest verified; read into the live tensors
             sync(self.live)
+        for k, v in self.live.items():  # the restore kept their memory, not only their values
+            assert v.untyped_storage().data_ptr() == self.pointers[k], k
+
+    @property
+    def pointers(self) -> dict[str, int]:
+        if not hasattr(self, "_pointers"):
+            self._pointers = {k: v.untyped_storage().data_ptr() for k, v in self.live.items()}
+        return self._pointers
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()  # type: ignore[attr-defined]
             self.manager = None
-
-
-class LiveHolder(StateHolder):
-    """Restores by copying into tensors that already live (a module's ``load_state_dict``; on a
-    GPU, from pinned buffers)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            self.state[k].copy_(v, non_blocking=True)
 
 
 class CiuicEncrypted(Ciuic):

@@ -1,7 +1,8 @@
-"""Recovery: find the snapshots to try, then for each one *prepare* (read and verify every
-byte, check it against the live objects, touching none of them), *agree* (multi-rank: the worst
-outcome of any rank, for every rank) and *apply* (load the objects). One path for a single
-process and for every rank of a torchrun job; a single process is a world of one.
+"""Recovery: find the snapshots to try, then for each one *prepare* (check it against the live
+objects from its body alone, then read and verify every byte, straight into the live tensors
+that can take it: manager/inplace.py), *agree* (multi-rank: the worst outcome of any rank, for
+every rank) and *apply* (load the objects). One path for a single process and for every rank of
+a torchrun job; a single process is a world of one.
 
 A damaged snapshot is skipped for the previous one, with a warning; one that does not fit the
 live objects stops the restore (an older snapshot would not fit either); if snapshots exist but
@@ -34,6 +35,7 @@ from ciuic.errors import (
 )
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
+from ciuic.manager.inplace import Targets, live_targets
 from ciuic.manager.session import RunSession
 from ciuic.restore.leaves import Resident
 from ciuic.restore.reader import load_trees
@@ -66,6 +68,8 @@ class Recovery:
         self.coll = coll
         self.repo = session.repo
         self._suspect = suspect
+        #: the snapshot whose bytes were last read straight into live tensors (None: none were)
+        self.read_into: str | None = None
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None, buffer_for: BufferFor | None,
@@ -73,6 +77,7 @@ class Recovery:
         """``host``: a snapshot's bytes in host memory (``ciuic run``), used only when it is the
         snapshot being restored, never in place of a newer one."""
         project, job = self.session.project, self.session.job
+        self.read_into = None
         candidates = self.candidates(snapshot)
         if not candidates:
             self._nothing_to_restore()
@@ -110,9 +115,10 @@ class Recovery:
                 outcome, detail = "error", f"{type(e).__name__}: {e}"  # every rank stops
             outcome, detail = self.agree(outcome, detail)
             if outcome == "mismatch":
-                raise StateMismatch(detail)
+                raise StateMismatch(detail + self._partial())
             if outcome == "error":
-                raise RestoreError(f"restoring snapshot {info.short_id} failed:\n{detail}")
+                raise RestoreError(f"restoring snapshot {info.short_id} failed:\n{detail}"
+                                   + self._partial())
             if outcome == "damaged":
                 problems.append(f"step {info.step} ({info.short_id}): {detail}")
                 if snapshot not in (None, "healthy"):
@@ -130,8 +136,15 @@ class Recovery:
         raise RestoreError(
             f"job {project}/{job} has {len(candidates)} snapshot(s) but none could be "
             "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
-            f"{project}/{job}` for details; refusing to start from scratch."
+            f"{project}/{job}` for details; refusing to start from scratch." + self._partial()
         )
+
+    def _partial(self) -> str:
+        """What a failed restore left in the live tensors, when it had read into them."""
+        if self.read_into is None:
+            return ""
+        return (f"\nThe model's and optimizer's tensors were read into (snapshot "
+                f"{self.read_into}) and hold part of a snapshot: do not train on them.")
 
     def _nothing_to_restore(self) -> None:
         """No snapshot of this job: say so, and when the project has other jobs (a typo in
@@ -191,16 +204,29 @@ class Recovery:
 
     def prepare(self, info: SnapshotInfo, model: Any, optimizer: Any, extras: dict[str, Any],
                 buffer_for: BufferFor | None, resident: Resident | None = None) -> Prepared:
-        """Read and verify a snapshot and check it against the live objects; nothing live
-        changes until the result's ``apply()``."""
+        """Check a snapshot against the live objects (a snapshot that does not fit touches
+        nothing), then read and verify it: into the model's and optimizer's tensors where they
+        can take the bytes as they are (``live_targets``), else into fresh or lent memory that
+        the result's ``apply()`` loads."""
         _, trees = read_body(self.repo, info)
         if is_distributed(trees):
             return prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
                            self.coll.world_size)
         skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
-        states = load_trees(self.repo, {k: v for k, v in trees.items() if k not in skip},
-                            buffer_for, resident=resident)
-        return _prepare_local(info, states, model, optimizer, extras)
+        wanted = {k: v for k, v in trees.items() if k not in skip}
+        _check_names(info, wanted, model, optimizer, extras)
+        into = live_targets(wanted, model, optimizer)  # StateMismatch here touches nothing
+
+        def lend(path: str, nbytes: int) -> Any:
+            flat = into.into.get(path)
+            if flat is not None:
+                return flat
+            return buffer_for(path, nbytes) if buffer_for is not None else None
+
+        if into.into:
+            self.read_into = info.short_id
+        states = load_trees(self.repo, wanted, lend, resident=resident)
+        return _prepare_local(info, states, model, optimizer, extras, into)
 
     def agree(self, outcome: str, detail: str) -> tuple[str, str]:
         """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
@@ -236,26 +262,32 @@ def _where(session: RunSession, found: list[SnapshotInfo]) -> str:
     return f"after step {max(steps)}" if steps else "at an unknown step"
 
 
-def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
-                   extras: dict[str, Any]) -> Prepared:
-    """Check a single-process snapshot's states against the live objects (all of them, before
-    any is touched), and return how to load them."""
-    model_state = None
-    if model is not None:
-        if "model" not in states:
-            raise StateMismatch(f"snapshot {info.short_id} holds no model state")
-        model_state = match_model_state(states["model"], model.state_dict())
-    if optimizer is not None:
-        if "optimizer" not in states:
-            raise StateMismatch(f"snapshot {info.short_id} holds no optimizer state")
-        check_optimizer_state(states["optimizer"], optimizer)
-    missing = [n for n in extras if n not in states]
+def _check_names(info: SnapshotInfo, trees: dict[str, Any], model: Any, optimizer: Any,
+                 extras: dict[str, Any]) -> None:
+    """Before anything is read: the snapshot holds a state for every object given, and every
+    extra can take one."""
+    if model is not None and "model" not in trees:
+        raise StateMismatch(f"snapshot {info.short_id} holds no model state")
+    if optimizer is not None and "optimizer" not in trees:
+        raise StateMismatch(f"snapshot {info.short_id} holds no optimizer state")
+    missing = [n for n in extras if n not in trees]
     if missing:
-        have = ", ".join(sorted(states)) or "nothing"
+        have = ", ".join(sorted(trees)) or "nothing"
         raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
                             f"(it has: {have}); pass only objects that were saved")
     for name, obj in extras.items():
         check_loadable(name, obj)
+
+
+def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
+                   extras: dict[str, Any], targets: Targets) -> Prepared:
+    """Check a single-process snapshot's states against the live objects (their names were
+    checked before reading: ``_check_names``), and return how to load them."""
+    model_state = None
+    if model is not None:
+        model_state = match_model_state(states["model"], model.state_dict())
+    if optimizer is not None:
+        check_optimizer_state(states["optimizer"], optimizer)
 
     def apply() -> None:
         # extras first: their load_state_dict may still reject the state (a sampler over a
@@ -267,6 +299,7 @@ def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optim
             model.load_state_dict(model_state)
         if optimizer is not None:
             log.info("Loading optimizer state...")
+            targets.keep_held(states["optimizer"])
             optimizer.load_state_dict(states["optimizer"])
         if "rng" in states:
             set_rng_state(states["rng"])
