@@ -11,7 +11,7 @@ from ciuic import ConfigurationError, SnapshotManager, StateHolder
 from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
-from ciuic.engine.compression import PAGE_CACHE_S_PER_BYTE, compression_pays
+from ciuic.engine.compression import HEADROOM, PAGE_CACHE_S_PER_BYTE, compression_pays
 from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format.crypto import generate_key_text
@@ -180,7 +180,7 @@ def test_auto_follows_what_the_writes_take_when_the_probe_is_wrong(tmp_path: Pat
                 assert "measuring raw" in m.stats.compression
         raw, packed = policy.cost[False], policy.cost[True]
     assert codecs[1] == {ck.CODEC_RAW}
-    chose = packed < 0.95 * raw
+    chose = packed < 0.95 * raw and policy._decode_per_byte() <= HEADROOM * packed
     assert (ck.CODEC_FLOAT in codecs[2]) is chose
     assert m.stats.compression.startswith(f"auto: {'compress' if chose else 'raw'} (measured ")
     assert "s/GiB raw against" in m.stats.compression
@@ -210,3 +210,27 @@ def test_auto_revisits_the_choice_it_did_not_take() -> None:
     assert policy.cost == before
     assert not snapshot(4.0)  # the disk got slower for raw writes ...
     assert snapshot(2.0)  # ... so compressed, now cheaper per byte, is taken from the next on
+
+
+def test_auto_never_compresses_what_restores_would_wait_to_decode() -> None:
+    """Compressed writes measured cheaper, but on a store so fast that a restore would wait on
+    the decoder (its CPU per byte over the cores is more than half the reads'): raw, and the
+    choice says why."""
+    from ciuic.engine.compression import CompressionPolicy
+
+    policy = CompressionPolicy("auto", (1e6, 1e6))  # the probe says: compress
+    g = torch.Generator().manual_seed(3)
+    piece = memoryview((torch.randn(1 << 18, generator=g) * 0.02).numpy().tobytes())
+    big = 1 << 30
+
+    def snapshot(seconds: float) -> bool:
+        policy.start_snapshot()
+        compressed = policy.encode(("f32", 4), piece) is not None
+        policy.observe(big, seconds)
+        return compressed
+
+    assert snapshot(0.01)  # the probe's choice: 0.01 s/GiB, far faster than any decoder
+    assert not snapshot(0.02)  # raw, measured: twice the compressed cost per byte
+    assert not snapshot(0.02) and not policy._forced
+    assert "decoding on restore would take" in policy.choice
+    assert policy._decode_per_byte() > HEADROOM * policy.cost[True]

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from ciuic import ConfigurationError, RestoreError, SnapshotManager, cli
+from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.format.crypto import generate_key_text, parse_key_text
+from ciuic.format.layout import chunk_key
 
 
 @pytest.fixture
@@ -213,3 +215,39 @@ def test_verify_without_the_key_says_so_once_per_key(store_dir: Path, key: str,
     assert code == 1
     assert out.count(f"sealed with key {parse_key_text(key).id}") == 1, out
     assert "could not be checked" in out and "CIUIC_ENCRYPTION_KEY_FILE" in out
+
+
+@pytest.mark.parametrize("compression", ["off", "on"])
+def test_sealed_chunks_restore_and_a_tampered_one_falls_back(
+        store_dir: Path, key: str, compression: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A restore with a key decrypts each sealed chunk straight into the live tensor (a
+    compressed one through its decoder); a tampered chunk fails authentication, and the restore
+    falls back to the previous snapshot. A plain snapshot in the same store still restores."""
+    model, opt = model_opt()
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY")
+    with SnapshotManager("p", job="mix", store=store_dir, compression=compression) as m:
+        m.save(0, model, opt)  # plain: written before encryption was turned on
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", key)
+    train(model, opt)
+    sealed = {k: v.clone() for k, v in model.state_dict().items()}
+    with SnapshotManager("p", job="mix", encryption=True, store=store_dir,
+                         compression=compression) as m:
+        m.restore(nn.Linear(256, 256))  # the chain continues from step 0
+        first = m.save(1, model, opt)
+        train(model, opt)
+        latest = m.save(2, model, opt)
+    repo = Repository.open(store_dir)
+    older = set(chunk_refs(read_body(repo, first)[1]))
+    victim = next(d for d in chunk_refs(read_body(repo, latest)[1]["model"]) if d not in older)
+    path = store_dir / "objects" / chunk_key(victim)
+    data = bytearray(path.read_bytes())
+    data[60] ^= 1
+    path.write_bytes(bytes(data))
+    for snapshot, step, want in ((None, 1, sealed), ("mix@0", 0, plain)):
+        fresh, fresh_opt = model_opt(seed=5)
+        with SnapshotManager("p", job="mix", store=store_dir) as m:
+            assert m.restore(fresh, fresh_opt, snapshot=snapshot) == step
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+    assert "authentication failed" in caplog.text and "falling back" in caplog.text

@@ -23,7 +23,10 @@ The model starts from a probe, and a probe of a noisy disk can be wrong by 2x. S
 then follows what the snapshots' writes actually take (:meth:`CompressionPolicy.observe`):
 the seconds per new byte from the start of the write to the commit, smoothed, for snapshots
 written raw and for compressed ones. Once both are known, the cheaper wins (raw unless
-compressed is at least 5 % cheaper); when only compressed ones were measured, the next full
+compressed is at least 5 % cheaper), and compressed only while a restore would not wait on the
+decoder: its hashing and decoding per byte, over the cores, at most half of what a compressed
+byte measured (:data:`HEADROOM`; a fast disk stays raw however the writes compare, since the
+restore pays the decoding); when only compressed ones were measured, the next full
 enough snapshot is written raw to measure it; every :data:`REVISIT` snapshots the other choice
 is measured again. Each change is logged with the figures, and :attr:`CompressionPolicy.choice`
 says what holds and why (``stats.compression``).
@@ -191,11 +194,16 @@ class CompressionPolicy:
             before = self._forced
             raw, packed = self.cost.get(False), self.cost.get(True)
             if raw is not None and packed is not None:
-                best = packed < (1 - MEASURED_GAIN) * raw
+                decode = self._decode_per_byte()
+                restores = decode <= HEADROOM * packed  # decoding keeps pace with the reads
+                best = packed < (1 - MEASURED_GAIN) * raw and restores
                 self._forced = best
                 if self._since_other >= REVISIT:  # measure the other one again, once
                     self._forced, self._since_other = not best, 0
                 why = f"measured {_gib_s(raw)} raw against {_gib_s(packed)} compressed"
+                if not restores:
+                    why += (f"; decoding on restore would take {_gib_s(decode)} of the cores, "
+                            "more than the reads")
             elif packed is not None:  # only compressed was measured: measure raw next
                 self._forced, why = False, f"measured {_gib_s(packed)} compressed; measuring raw"
             else:  # only raw was measured: the model may still choose compression next
@@ -206,6 +214,16 @@ class CompressionPolicy:
         if changed:
             log.info("compression=auto: %s chunks from the next snapshot on (%s)",
                      "compressing" if self._forced else "not compressing", why)
+
+    def _decode_per_byte(self) -> float:
+        """Seconds per raw byte a restore spends hashing and decoding compressed chunks on its
+        cores, from the probes' figures (decoding runs at about the encoding speed), or 0
+        when no kind was probed. Compared with a compressed snapshot's measured cost per byte,
+        with the same headroom as the model's (:data:`HEADROOM`): a restore must not wait on
+        the decoder rather than the store."""
+        per_byte = [(1 / b["hash_gbps"] + 1 / b["encode_gbps"]) * 1e-9 / max(1, b["workers"])
+                    for b in self.basis.values() if b.get("encode_gbps") and b.get("hash_gbps")]
+        return max(per_byte, default=0.0)
 
     def store_bps(self) -> float:
         """Bytes/s the store takes from all writer threads together."""

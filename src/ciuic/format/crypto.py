@@ -41,6 +41,11 @@ from ciuic.format.digest import Buffer
 KEY_PREFIX = "ciuic-key-v1:"
 _ID_BYTES = 8
 _NONCE_BYTES = 12
+_TAG_BYTES = 16
+#: what a sealed object takes beyond its payload: header, key ID, nonce, tag
+SEALED_OVERHEAD = ck.HEADER_BYTES + _ID_BYTES + _NONCE_BYTES + _TAG_BYTES
+_TAMPERED = ("authentication failed: the sealed object was tampered with, damaged, or moved "
+             "from another name")
 CIPHER_AES_GCM = 1
 
 
@@ -151,29 +156,55 @@ class Keyring:
         sealed = self._aead[key.id].encrypt(nonce, body, header + name.encode())
         return [header, bytes.fromhex(key.id), nonce, sealed]
 
-    def open(self, name: str, blob: bytes) -> tuple[bytes, Key]:
+    def open(self, name: str, blob: Buffer) -> tuple[bytes, Key]:
         """Authenticate and decrypt a sealed object; returns the plaintext and the key used."""
-        header = blob[:ck.HEADER_BYTES]
-        length = ck.check_header(name, header, len(blob), sealed=True)
-        start = ck.HEADER_BYTES + _ID_BYTES + _NONCE_BYTES
-        if len(blob) < start + 16:
-            raise CorruptObject(name, "truncated sealed object")
-        key_id = blob[ck.HEADER_BYTES:ck.HEADER_BYTES + _ID_BYTES].hex()
-        key = self._by_id.get(key_id)
-        if key is None:
-            raise MissingKey(name, key_id, ", ".join(self._by_id) or "none")
-        nonce = blob[ck.HEADER_BYTES + _ID_BYTES:start]
-        try:
-            plain = self._aead[key_id].decrypt(nonce, blob[start:], header + name.encode())
-        except InvalidTag:
-            raise CorruptObject(name, "authentication failed: the sealed object was tampered "
-                                "with, damaged, or moved from another name") from None
+        header, length, key, nonce, body = self._parts(name, blob)
+        plain = self._decrypt(name, key, nonce, body, header)
         codec = ck.codec_of(header)
         if codec != ck.CODEC_RAW:
             plain = bytes(ck.decode_payload(name, codec, plain, length))
         if len(plain) != length:
             raise CorruptObject(name, "sealed length does not match the header")
         return plain, key
+
+    def open_into(self, name: str, blob: Buffer, dest: memoryview) -> Key:
+        """:meth:`open`, the plaintext written into ``dest`` (of the header's length): a raw
+        payload is decrypted straight into it, with no copy in between."""
+        header, length, key, nonce, body = self._parts(name, blob)
+        if length != len(dest):
+            raise CorruptObject(name, f"length {length} differs from the expected {len(dest)}")
+        aead = self._aead[key.id]
+        if ck.codec_of(header) != ck.CODEC_RAW or not hasattr(aead, "decrypt_into"):
+            dest[:] = self.open(name, blob)[0]  # a compressed payload, or cryptography < 44
+            return key
+        if len(body) != length + _TAG_BYTES:
+            raise CorruptObject(name, "sealed length does not match the header")
+        try:
+            aead.decrypt_into(nonce, body, header + name.encode(), dest)
+        except InvalidTag:
+            raise CorruptObject(name, _TAMPERED) from None
+        return key
+
+    def _parts(self, name: str, blob: Buffer) -> tuple[bytes, int, Key, bytes, memoryview]:
+        """A sealed object's header, plaintext length, key, nonce and ciphertext (checked)."""
+        view = memoryview(blob).cast("B")
+        header = bytes(view[:ck.HEADER_BYTES])
+        length = ck.check_header(name, header, len(view), sealed=True)
+        start = ck.HEADER_BYTES + _ID_BYTES + _NONCE_BYTES
+        if len(view) < start + _TAG_BYTES:
+            raise CorruptObject(name, "truncated sealed object")
+        key_id = bytes(view[ck.HEADER_BYTES:ck.HEADER_BYTES + _ID_BYTES]).hex()
+        key = self._by_id.get(key_id)
+        if key is None:
+            raise MissingKey(name, key_id, ", ".join(self._by_id) or "none")
+        return header, length, key, bytes(view[ck.HEADER_BYTES + _ID_BYTES:start]), view[start:]
+
+    def _decrypt(self, name: str, key: Key, nonce: bytes, body: memoryview, header: bytes
+                 ) -> bytes:
+        try:
+            return self._aead[key.id].decrypt(nonce, body, header + name.encode())
+        except InvalidTag:
+            raise CorruptObject(name, _TAMPERED) from None
 
     def name_key(self, key_id: str) -> bytes:
         return self._by_id[key_id].name_key
