@@ -155,8 +155,18 @@ def test_restore_to_the_device_is_bit_exact_and_resumes_the_cuda_rng(store_dir: 
         torch.randn(1000, device="cuda")  # move the generator on
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     fresh, fresh_opt = setup()
+    held = {id(v): v.data_ptr() for st in fresh_opt.state.values() for v in st.values()
+            if v.is_cuda and v.numel() > 64}
+    state_bytes = sum(v.numel() * v.element_size() for st in fresh_opt.state.values()
+                      for v in st.values())
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     with SnapshotManager("p", job="resume", store=store_dir, save_interval=1) as m:
         assert m.restore(fresh, fresh_opt) == 3
+        # the optimizer keeps its own device tensors: copied into, not allocated again
+        assert {id(v): v.data_ptr() for st in fresh_opt.state.values() for v in st.values()
+                if v.is_cuda and v.numel() > 64} == held
+        assert torch.cuda.max_memory_allocated() - before < state_bytes / 2
         assert torch.equal(torch.randn(16, device="cuda"), after)
         # the model was read into pinned staging buffers, which the next snapshot reuses
         lent = {p: b.data_ptr() for p, b in m._pipeline.staging._buffers.items()}
