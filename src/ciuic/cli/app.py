@@ -133,7 +133,7 @@ err = _console(stderr=True)
 
 def store_location() -> str:
     """The store the command works on: --store, else $CIUIC_HOME, else ./.ciuic."""
-    from ciuic.chain.repo import default_location
+    from ciuic.chain.home import default_location
     return options.get("store") or default_location()
 
 
