@@ -4,6 +4,7 @@ keygen, demo."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from rich.table import Table
 from ciuic.cli.app import (
     app,
     argument,
+    check_existing,
     console,
     current_repo,
     err,
@@ -37,11 +39,16 @@ if TYPE_CHECKING:
 @app.command("ls")
 def ls() -> None:
     """List projects and jobs with their snapshot counts."""
-    from ciuic.chain.repo import list_jobs
-    repo = current_repo()
-    for project, job in list_jobs(repo.store):
-        repo.sync_job(project, job)
-    rows = repo.catalog.jobs()
+    from ciuic.chain.listing import read_jobs
+    location = store_location()
+    check_existing(location)
+    rows = read_jobs(location)  # without SQLAlchemy, when the catalog is in sync
+    if rows is None:
+        from ciuic.chain.repo import list_jobs
+        repo = open_existing(location)
+        for project, job in list_jobs(repo.store):
+            repo.sync_job(project, job)
+        rows = repo.catalog.jobs()
     if not rows:
         console.print("No jobs yet.")
         return
@@ -64,18 +71,28 @@ def log_cmd(job: str, all_: bool) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
     snapshot is unhealthy), and where runs were interrupted and resumed; one table per
     lineage."""
+    from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
-    from ciuic.chain.runs import history
-    repo = current_repo()
-    project, name = repo.split_job(job)
-    repo.sync_job(project, name)
-    every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
+    from ciuic.chain.runs import Run, history
+    location = store_location()
+    check_existing(location)
+    found = read_log(location, job)  # without SQLAlchemy, when the catalog is in sync
+    if found is not None:
+        project, name, every = found.project, found.job, found.snapshots
+        runs: Sequence[Run] = found.runs
+        events = found.events
+    else:
+        repo = open_existing(location)
+        project, name = repo.split_job(job)
+        repo.sync_job(project, name)
+        every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
+        runs, events = repo.catalog.runs(project, name), repo.catalog.events(project, name,
+                                                                             limit=EVENTS)
     snaps = [s for s in every if all_ or s.status == "committed"]
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
-    notes = history(repo.catalog.runs(project, name),
-                    repo.catalog.events(project, name, limit=100_000))
+    notes = history(runs, events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
     for k, group in enumerate(groups):
