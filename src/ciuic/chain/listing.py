@@ -25,14 +25,16 @@ import sqlite3
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 from ciuic.chain import home
 from ciuic.format import layout
-from ciuic.format.info import SnapshotInfo
 from ciuic.store.local import LocalStore
 from ciuic.version import CATALOG_HEAD, CATALOG_SCHEMA_VERSION
+
+if TYPE_CHECKING:  # imported by `log` alone (with ciuic.format.manifest): `ls` needs neither
+    from ciuic.format.info import SnapshotInfo
 
 _JOBS = "FROM jobs JOIN projects ON jobs.project_id = projects.id"
 _SNAPSHOTS = ("FROM snapshots JOIN jobs ON snapshots.job_id = jobs.id "
@@ -198,6 +200,8 @@ class _Reader:
 
     def snapshots(self, project: str, job: str) -> list[SnapshotInfo]:
         """As ``Catalog.snapshots(project, job, status=None, newest_first=True)``."""
+        from ciuic.format.info import SnapshotInfo
+
         rows = self.db.execute(f"SELECT {', '.join('snapshots.' + c for c in _INFO)} "
                                f"{_SNAPSHOTS} {_A_JOB} ORDER BY snapshots.seq DESC",
                                (project, job))

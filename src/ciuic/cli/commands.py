@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich import box
-from rich.table import Table
 
 from ciuic.cli.app import (
     app,
@@ -28,8 +26,9 @@ from ciuic.cli.app import (
 )
 from ciuic.errors import CiuicError, IntegrityError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from rich.progress import TaskID
+    from rich.table import Table
 
     from ciuic.chain.repo import Repository
     from ciuic.chain.verify import Problem
@@ -39,6 +38,9 @@ if TYPE_CHECKING:
 @app.command("ls")
 def ls() -> None:
     """List projects and jobs with their snapshot counts."""
+    from rich import box
+    from rich.table import Table
+
     from ciuic.chain.listing import read_jobs
     location = store_location()
     check_existing(location)
@@ -105,6 +107,9 @@ def log_cmd(job: str, all_: bool) -> None:
 
 
 def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:
+    from rich import box
+    from rich.table import Table
+
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               collapse_padding=True)
     t.add_column("id", no_wrap=True, min_width=12)
@@ -141,6 +146,8 @@ SNAP_HELP = "ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy"
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON")
 def show(snap: str, as_json: bool) -> None:
     """Show one snapshot: its manifest and its tensors."""
+    from rich.table import Table
+
     from ciuic.chain.read import read_body
     from ciuic.format.tree import walk_leaves
     repo = current_repo()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.table import Table
 
 from ciuic.cli.app import app, argument, console, current_repo, size_text
+
+if TYPE_CHECKING:  # imported where a table is drawn: not by the help
+    from rich.table import Table
 
 
 @app.command("diff")
@@ -38,6 +40,8 @@ def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
         f"({size_text(result.bytes_read)}), the others compared by their chunks' digests")
     shown = [t for t in result.tensors if show_all or t.status != "unchanged"]
     if shown:
+        from rich.table import Table
+
         table = Table("tensor", "status", "max |a-b|", "norm change", "NaN/Inf", "changed",
                       "dtype, shape")
         for t in shown:
@@ -110,6 +114,8 @@ def health_text(info: Any) -> str:
 
 
 def _stats_table(rows: list[Any]) -> Table:
+    from rich.table import Table
+
     table = Table("tensor", "dtype, shape", "NaN", "Inf", "min", "max", "mean", "norm")
     for r in rows:
         s = r.stats

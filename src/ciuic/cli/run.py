@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import sys
@@ -73,6 +72,8 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     if not command:
         raise ConfigurationError("ciuic run needs the command to run: ciuic run [OPTIONS] -- "
                                  "python train.py")
+    import logging
+
     budget = host_memory_budget(host_memory)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import getpass
-import logging
-import socket
 from typing import TYPE_CHECKING
 
 import click
-from rich.table import Table
 
 from ciuic.cli.app import Group, app, argument, console, err, store_location
 
@@ -27,6 +23,9 @@ def _server_repo() -> Repository:
 
 
 def _actor() -> str:
+    import getpass
+    import socket
+
     return f"cli:{getpass.getuser()}@{socket.gethostname()}"
 
 
@@ -45,6 +44,8 @@ def serve(host: str, port: int, catalog: str | None) -> None:
     except ImportError as e:  # pragma: no cover - depends on optional packages
         raise click.BadParameter("the server needs extra packages: pip install "
                                  "'ciuic[server]'") from e
+    import logging
+
     location = store_location()
     console.print(f"serving {location} on http://{host}:{port} (API schema: /docs)")
     # one JSON line per request on stderr (ciuic.server.observe), instead of uvicorn's own
@@ -86,6 +87,8 @@ def apikey_create(project: str, role: str, name: str, expires_days: float | None
 @click.option("--project", help="Only this project")
 def apikey_list(project: str | None) -> None:
     """Every key: id, project, role, state (never the key itself)."""
+    from rich.table import Table
+
     from ciuic.catalog.keys import list_keys
     t = Table()
     t.add_column("id", no_wrap=True, min_width=12)  # whole, whatever the width: `revoke` takes it
