@@ -205,12 +205,12 @@ def test_a_read_only_store_is_read_with_a_catalog_in_the_cache_and_refused_for_t
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A store on a read-only mount: its SQLite catalog cannot be opened for writing (the
     commands failed after 12 s), and a training job crashed with a traceback. (Root may write
-    anywhere, so the mount is stood in for by ciuic.repo.read_only.)"""
+    anywhere, so the mount is stood in for by ciuic.chain.home.read_only.)"""
     from ciuic import ConfigurationError
-    from ciuic.chain import repo as repo_module
+    from ciuic.chain import home
 
     store = Path(str(populated["store"]))
-    monkeypatch.setattr(repo_module, "read_only", lambda root: root.resolve() == store.resolve())
+    monkeypatch.setattr(home, "read_only", lambda root: root.resolve() == store.resolve())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     catalog = store / "catalog.db"
     before = catalog.stat().st_mtime_ns, catalog.stat().st_size

@@ -5,7 +5,9 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 3  # the Alembic head is catalog/schema.py's HEAD
+from ciuic.version import CATALOG_SCHEMA_VERSION
+
+SCHEMA_VERSION = CATALOG_SCHEMA_VERSION  # the Alembic head is catalog/schema.py's HEAD
 
 
 class Base(DeclarativeBase):

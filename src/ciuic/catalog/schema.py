@@ -20,9 +20,10 @@ from pathlib import Path
 from sqlalchemy import Connection, Engine, inspect, text
 
 from ciuic.errors import ConfigurationError
+from ciuic.version import CATALOG_HEAD
 
-#: The newest migration; a test checks that it is Alembic's head.
-HEAD = "0004"
+#: The newest migration (kept in ``ciuic.version``, which imports no SQLAlchemy).
+HEAD = CATALOG_HEAD
 KNOWN = ("0001", "0002", "0003", "0004")
 MIGRATIONS = Path(__file__).with_name("migrations")
 

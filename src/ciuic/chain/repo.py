@@ -17,6 +17,8 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from ciuic.catalog import Catalog
+from ciuic.chain import home
+from ciuic.chain.home import default_location
 from ciuic.errors import (
     ConfigurationError,
     CorruptObject,
@@ -36,7 +38,6 @@ from ciuic.store import LocalStore, Store, open_store
 from ciuic.store.mirror import MirrorStore
 from ciuic.store.retry import RetryingStore
 
-DEFAULT_HOME = ".ciuic"
 log = logging.getLogger("ciuic")
 T = TypeVar("T")
 
@@ -64,18 +65,6 @@ def passphrase_salt(store: Store) -> bytes:
     (create-if-absent: every writer of the store derives the same key)."""
     store.create(layout.PASSPHRASE_SALT, secrets.token_bytes(16))
     return store.get(layout.PASSPHRASE_SALT)
-
-
-def default_location() -> str:
-    """Where the embedded store lives: ``$CIUIC_HOME``, else ``./.ciuic``."""
-    return os.environ.get("CIUIC_HOME") or DEFAULT_HOME
-
-
-def read_only(root: Path) -> bool:
-    """Whether ``root`` holds a store that cannot be written (a read-only mount, no
-    permission): its ``objects/`` exists and is not writable."""
-    objects = root / "objects"
-    return objects.is_dir() and not os.access(objects, os.W_OK)
 
 
 def cached_catalog_url(store_url: str) -> str:
@@ -136,12 +125,12 @@ class Repository:
                 raise ConfigurationError(f"store location {root} exists and is not a directory")
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
-            if read_only(root) and writable:
+            if home.read_only(root) and writable:
                 raise ConfigurationError(
                     f"the store {root} cannot be written (a read-only file system, or no "
                     "permission), so no snapshot could be saved there: point store= or "
                     "CIUIC_HOME at a writable folder (`ciuic --store` can still read this one)")
-            if catalog_url is None and read_only(root):
+            if catalog_url is None and home.read_only(root):
                 # a read-only store (a mounted copy, an archive) can still be read: its catalog
                 # is an index of the store, rebuilt in the user's cache as for a remote store
                 url = cached_catalog_url(f"file://{root.resolve()}")

@@ -16,11 +16,14 @@ chunks are freed by :func:`ciuic.gc.collect`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
+
+if TYPE_CHECKING:  # not at run time: ``ciuic log`` groups lineages without SQLAlchemy
+    from ciuic.chain.repo import Repository
 
 
 def lineages(snapshots: list[SnapshotInfo], parents: dict[str, str]

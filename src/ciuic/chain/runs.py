@@ -3,6 +3,9 @@ next run of the job can say how the previous one was interrupted.
 
 A run that was killed (SIGKILL, power loss, OOM killer) records nothing: its row keeps
 ``end_kind`` NULL, which the next run reads as a crash.
+
+Imports no SQLAlchemy: ``ciuic log`` reads the runs without the catalog's ORM
+(:mod:`ciuic.chain.listing`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,37 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ciuic.catalog.models import Run
 from ciuic.format.manifest import parse_time
+
+
+class Run(Protocol):
+    """What these functions read of a run: a row of the catalog's ``runs`` table, as
+    :class:`ciuic.catalog.models.Run` or :class:`ciuic.chain.listing.RunRow` holds it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def started(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def last_step(self) -> int | None: ...
+    @property
+    def last_seen(self) -> str: ...
+    @property
+    def ended(self) -> str | None: ...
+    @property
+    def end_kind(self) -> str | None: ...
+    @property
+    def cause(self) -> str | None: ...
+    @property
+    def restart(self) -> int | None: ...
 
 
 def was_interrupted(run: Run | None) -> bool:
@@ -37,7 +66,7 @@ def describe_end(run: Run) -> str:
     return "it exited cleanly"
 
 
-def failure_history(every: list[Run], current: str) -> tuple[int, float]:
+def failure_history(every: Sequence[Run], current: str) -> tuple[int, float]:
     """(interruptions, seconds of training) of a job's runs other than ``current``: what
     ``save_interval="auto"`` estimates the job's failure rate from. A run that may still be
     running is not counted."""
@@ -94,7 +123,7 @@ def identity() -> dict[str, str]:
 IDENTITY = identity()
 
 
-def history(runs: list[Run], events: list[dict[str, Any]]) -> dict[str, list[str]]:
+def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list[str]]:
     """What happened around each snapshot (ID -> notes, in time order): where a run that did
     not finish stopped after it (and why), and which runs resumed from it. ``events`` as
     :meth:`ciuic.catalog.Catalog.events` returns them."""

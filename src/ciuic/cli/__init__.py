@@ -1,6 +1,6 @@
-"""The ``ciuic`` command line (Typer + Rich).
+"""The ``ciuic`` command line (Click + Rich).
 
-Owns the commands people type; imports any package below it. ``app`` holds the Typer
+Owns the commands people type; imports any package below it. ``app`` holds the Click
 application and what every command shares; ``commands`` the store's commands (ls, log, show,
 verify, restore, prune, gc, reindex, push, pull, copy, keygen, demo); ``inspect`` the ones that
 look inside snapshots (diff); ``server`` the server's

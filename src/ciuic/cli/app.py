@@ -1,72 +1,120 @@
-"""The Typer application every command registers on, and what the commands share: the store
-option, opening an existing store, sizes and times as people read them."""
+"""The Click application every command registers on, and what the commands share: the store
+option, opening an existing store, sizes and times as people read them.
+
+The help shows what to type, as command lines do (``restore SNAP --to PATH``, ``--steps N``),
+each argument's help under "Arguments" (Click lists arguments in the usage line only), and each
+command's whole first paragraph in the list of commands. Click rather than Typer: Typer builds
+a pydantic adapter for every parameter and renders its help through ``rich.markdown``, which
+alone take longer than the 0.3 s a command line that starts at once may (#19)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import typer
+import click
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from ciuic.errors import CiuicError
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
     from ciuic.chain.repo import Repository
 
 
-def _plain_help() -> None:
-    """Help that shows what to type, as command lines do (``restore SNAP --to FILE``), not the
-    Python types Typer labels parameters with (``{snap}``, ``<bool>``, ``<str>``). Only the
-    help's presentation hooks are replaced, each only where this Typer has it."""
-    from typer import core
+class Argument(click.Argument):
+    """An argument with a help text, listed under "Arguments" in its command's help (Click
+    takes an argument's help only from 8.5 on, and lists it elsewhere)."""
 
-    def usage_name(self: Any) -> str:
-        name = str(self.metavar or self.name).upper()
-        name = name if self.required else f"[{name}]"
-        return name + ("..." if self.nargs != 1 else "")
+    def __init__(self, param_decls: Sequence[str], required: bool | None = None,
+                 help: str = "", **attrs: Any) -> None:
+        super().__init__(param_decls, required=required, **attrs)
+        self.help = help
 
-    def panel_name(self: Any) -> str:
-        return str(self.metavar or self.name).upper() + ("..." if self.nargs != 1 else "")
-
-    def option_type(self: Any, ctx: Any) -> str | None:
-        if self.metavar is not None:
-            return str(self.metavar)
-        if getattr(self, "is_flag", False):
-            return None  # a flag takes no value
-        label = str(core._TyperParameter.display_type(self, ctx) or "").strip("<>")
-        label = label.removeprefix("list[").removesuffix("]")
-        return _WORDS.get(label, label.upper()) or None
-
-    argument, option = core.TyperArgument, core.TyperOption
-    if hasattr(argument, "_usage_display_name") and hasattr(argument, "_rich_display_name"):
-        setattr(argument, "_usage_display_name", usage_name)  # noqa: B010 - a patch, knowingly
-        setattr(argument, "_rich_display_name", panel_name)  # noqa: B010
-        setattr(argument, "display_type_rich", lambda self, ctx: None)  # noqa: B010
-    if hasattr(option, "display_type_rich") and hasattr(core._TyperParameter, "display_type"):
-        setattr(option, "display_type_rich", option_type)  # noqa: B010
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str]:
+        return (self.human_readable_name,
+                (self.help or "") + ("  [required]" if self.required else ""))
 
 
-#: what an option's value is, in words (Typer says the Python type)
-_WORDS = {"str": "TEXT", "Path": "PATH", "path": "PATH", "int": "N", "float": "NUMBER"}
+def _format_help(command: click.Command, ctx: click.Context,
+                 formatter: click.HelpFormatter) -> None:
+    """Usage, help text, the arguments, the options, each with its help, then the commands."""
+    command.format_usage(ctx, formatter)
+    command.format_help_text(ctx, formatter)
+    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is not None:
+            kind = "Arguments" if isinstance(param, click.Argument) else "Options"
+            sections[kind].append(record)
+    for title, rows in sections.items():
+        if rows:
+            with formatter.section(title):
+                formatter.write_dl(rows)
+    if isinstance(command, click.Group):
+        command.format_commands(ctx, formatter)
+    command.format_epilog(ctx, formatter)
 
 
-_plain_help()
+def _first_paragraph(command: click.Command) -> str:
+    """What the list of commands says of one: its help's first paragraph, whole (Click's own
+    list cuts it at the first sentence or at the line's end)."""
+    text = command.short_help or command.help or ""
+    return " ".join(text.split("\n\n", 1)[0].split())
 
-app = typer.Typer(
-    name="ciuic", no_args_is_help=True, add_completion=False,
-    help="ciuic: the snapshot chain for PyTorch training.",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+
+class Command(click.Command):
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _format_help(self, ctx, formatter)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        return _first_paragraph(self)
+
+
+class Group(click.Group):
+    """Commands listed in the order they were registered; with no arguments, the help on
+    standard output and exit status 2."""
+
+    command_class = Command
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _format_help(self, ctx, formatter)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        return _first_paragraph(self)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(2)
+        return super().parse_args(ctx, args)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def argument(name: str, help: str, **attrs: Any) -> Callable[[F], F]:
+    """``click.argument`` with a help text (:class:`Argument`)."""
+    return click.argument(name, cls=Argument, help=help, **attrs)
+
+
+options: dict[str, Any] = {}
+
+
+@click.group("ciuic", cls=Group, no_args_is_help=True,
+             help="ciuic: the snapshot chain for PyTorch training.",
+             context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--store", "-s",
+              help="Store directory or URL (default: $CIUIC_HOME, else ./.ciuic).")
+def app(store: str | None) -> None:
+    options["store"] = store
 
 
 def _console(stderr: bool = False) -> Console:
@@ -82,39 +130,39 @@ def _console(stderr: bool = False) -> Console:
 console = _console()
 err = _console(stderr=True)
 
-options: dict[str, Any] = {}
 
-
-StoreOpt = Annotated[str | None, typer.Option(
-    "--store", "-s", help="Store directory or URL (default: $CIUIC_HOME, else ./.ciuic).")]
-
-
-@app.callback()
-def _main(store: StoreOpt = None) -> None:
-    options["store"] = store
+def store_location() -> str:
+    """The store the command works on: --store, else $CIUIC_HOME, else ./.ciuic."""
+    from ciuic.chain.home import default_location
+    return options.get("store") or default_location()
 
 
 def current_repo() -> Repository:
-    from ciuic.chain.repo import default_location
-    return open_existing(options.get("store") or default_location())
+    return open_existing(store_location())
+
+
+def check_existing(location: str) -> None:
+    """Refuse a local folder that holds no store (opening it would make a new, empty one)."""
+    if "://" in str(location):
+        return
+    path = Path(location).expanduser()
+    if not path.exists():
+        raise CiuicError(f"no ciuic store at {path.resolve()}: run a training job or "
+                         "`ciuic demo` first, or point --store / CIUIC_HOME at an existing "
+                         "one")
+    if not (path / "objects").is_dir():  # would make a new, empty store there
+        parent = path.resolve().parent
+        hint = (f"; the store is {parent}, its objects are in {path.name}/"
+                if path.name == "objects" and (parent / "catalog.db").exists() else
+                "; point --store / CIUIC_HOME at the folder that holds objects/ and "
+                "catalog.db")
+        raise CiuicError(f"{path.resolve()} is not a ciuic store (no objects/ folder)"
+                         f"{hint}")
 
 
 def open_existing(location: str) -> Repository:
     from ciuic.chain.repo import Repository
-    if "://" not in str(location):
-        path = Path(location).expanduser()
-        if not path.exists():
-            raise CiuicError(f"no ciuic store at {path.resolve()}: run a training job or "
-                             "`ciuic demo` first, or point --store / CIUIC_HOME at an existing "
-                             "one")
-        if not (path / "objects").is_dir():  # would make a new, empty store there
-            parent = path.resolve().parent
-            hint = (f"; the store is {parent}, its objects are in {path.name}/"
-                    if path.name == "objects" and (parent / "catalog.db").exists() else
-                    "; point --store / CIUIC_HOME at the folder that holds objects/ and "
-                    "catalog.db")
-            raise CiuicError(f"{path.resolve()} is not a ciuic store (no objects/ folder)"
-                             f"{hint}")
+    check_existing(location)
     return Repository.open(location)
 
 
@@ -130,6 +178,16 @@ def time_text(created: str | None) -> str:
     return created[:19].replace("T", " ") if created else "-"
 
 
-def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+def progress_bar(sizes: bool = False) -> Progress:
+    """A bar on standard error, gone when done; ``sizes``: with each task's ``size`` field.
+    (``rich.progress`` is imported here: only the commands that draw a bar pay for it.)"""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    size = [TextColumn("{task.fields[size]}")] if sizes else []
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *size,
                     TimeElapsedColumn(), console=err, transient=True)

@@ -1,25 +1,19 @@
-"""The ``ciuic`` command line (Typer + Rich)."""
+"""The store's commands: ls, log, show, verify, restore, prune, gc, reindex, push, pull, copy,
+keygen, demo."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
-from rich import box
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
+import click
 
 from ciuic.cli.app import (
     app,
+    argument,
+    check_existing,
     console,
     current_repo,
     err,
@@ -27,25 +21,36 @@ from ciuic.cli.app import (
     options,
     progress_bar,
     size_text,
+    store_location,
     time_text,
 )
 from ciuic.errors import CiuicError, IntegrityError
-from ciuic.format.info import SnapshotInfo
-from ciuic.format.tree import walk_leaves
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
+    from rich.progress import TaskID
+    from rich.table import Table
+
     from ciuic.chain.repo import Repository
     from ciuic.chain.verify import Problem
+    from ciuic.format.info import SnapshotInfo
 
 
 @app.command("ls")
 def ls() -> None:
     """List projects and jobs with their snapshot counts."""
-    from ciuic.chain.repo import list_jobs
-    repo = current_repo()
-    for project, job in list_jobs(repo.store):
-        repo.sync_job(project, job)
-    rows = repo.catalog.jobs()
+    from rich import box
+    from rich.table import Table
+
+    from ciuic.chain.listing import read_jobs
+    location = store_location()
+    check_existing(location)
+    rows = read_jobs(location)  # without SQLAlchemy, when the catalog is in sync
+    if rows is None:
+        from ciuic.chain.repo import list_jobs
+        repo = open_existing(location)
+        for project, job in list_jobs(repo.store):
+            repo.sync_job(project, job)
+        rows = repo.catalog.jobs()
     if not rows:
         console.print("No jobs yet.")
         return
@@ -62,24 +67,34 @@ def ls() -> None:
 
 
 @app.command("log")
-def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
-            all_: Annotated[bool, typer.Option("--all", help="Include pruned snapshots")] = False
-            ) -> None:
+@argument("job", help="PROJECT/JOB, or JOB if unique")
+@click.option("--all", "all_", is_flag=True, help="Include pruned snapshots")
+def log_cmd(job: str, all_: bool) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
     snapshot is unhealthy), and where runs were interrupted and resumed; one table per
     lineage."""
+    from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
-    from ciuic.chain.runs import history
-    repo = current_repo()
-    project, name = repo.split_job(job)
-    repo.sync_job(project, name)
-    every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
+    from ciuic.chain.runs import Run, history
+    location = store_location()
+    check_existing(location)
+    found = read_log(location, job)  # without SQLAlchemy, when the catalog is in sync
+    if found is not None:
+        project, name, every = found.project, found.job, found.snapshots
+        runs: Sequence[Run] = found.runs
+        events = found.events
+    else:
+        repo = open_existing(location)
+        project, name = repo.split_job(job)
+        repo.sync_job(project, name)
+        every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
+        runs, events = repo.catalog.runs(project, name), repo.catalog.events(project, name,
+                                                                             limit=EVENTS)
     snaps = [s for s in every if all_ or s.status == "committed"]
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
-    notes = history(repo.catalog.runs(project, name),
-                    repo.catalog.events(project, name, limit=100_000))
+    notes = history(runs, events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
     for k, group in enumerate(groups):
@@ -92,6 +107,9 @@ def log_cmd(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if uniq
 
 
 def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:
+    from rich import box
+    from rich.table import Table
+
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               collapse_padding=True)
     t.add_column("id", no_wrap=True, min_width=12)
@@ -124,11 +142,14 @@ SNAP_HELP = "ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy"
 
 
 @app.command("show")
-def show(snap: Annotated[str, typer.Argument(help=SNAP_HELP)],
-         as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False
-         ) -> None:
+@argument("snap", help=SNAP_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON")
+def show(snap: str, as_json: bool) -> None:
     """Show one snapshot: its manifest and its tensors."""
+    from rich.table import Table
+
     from ciuic.chain.read import read_body
+    from ciuic.format.tree import walk_leaves
     repo = current_repo()
     info = repo.resolve(snap)
     m = repo.read_manifest(info.project, info.job, info.id)
@@ -164,11 +185,10 @@ def _pieces(desc: dict[str, Any]) -> str:
 
 
 @app.command("verify")
-def verify(target: Annotated[str | None, typer.Argument(
-               help="A snapshot (ID, prefix, JOB@STEP) or a job (PROJECT/JOB); default: all")
-           ] = None,
-           deep: Annotated[bool, typer.Option(help="Re-read and re-hash every chunk")] = False
-           ) -> None:
+@argument("target", required=False,
+          help="A snapshot (ID, prefix, JOB@STEP) or a job (PROJECT/JOB); default: all")
+@click.option("--deep/--no-deep", default=False, help="Re-read and re-hash every chunk")
+def verify(target: str | None, deep: bool) -> None:
     """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
     re-read and re-hashed, which finds a damaged chunk)."""
     from ciuic.chain.repo import list_jobs
@@ -218,7 +238,7 @@ def verify(target: Annotated[str | None, typer.Argument(
                               "CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) to it, or add "
                               "it to CIUIC_DECRYPTION_KEYS", highlight=False)
     if bad:
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)
 
 
 def _looks_like_job(repo: Repository, text: str) -> bool:
@@ -228,17 +248,17 @@ def _looks_like_job(repo: Repository, text: str) -> bool:
 
 
 @app.command("restore")
-def restore(snap: Annotated[str, typer.Argument(help=SNAP_HELP)],
-            to: Annotated[Path, typer.Option(
-                "--to", help="Output file (.safetensors or .pt), or folder (--format hf)")],
-            fmt: Annotated[str | None, typer.Option(
-                "--format", help="safetensors, torch, or hf: a save_pretrained folder that "
-                "from_pretrained loads (snapshots of CiuicTrainer)")] = None,
-            state: Annotated[list[str] | None, typer.Option(
-                "--state", help="State(s) to export (default: model)")] = None) -> None:
+@argument("snap", help=SNAP_HELP)
+@click.option("--to", "to", required=True, type=click.Path(path_type=Path),
+              help="Output file (.safetensors or .pt), or folder (--format hf)")
+@click.option("--format", "fmt", help="safetensors, torch, or hf: a save_pretrained folder that "
+              "from_pretrained loads (snapshots of CiuicTrainer)")
+@click.option("--state", "states", multiple=True, help="State(s) to export (default: model)")
+def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> None:
     """Export a snapshot's tensors as plain safetensors or torch file, or as an HF folder."""
     from ciuic.restore.export import export
 
+    state = list(states) or None
     repo = current_repo()
     info = repo.resolve(snap)
     try:
@@ -274,11 +294,11 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
 
 
 @app.command("prune")
-def prune(job: Annotated[str, typer.Argument(help="PROJECT/JOB")],
-          keep_last: Annotated[int | None, typer.Option(help="Keep the N highest steps")] = None,
-          keep_every: Annotated[int | None, typer.Option(
-              help="Keep steps that are multiples of K")] = None,
-          dry_run: Annotated[bool, typer.Option(help="Only show what would go")] = False) -> None:
+@argument("job", help="PROJECT/JOB")
+@click.option("--keep-last", type=int, metavar="N", help="Keep the N highest steps")
+@click.option("--keep-every", type=int, metavar="N", help="Keep steps that are multiples of K")
+@click.option("--dry-run/--no-dry-run", default=False, help="Only show what would go")
+def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool) -> None:
     """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
     from ciuic.chain.retention import prune as prune_job
     if keep_last is None and keep_every is None:
@@ -293,9 +313,10 @@ def prune(job: Annotated[str, typer.Argument(help="PROJECT/JOB")],
 
 
 @app.command("gc")
-def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be deleted")] = False,
-       wait: Annotated[float, typer.Option(help="Seconds to wait for saves in progress")] = 30.0
-       ) -> None:
+@click.option("--dry-run/--no-dry-run", default=False, help="Only count what would be deleted")
+@click.option("--wait", type=float, default=30.0, metavar="NUMBER",
+              help="Seconds to wait for saves in progress")
+def gc(dry_run: bool, wait: float) -> None:
     """Delete chunks and bodies no snapshot references."""
     from ciuic.chain.gc import collect
     repo = current_repo()
@@ -305,7 +326,7 @@ def gc(dry_run: Annotated[bool, typer.Option(help="Only count what would be dele
                          progress=lambda key: bar.advance(task))
     if result.skipped:
         err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
-        raise typer.Exit(2)
+        raise click.exceptions.Exit(2)
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {result.deleted_chunks} chunk(s) and {result.deleted_bodies} "
                   f"body(ies), {'freeing' if not dry_run else 'which would free'} "
@@ -330,9 +351,7 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
     from ciuic.chain.transfer import CopyStats, copy_job
 
     total = CopyStats()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[size]}"), TimeElapsedColumn(), console=err,
-                  transient=True) as bar:
+    with progress_bar(sizes=True) as bar:
         for project, job in jobs:
             tasks: dict[str, TaskID] = {}
 
@@ -357,14 +376,16 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
                       f"{size_text(total.sent_bytes)}")
 
 
-VerifyOpt = Annotated[bool, typer.Option(
-    "--verify/--no-verify", help="Read every object back from the destination and compare")]
+verify_option = click.option(
+    "--verify/--no-verify", default=True,
+    help="Read every object back from the destination and compare")
 
 
 @app.command("push")
-def push(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique")],
-         url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
-         verify: VerifyOpt = True) -> None:
+@argument("job", help="PROJECT/JOB, or JOB if unique")
+@argument("url", help="Destination store URL or directory")
+@verify_option
+def push(job: str, url: str, verify: bool) -> None:
     """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
     from ciuic.chain.repo import Repository
     src = current_repo()
@@ -373,24 +394,25 @@ def push(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique"
 
 
 @app.command("pull")
-def pull(job: Annotated[str, typer.Argument(help="PROJECT/JOB, or JOB if unique there")],
-         url: Annotated[str, typer.Argument(help="Source store URL or directory")],
-         verify: VerifyOpt = True) -> None:
+@argument("job", help="PROJECT/JOB, or JOB if unique there")
+@argument("url", help="Source store URL or directory")
+@verify_option
+def pull(job: str, url: str, verify: bool) -> None:
     """Fetch a job's chain from another store into this one (created if needed)."""
-    from ciuic.chain.repo import Repository, default_location
+    from ciuic.chain.repo import Repository
     from ciuic.chain.transfer import find_job
 
     src = open_existing(url)
-    _copy(src, Repository.open(options.get("store") or default_location()),
-          [find_job(src.store, job)], verify)
+    _copy(src, Repository.open(store_location()), [find_job(src.store, job)], verify)
 
 
 @app.command("copy")
-def copy(src_url: Annotated[str, typer.Argument(help="Source store URL or directory")],
-         dst_url: Annotated[str, typer.Argument(help="Destination store URL or directory")],
-         job: Annotated[list[str] | None, typer.Option(
-             "--job", "-j", help="PROJECT/JOB to copy (repeatable; default: every job)")] = None,
-         verify: VerifyOpt = True) -> None:
+@argument("src_url", help="Source store URL or directory")
+@argument("dst_url", help="Destination store URL or directory")
+@click.option("--job", "-j", multiple=True,
+              help="PROJECT/JOB to copy (repeatable; default: every job)")
+@verify_option
+def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool) -> None:
     """Copy jobs' chains from one store to another, only what the destination lacks."""
     from ciuic.chain.repo import Repository, list_jobs
     from ciuic.chain.transfer import find_job
@@ -415,12 +437,11 @@ def keygen() -> None:
 
 
 @app.command("demo")
-def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
-         save_every: Annotated[int, typer.Option(help="Snapshot every N steps")] = 20,
-         kill_at: Annotated[int | None, typer.Option(help="Kill after this step "
-                                                     "(default: random)")] = None,
-         seed: Annotated[int | None, typer.Option(help="Seed for the random kill step")] = None
-         ) -> None:
+@click.option("--steps", type=int, default=300, metavar="N", help="Training steps")
+@click.option("--save-every", type=int, default=20, metavar="N", help="Snapshot every N steps")
+@click.option("--kill-at", type=int, metavar="N", help="Kill after this step (default: random)")
+@click.option("--seed", type=int, metavar="N", help="Seed for the random kill step")
+def demo(steps: int, save_every: int, kill_at: int | None, seed: int | None) -> None:
     """Train a small char-level GPT, SIGKILL it, resume, and check the weights bit for bit."""
     from ciuic.demo import run_demo
 
@@ -429,4 +450,4 @@ def demo(steps: Annotated[int, typer.Option(help="Training steps")] = 300,
     result = run_demo(options.get("store"), steps=steps, save_every=save_every, kill_at=kill_at,
                       seed=seed, console=console)
     if not result.identical:
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
-from rich.table import Table
+import click
 
-from ciuic.cli.app import app, console, current_repo, size_text
+from ciuic.cli.app import app, argument, console, current_repo, size_text
+
+if TYPE_CHECKING:  # imported where a table is drawn: not by the help
+    from rich.table import Table
 
 
 @app.command("diff")
-def diff_cmd(a: Annotated[str, typer.Argument(help="The older snapshot: ID, JOB@STEP, ...")],
-             b: Annotated[str, typer.Argument(help="The newer snapshot (any job)")],
-             as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
-             show_all: Annotated[bool, typer.Option(
-                 "--all", help="List unchanged tensors too")] = False) -> None:
+@argument("a", help="The older snapshot: ID, JOB@STEP, ...")
+@argument("b", help="The newer snapshot (any job)")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON")
+@click.option("--all", "show_all", is_flag=True, help="List unchanged tensors too")
+def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
     """Compare two snapshots: each tensor changed (how much), added or removed; the values
     and metrics that changed. Tensors stored as the same chunks are not read."""
     from ciuic.restore.diff import diff  # imports torch
@@ -38,6 +40,8 @@ def diff_cmd(a: Annotated[str, typer.Argument(help="The older snapshot: ID, JOB@
         f"({size_text(result.bytes_read)}), the others compared by their chunks' digests")
     shown = [t for t in result.tensors if show_all or t.status != "unchanged"]
     if shown:
+        from rich.table import Table
+
         table = Table("tensor", "status", "max |a-b|", "norm change", "NaN/Inf", "changed",
                       "dtype, shape")
         for t in shown:
@@ -58,16 +62,15 @@ def diff_cmd(a: Annotated[str, typer.Argument(help="The older snapshot: ID, JOB@
 
 
 @app.command("inspect")
-def inspect_cmd(snap: Annotated[str, typer.Argument(
-                    help="ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy")],
-                tensor: Annotated[str | None, typer.Argument(
-                    help="One tensor's path (as listed): its histogram")] = None,
-                as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
-                bins: Annotated[int, typer.Option(help="Histogram bins", min=2, max=200)] = 20,
-                compute: Annotated[bool, typer.Option(
-                    "--compute/--no-compute",
-                    help="For a snapshot older than recorded statistics, compute them by "
-                         "reading its tensors")] = True) -> None:
+@argument("snap", help="ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy")
+@argument("tensor", required=False, help="One tensor's path (as listed): its histogram")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON")
+@click.option("--bins", type=click.IntRange(2, 200), default=20, metavar="N",
+              help="Histogram bins")
+@click.option("--compute/--no-compute", default=True,
+              help="For a snapshot older than recorded statistics, compute them by reading its "
+                   "tensors")
+def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute: bool) -> None:
     """Show a snapshot's health and each tensor's statistics (NaN, Inf, min, max, mean, L2
     norm), as recorded when it was written; with TENSOR, that tensor's histogram."""
     from ciuic.restore import inspect  # imports torch
@@ -111,6 +114,8 @@ def health_text(info: Any) -> str:
 
 
 def _stats_table(rows: list[Any]) -> Table:
+    from rich.table import Table
+
     table = Table("tensor", "dtype, shape", "NaN", "Inf", "min", "max", "mean", "norm")
     for r in rows:
         s = r.stats

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import sys
-from typing import Annotated
 
-import typer
+import click
 
 from ciuic.cli.app import app, size_text
 from ciuic.errors import ConfigurationError
@@ -36,36 +34,30 @@ def host_memory_budget(text: str) -> int | None:
 
 @app.command("run", context_settings={"allow_extra_args": True,
                                       "ignore_unknown_options": True})
-def run(
-    ctx: typer.Context,
-    max_restarts: Annotated[int, typer.Option(
-        "--max-restarts", min=0, help="Restart the job at most N times.")] = 10,
-    hang_timeout: Annotated[float, typer.Option(
-        "--hang-timeout", metavar="SECONDS", min=0,
-        help="A rank that makes no step() for this long, while not restoring, saving or "
-             "waiting for a snapshot, is hung: the job is stopped and restarted. 0: off.")
-    ] = 600.0,
-    startup_timeout: Annotated[float, typer.Option(
-        "--startup-timeout", metavar="SECONDS", min=0,
-        help="Also restart a start whose manager sends no heartbeat within this long "
-             "(0: wait as long as it takes).")] = 0.0,
-    grace: Annotated[float, typer.Option(
-        "--grace", metavar="SECONDS", min=0,
-        help="After SIGTERM to a hung job, wait this long before SIGKILL.")] = 30.0,
-    max_stalls: Annotated[int, typer.Option(
-        "--max-stalls", min=1,
-        help="Give up after N failures in a row that committed no new snapshot.")] = 3,
-    backoff: Annotated[float, typer.Option(
-        "--backoff", metavar="SECONDS", min=0,
-        help="The first wait before restarting a job that made no progress; it doubles with "
-             "each such failure (a job that committed a snapshot restarts at once).")] = 1.0,
-    host_memory: Annotated[str, typer.Option(
-        "--host-memory", metavar="SIZE",
-        help="Keep the latest snapshot's bytes in host memory, up to SIZE (64G, 50%), so that "
-             "a restart restores from memory; off: from the store.")] = "50%",
-) -> None:
+@click.option("--max-restarts", type=click.IntRange(min=0), default=10, metavar="N",
+              help="Restart the job at most N times.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=600.0, metavar="SECONDS",
+              help="A rank that makes no step() for this long, while not restoring, saving or "
+                   "waiting for a snapshot, is hung: the job is stopped and restarted. 0: off.")
+@click.option("--startup-timeout", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+              help="Also restart a start whose manager sends no heartbeat within this long "
+                   "(0: wait as long as it takes).")
+@click.option("--grace", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
+              help="After SIGTERM to a hung job, wait this long before SIGKILL.")
+@click.option("--max-stalls", type=click.IntRange(min=1), default=3, metavar="N",
+              help="Give up after N failures in a row that committed no new snapshot.")
+@click.option("--backoff", type=click.FloatRange(min=0), default=1.0, metavar="SECONDS",
+              help="The first wait before restarting a job that made no progress; it doubles "
+                   "with each such failure (a job that committed a snapshot restarts at once).")
+@click.option("--host-memory", default="50%", metavar="SIZE",
+              help="Keep the latest snapshot's bytes in host memory, up to SIZE (64G, 50%), so "
+                   "that a restart restores from memory; off: from the store.")
+@click.pass_context
+def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_timeout: float,
+        grace: float, max_stalls: int, backoff: float, host_memory: str) -> None:
     """Run a training command, restart it when it fails or hangs, resume it from host memory.
 
+    \b
     Usage: ciuic run [OPTIONS] -- COMMAND [ARGS...], e.g.
     ciuic run --hang-timeout 300 -- torchrun --nproc-per-node 8 train.py
     """
@@ -80,6 +72,8 @@ def run(
     if not command:
         raise ConfigurationError("ciuic run needs the command to run: ciuic run [OPTIONS] -- "
                                  "python train.py")
+    import logging
+
     budget = host_memory_budget(host_memory)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
@@ -95,4 +89,4 @@ def run(
                       hang_timeout_s=hang_timeout or None,
                       startup_timeout_s=startup_timeout or None, grace_s=grace,
                       backoff_s=backoff, max_stalls=max_stalls, host_memory=budget)
-    raise typer.Exit(Supervisor(options).run())
+    raise click.exceptions.Exit(Supervisor(options).run())

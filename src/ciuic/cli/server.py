@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import getpass
-import logging
-import socket
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
-from rich.table import Table
+import click
 
-from ciuic.cli.app import app, console, err, options
+from ciuic.cli.app import Group, app, argument, console, err, store_location
 
 #: the API keys' roles, as ciuic.catalog.keys.ROLES (a test holds them equal): written out here so
 #: that the help does not import the catalog (SQLAlchemy)
@@ -19,38 +15,38 @@ ROLES = ("reader", "writer", "admin")
 if TYPE_CHECKING:
     from ciuic.chain.repo import Repository
 
-apikey_app = typer.Typer(help="Create, list and revoke the server's API keys.",
-                         no_args_is_help=True)
-app.add_typer(apikey_app, name="apikey")
-
 
 def _server_repo() -> Repository:
     """The server's store and catalog (created if new: keys come before the first snapshot)."""
-    from ciuic.chain.repo import Repository, default_location
-    return Repository.open(options.get("store") or default_location())
+    from ciuic.chain.repo import Repository
+    return Repository.open(store_location())
 
 
 def _actor() -> str:
+    import getpass
+    import socket
+
     return f"cli:{getpass.getuser()}@{socket.gethostname()}"
 
 
 @app.command("serve")
-def serve(host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="Port to listen on")] = 8470,
-          catalog: Annotated[str | None, typer.Option(
-              help="Catalog database URL (default: the store's SQLite; "
-                   "postgresql://... for a team)")] = None) -> None:
+@click.option("--host", default="127.0.0.1", help="Address to listen on")
+@click.option("--port", type=int, default=8470, metavar="N", help="Port to listen on")
+@click.option("--catalog", help="Catalog database URL (default: the store's SQLite; "
+              "postgresql://... for a team)")
+def serve(host: str, port: int, catalog: str | None) -> None:
     """Serve the store (--store / CIUIC_HOME) to clients: the API under /v1, its schema at
     /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish."""
-    from ciuic.chain.repo import default_location
     try:
         import uvicorn
 
         from ciuic.server import create_app
     except ImportError as e:  # pragma: no cover - depends on optional packages
-        raise typer.BadParameter("the server needs extra packages: pip install "
+        raise click.BadParameter("the server needs extra packages: pip install "
                                  "'ciuic[server]'") from e
-    location = options.get("store") or default_location()
+    import logging
+
+    location = store_location()
     console.print(f"serving {location} on http://{host}:{port} (API schema: /docs)")
     # one JSON line per request on stderr (ciuic.server.observe), instead of uvicorn's own
     handler = logging.StreamHandler()
@@ -64,13 +60,18 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on")] = "127
                 access_log=False, timeout_graceful_shutdown=30)
 
 
+@app.group("apikey", cls=Group, no_args_is_help=True)
+def apikey_app() -> None:
+    """Create, list and revoke the server's API keys."""
+
+
 @apikey_app.command("create")
-def apikey_create(project: Annotated[str, typer.Option(help="The key's project (created if "
-                                                       "new)")],
-                  role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}")],
-                  name: Annotated[str, typer.Option(help="A note: who or what uses it")] = "",
-                  expires_days: Annotated[float | None, typer.Option(
-                      help="Expire after this many days (default: never)")] = None) -> None:
+@click.option("--project", required=True, help="The key's project (created if new)")
+@click.option("--role", required=True, help=f"One of {', '.join(ROLES)}")
+@click.option("--name", default="", show_default=False, help="A note: who or what uses it")
+@click.option("--expires-days", type=float, metavar="NUMBER",
+              help="Expire after this many days (default: never)")
+def apikey_create(project: str, role: str, name: str, expires_days: float | None) -> None:
     """Create a key. It is shown once, alone on standard output (KEY=$(ciuic apikey create
     ...) captures it); what it is goes to standard error."""
     from ciuic.catalog.keys import create_key
@@ -83,9 +84,11 @@ def apikey_create(project: Annotated[str, typer.Option(help="The key's project (
 
 
 @apikey_app.command("list")
-def apikey_list(project: Annotated[str | None, typer.Option(help="Only this project")] = None
-                ) -> None:
+@click.option("--project", help="Only this project")
+def apikey_list(project: str | None) -> None:
     """Every key: id, project, role, state (never the key itself)."""
+    from rich.table import Table
+
     from ciuic.catalog.keys import list_keys
     t = Table()
     t.add_column("id", no_wrap=True, min_width=12)  # whole, whatever the width: `revoke` takes it
@@ -99,8 +102,8 @@ def apikey_list(project: Annotated[str | None, typer.Option(help="Only this proj
 
 
 @apikey_app.command("revoke")
-def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (from `list`)")]
-                  ) -> None:
+@argument("key_id", help="The key's id (from `list`)")
+def apikey_revoke(key_id: str) -> None:
     """Revoke a key: every request with it is refused from now on."""
     from ciuic.catalog.keys import revoke_key
     info = revoke_key(_server_repo().catalog, key_id, actor=_actor())

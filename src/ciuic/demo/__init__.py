@@ -31,7 +31,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ciuic.chain.repo import Repository, default_location
+from ciuic.chain.home import default_location
+from ciuic.chain.repo import Repository
 
 
 @dataclass
