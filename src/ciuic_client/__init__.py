@@ -58,7 +58,8 @@ class CiuicClient:
         self._store = HttpStore(endpoint, project, api_key)
         self._repo = Repository.open(self._store, cached_catalog_url(self._store.url))
         self._codec = ObjectCodec(self._repo.keyring if encryption else None)
-        self._compression = CompressionPolicy("auto", self._store.write_speed)
+        self._compression = CompressionPolicy("auto", self._store.write_speed,
+                                              self._store.read_speed)
         self._cache = ChunkCache()
         self._health = HealthTracker()
 

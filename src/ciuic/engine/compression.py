@@ -14,19 +14,22 @@ sooner (:func:`compression_pays`):
 
 Per raw byte, raw chunks take ``max((hash + copy) / workers, 1 / store)``; compressed ones
 ``ratio / store`` as long as their CPU work, ``(hash + encode + ratio * copy) / workers``, is at
-most half of that (the store stays the bottleneck with room to spare: a restore decodes on as
-many cores, and a CPU training job wants its cores). Compression is chosen when both hold and it
-saves at least 10 %. On the development VM (2 cores, a disk that takes 1.7 GB/s) that says raw;
-on object storage and on a 16-core GPU machine with a 1 GB/s disk, compressed.
+most half of that (the store stays the bottleneck with room to spare: a CPU training job wants
+its cores). Compression is chosen when both hold and it saves at least 10 %, and only when a
+restore keeps pace (:func:`restore_pays`): reading the compressed bytes and decoding them on the
+restore's cores takes at most 5 % longer than reading and hashing raw ones, at the store's read
+speed (a local disk measures a cold read with its write probe; elsewhere the writes' speed stands
+in). On the development VM (2 cores, a disk that reads about 1 GB/s) that says raw whatever the
+writes say; on object storage, and on a 16-core GPU machine with a disk that reads 1 GB/s,
+compressed; with a disk that reads 3 GB/s, raw (decoding would add 7 % to the restore).
 
 The model starts from a probe, and a probe of a noisy disk can be wrong by 2x. So ``"auto"``
 then follows what the snapshots' writes actually take (:meth:`CompressionPolicy.observe`):
 the seconds per new byte from the start of the write to the commit, smoothed, for snapshots
 written raw and for compressed ones. Once both are known, the cheaper wins (raw unless
-compressed is at least 5 % cheaper), and compressed only while a restore would not wait on the
-decoder: its hashing and decoding per byte, over the cores, at most half of what a compressed
-byte measured (:data:`HEADROOM`; a fast disk stays raw however the writes compare, since the
-restore pays the decoding); when only compressed ones were measured, the next full
+compressed is at least 5 % cheaper), and compressed only while a restore keeps pace (as above;
+where no read speed was measured, the raw snapshots' measured speed stands in); when only
+compressed ones were measured, the next full
 enough snapshot is written raw to measure it; every :data:`REVISIT` snapshots the other choice
 is measured again. Each change is logged with the figures, and :attr:`CompressionPolicy.choice`
 says what holds and why (``stats.compression``).
@@ -114,6 +117,29 @@ def compression_pays(ratio: float, encode_s: float, hash_s: float, copy_s: float
     return cpu <= HEADROOM * io and io < (1 - MIN_GAIN) * raw
 
 
+#: A restore of compressed chunks may take at most this much longer than of raw ones (#19:
+#: compression="auto" never makes the restore more than 5 % slower).
+RESTORE_SLACK = 0.05
+
+
+def restore_pays(ratio: float, decode_s: float, hash_s: float, cores: int,
+                 read_bps: float) -> bool:
+    """Whether a restore of compressed chunks is no more than :data:`RESTORE_SLACK` slower than
+    of raw ones: per raw byte, raw takes ``1 / read + hash / cores``, compressed
+    ``ratio / read + (hash + decode) / cores``.
+
+    The reads and the CPU work are added, not overlapped: reading costs the cores too (the
+    kernel's copy out of the page cache), and on the 2-core development VM a compressed restore
+    took 1.48x the raw one (1.78 s against 1.20), where the sum predicts 1.38x and the larger
+    of the two 1.0x. ``decode_s``, ``hash_s``: seconds per raw byte on one core; ``cores``: the
+    cores a restore hashes and decodes on; ``read_bps``: bytes/s the store reads at, all
+    readers together."""
+    cores = max(1, cores)
+    raw = 1 / read_bps + hash_s / cores
+    packed = ratio / read_bps + (hash_s + decode_s) / cores
+    return packed <= (1 + RESTORE_SLACK) * raw
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -148,15 +174,19 @@ class CompressionPolicy:
         write_speed: the store's :meth:`~ciuic.store.Store.write_speed`, called at the first
             decision (a local disk measures itself once per process; the manager starts that
             in the background when it opens), or a fixed (per writer, total or None) pair.
+        read_speed: the store's :meth:`~ciuic.store.Store.read_speed` (bytes/s, or None: the
+            writes' speed stands in), for the restore's side of the decision.
     """
 
     def __init__(self, mode: str = "auto",
                  write_speed: Callable[[], tuple[float, float | None]]
-                 | tuple[float, float | None] = (1e9, None)) -> None:
+                 | tuple[float, float | None] = (1e9, None),
+                 read_speed: Callable[[], float | None] | None = None) -> None:
         if mode not in MODES:
             raise ConfigurationError(f"compression must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self._write_speed = write_speed
+        self._read_speed = read_speed
         self._speed: tuple[float, float | None] | None = None
         self._lock = threading.Lock()
         self._deciding = threading.Lock()
@@ -194,16 +224,14 @@ class CompressionPolicy:
             before = self._forced
             raw, packed = self.cost.get(False), self.cost.get(True)
             if raw is not None and packed is not None:
-                decode = self._decode_per_byte()
-                restores = decode <= HEADROOM * packed  # decoding keeps pace with the reads
+                restores = self._restores_keep_pace(1 / raw)
                 best = packed < (1 - MEASURED_GAIN) * raw and restores
                 self._forced = best
                 if self._since_other >= REVISIT:  # measure the other one again, once
                     self._forced, self._since_other = not best, 0
                 why = f"measured {_gib_s(raw)} raw against {_gib_s(packed)} compressed"
                 if not restores:
-                    why += (f"; decoding on restore would take {_gib_s(decode)} of the cores, "
-                            "more than the reads")
+                    why += "; a restore would wait on the decoder, not the reads"
             elif packed is not None:  # only compressed was measured: measure raw next
                 self._forced, why = False, f"measured {_gib_s(packed)} compressed; measuring raw"
             else:  # only raw was measured: the model may still choose compression next
@@ -215,15 +243,21 @@ class CompressionPolicy:
             log.info("compression=auto: %s chunks from the next snapshot on (%s)",
                      "compressing" if self._forced else "not compressing", why)
 
-    def _decode_per_byte(self) -> float:
-        """Seconds per raw byte a restore spends hashing and decoding compressed chunks on its
-        cores, from the probes' figures (decoding runs at about the encoding speed), or 0
-        when no kind was probed. Compared with a compressed snapshot's measured cost per byte,
-        with the same headroom as the model's (:data:`HEADROOM`): a restore must not wait on
-        the decoder rather than the store."""
-        per_byte = [(1 / b["hash_gbps"] + 1 / b["encode_gbps"]) * 1e-9 / max(1, b["workers"])
-                    for b in self.basis.values() if b.get("encode_gbps") and b.get("hash_gbps")]
-        return max(per_byte, default=0.0)
+    def read_bps(self, written_bps: float | None = None) -> float:
+        """Bytes/s a restore reads the store at: measured (a local disk), else the writes'
+        speed (``written_bps``, what raw snapshots measured, or the store's own figure)."""
+        read = self._read_speed() if self._read_speed is not None else None
+        if read:
+            return read
+        return written_bps or self.store_bps()
+
+    def _restores_keep_pace(self, written_bps: float | None = None) -> bool:
+        """Whether every float kind probed so far restores compressed within
+        :data:`RESTORE_SLACK` of raw (:func:`restore_pays`), from the probes' figures."""
+        read = self.read_bps(written_bps)
+        return all(restore_pays(b["ratio"], 1e-9 / b["decode_gbps"], 1e-9 / b["hash_gbps"],
+                                usable_cores(), read)
+                   for b in self.basis.values() if b.get("decode_gbps") and b.get("hash_gbps"))
 
     def store_bps(self) -> float:
         """Bytes/s the store takes from all writer threads together."""
@@ -271,21 +305,28 @@ class CompressionPolicy:
             with self._lock:
                 self.basis[name] = {"ratio": 1.0, "compress": 0.0}
             return False
-        ratio, encode_s = measured
+        ratio, encode_s, decode_s = measured
         head = piece[:DECIDE_BYTES]
         hash_s = _per_byte(lambda: digest(head), len(head))
         copy_s = PAGE_CACHE_S_PER_BYTE
         workers = min(knobs.get().write_threads, usable_cores())
         store = self.store_bps()
-        pays = compression_pays(ratio, encode_s, hash_s, copy_s, workers, store)
-        basis = {"ratio": ratio, "encode_gbps": 1e-9 / encode_s, "hash_gbps": 1e-9 / hash_s,
-                 "workers": workers, "store_gbps": store / 1e9,
+        read = self.read_bps()
+        writes = compression_pays(ratio, encode_s, hash_s, copy_s, workers, store)
+        restores = restore_pays(ratio, decode_s, hash_s, usable_cores(), read)
+        pays = writes and restores
+        basis = {"ratio": ratio, "encode_gbps": 1e-9 / encode_s,
+                 "decode_gbps": 1e-9 / decode_s, "hash_gbps": 1e-9 / hash_s,
+                 "workers": workers, "store_gbps": store / 1e9, "read_gbps": read / 1e9,
+                 "writes_pay": float(writes), "restores_keep_pace": float(restores),
                  "compress": float(pays)}
         with self._lock:
             self.basis[name] = basis
             if not self.cost:
                 self.choice = (f"auto: {'compress' if pays else 'raw'} (a probe of the store: "
-                               f"{store / 1e9:.2f} GB/s; not measured yet)")
+                               f"writes {store / 1e9:.2f} GB/s, reads {read / 1e9:.2f} GB/s"
+                               f"{'' if restores else ', a restore would wait on the decoder'}"
+                               "; not measured yet)")
         log.debug("compression=auto, %s: %s", name,
                   ", ".join(f"{k} {v:.3g}" for k, v in basis.items()))
         return pays

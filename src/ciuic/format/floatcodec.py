@@ -467,21 +467,28 @@ def _unzstd(dctx: zstandard.ZstdDecompressor, frame: memoryview, n: int) -> byte
 
 
 def measure(sample: Bytes, itemsize: int, float_kind: str,
-            nbytes: int = SAMPLE_BYTES) -> tuple[float, float] | None:
-    """(encoded size / raw size, encoding seconds per raw byte) of the first ``nbytes`` of
-    ``sample``, or None when it does not compress.
+            nbytes: int = SAMPLE_BYTES) -> tuple[float, float, float] | None:
+    """(encoded size / raw size, encoding seconds per raw byte, decoding seconds per raw byte)
+    of the first ``nbytes`` of ``sample``, or None when it does not compress.
 
-    Encodes twice and keeps the faster run (the first also pays for this thread's zstd context
-    set-up); the time is on the calling thread, i.e. per core.
+    Encodes and decodes twice each and keeps the faster runs (the first also pays for this
+    thread's zstd context set-up); the time is on the calling thread, i.e. per core.
     """
     view = _byte_view(sample, "sample")[:nbytes]
     _kind(float_kind, itemsize)
-    elapsed, payload = math.inf, None
+    encoding = decoding = math.inf
+    payload = None
     for _ in range(2):
         start = time.perf_counter()
         payload = encode(view, itemsize, float_kind=float_kind)
-        elapsed = min(elapsed, time.perf_counter() - start)
+        encoding = min(encoding, time.perf_counter() - start)
         if payload is None:
             return None
     assert payload is not None
-    return len(payload) / view.nbytes, max(elapsed, 1e-9) / view.nbytes
+    out = memoryview(bytearray(view.nbytes))
+    for _ in range(2):
+        start = time.perf_counter()
+        decode(payload, out)
+        decoding = min(decoding, time.perf_counter() - start)
+    per_byte = 1 / view.nbytes
+    return len(payload) * per_byte, max(encoding, 1e-9) * per_byte, max(decoding, 1e-9) * per_byte

@@ -68,7 +68,8 @@ class Pipeline:
         store = self.repo.store
         probe = coll.coordinator  # other ranks use the default speed
         self.compression = CompressionPolicy(config.compression,
-                                             lambda: store.write_speed(measure=probe))
+                                             lambda: store.write_speed(measure=probe),
+                                             store.read_speed)
         stats.compression = self.compression.choice
         if config.compression == "auto" and probe:
             session.probe_write_speed()

@@ -85,6 +85,13 @@ class Store(abc.ABC):
         unless ``measure`` is False."""
         return self.write_bytes_per_s, None
 
+    def read_speed(self) -> float | None:
+        """Bytes/s a restore reads at, all its readers together, when known (a local disk
+        measures it with its write speed: :meth:`write_speed`); None where the writes' speed
+        is the best guess. Judged against by ``compression="auto"``: compressed chunks must not
+        make a restore wait on the decoder."""
+        return None
+
     @abc.abstractmethod
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         """Write ``data`` under ``key``, atomically and durably.

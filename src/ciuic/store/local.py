@@ -31,6 +31,7 @@ _SYNC_THREADS = 8
 #: bytes (not zeros: some file systems compress) and fsync'ing them.
 PROBE_BYTES = 256 * 1024 * 1024
 _speeds: dict[int, float] = {}  # st_dev -> bytes/s
+_read_speeds: dict[int, float] = {}  # st_dev -> bytes/s of a cold read of the probe
 _speeds_lock = threading.Lock()
 
 
@@ -122,11 +123,27 @@ class LocalStore(Store):
                 measured = self._probe()
                 if measured is None:  # not remembered: the next snapshot tries again
                     return self.write_bytes_per_s, None
-                _speeds[device] = measured
+                _speeds[device], read = measured
+                if read is not None:
+                    _read_speeds[device] = read
             speed = _speeds[device]
         return speed, speed
 
-    def _probe(self) -> float | None:
+    def read_speed(self) -> float | None:
+        """A cold read of the write probe's file (dropped from the page cache first), once per
+        file system and process; None until :meth:`write_speed` has measured."""
+        if not self.fsync:
+            return None
+        try:
+            device = os.stat(self.root).st_dev
+        except OSError:
+            return None
+        with _speeds_lock:
+            return _read_speeds.get(device)
+
+    def _probe(self) -> tuple[float, float | None] | None:
+        """(write, cold read) bytes/s of :data:`PROBE_BYTES` (the read None where the page
+        cache could not be dropped for the file, or the read failed)."""
         path = self.root / f"{_TMP}probe-{secrets.token_hex(8)}"
         block = os.urandom(1 << 20)
         try:
@@ -139,12 +156,34 @@ class LocalStore(Store):
             finally:
                 os.close(fd)
             elapsed = time.perf_counter() - t0
+            return PROBE_BYTES / max(elapsed, 1e-6), self._cold_read(path)
         except OSError:
             return None
         finally:
             with contextlib.suppress(OSError):
                 path.unlink()
-        return PROBE_BYTES / max(elapsed, 1e-6)
+
+    @staticmethod
+    def _cold_read(path: Path) -> float | None:
+        """Read a written, fsync'ed file back after asking the kernel to drop its pages, in the
+        reads a restore makes (4 MiB, the whole file asked ahead)."""
+        dontneed = getattr(os, "POSIX_FADV_DONTNEED", None)
+        if dontneed is None or _WILLNEED is None:
+            return None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, dontneed)
+            buf = bytearray(4 << 20)
+            read = 0
+            t0 = time.perf_counter()
+            os.posix_fadvise(fd, 0, 0, _WILLNEED)
+            while n := os.readv(fd, [buf]):
+                read += n
+            return read / max(time.perf_counter() - t0, 1e-6) if read else None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))

@@ -66,6 +66,9 @@ class MirrorStore(Store):
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         return (self.fast if self.durability == "local" else self.remote).write_speed(measure)
 
+    def read_speed(self) -> float | None:
+        return self.fast.read_speed()  # a restore reads the fast tier first
+
     # -- background uploads ------------------------------------------------------------------
 
     def _submit(self, fn: Any, key: str, barrier: bool = False,

@@ -49,6 +49,9 @@ class RetryingStore(Store):
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         return self.inner.write_speed(measure)
 
+    def read_speed(self) -> float | None:
+        return self.inner.read_speed()
+
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
