@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PY=.venv/bin/python
-# what ciuic needs beyond what the device image has (torch, numpy, typer, rich, pytest, ...)
+# what ciuic needs beyond what the device image has (torch, numpy, click, rich, pytest, ...)
 names="blake3 zstandard SQLAlchemy alembic Mako cryptography cffi pycparser"
 rm -rf .whl && mkdir -p .whl
 for name in $names; do
