@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.engine.compression import (
     PAGE_CACHE_S_PER_BYTE,
+    REVISIT,
+    CompressionPolicy,
     compression_pays,
     restore_pays,
 )
@@ -202,13 +205,12 @@ def test_auto_follows_what_the_writes_take_when_the_probe_is_wrong(tmp_path: Pat
     assert "s/GiB raw against" in m.stats.compression
 
 
-def test_auto_revisits_the_choice_it_did_not_take() -> None:
-    from ciuic.engine.compression import REVISIT, CompressionPolicy
-
-    policy = CompressionPolicy("auto", (1e6, 1e6))  # the model says: compress
-    g = torch.Generator().manual_seed(2)
+def snapshots_of(seed: int, big: int) -> tuple[CompressionPolicy, Callable[[float], bool]]:
+    """A policy whose probe says compress (a 1 MB/s store), and ``snapshot(seconds)``: one
+    snapshot of ``big`` new bytes that took ``seconds``, returning whether it compressed."""
+    policy = CompressionPolicy("auto", (1e6, 1e6))
+    g = torch.Generator().manual_seed(seed)
     piece = memoryview((torch.randn(1 << 18, generator=g) * 0.02).numpy().tobytes())
-    big = 64 << 20
 
     def snapshot(seconds: float) -> bool:
         policy.start_snapshot()
@@ -216,6 +218,11 @@ def test_auto_revisits_the_choice_it_did_not_take() -> None:
         policy.observe(big, seconds)
         return compressed
 
+    return policy, snapshot
+
+
+def test_auto_revisits_the_choice_it_did_not_take() -> None:
+    policy, snapshot = snapshots_of(2, 64 << 20)
     assert snapshot(2.0)  # the model's choice
     assert not snapshot(1.0)  # measuring raw: cheaper
     taken = [snapshot(1.0 if not policy._forced else 2.0) for _ in range(REVISIT + 2)]
@@ -230,21 +237,9 @@ def test_auto_revisits_the_choice_it_did_not_take() -> None:
 
 def test_auto_never_compresses_what_restores_would_wait_to_decode() -> None:
     """Compressed writes measured cheaper, but on a store so fast that a restore would wait on
-    the decoder (its CPU per byte over the cores is more than half the reads'): raw, and the
-    choice says why."""
-    from ciuic.engine.compression import CompressionPolicy
-
-    policy = CompressionPolicy("auto", (1e6, 1e6))  # the probe says: compress
-    g = torch.Generator().manual_seed(3)
-    piece = memoryview((torch.randn(1 << 18, generator=g) * 0.02).numpy().tobytes())
-    big = 1 << 30
-
-    def snapshot(seconds: float) -> bool:
-        policy.start_snapshot()
-        compressed = policy.encode(("f32", 4), piece) is not None
-        policy.observe(big, seconds)
-        return compressed
-
+    the decoder (reading and decoding compressed chunks more than 5 % slower than reading and
+    hashing raw ones): raw, and the choice says why."""
+    policy, snapshot = snapshots_of(3, 1 << 30)
     assert snapshot(0.01)  # the probe's choice: 0.01 s/GiB, far faster than any decoder
     assert not snapshot(0.02)  # raw, measured: twice the compressed cost per byte
     assert not snapshot(0.02) and not policy._forced
