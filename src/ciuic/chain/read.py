@@ -17,7 +17,7 @@ from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import SEALED_OVERHEAD
-from ciuic.format.digest import digest
+from ciuic.format.digest import Buffer, digest
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import walk_leaves
 from ciuic.store import Store
@@ -88,13 +88,7 @@ def _read_sealed(repo: Repository, store: Store, key: str, d: str, n: int,
         scratch = _SCRATCH.buffer = bytearray(want)
     blob = memoryview(scratch)[:want]
     size = store.get_into(key, [blob])
-    if size > want or not ck.is_sealed(blob[:ck.HEADER_BYTES]):  # not the sealed object of n
-        check_chunk_blob(repo, key, store.get(key) if size > want else bytes(blob[:size]), d,
-                         n, dest)
-        return
-    used = repo.keyring.open_into(key, blob[:size], dest)
-    if digest(dest, key=used.name_key) != d:
-        raise CorruptObject(key, "content hash does not match its name")
+    check_chunk_blob(repo, key, blob[:size] if size <= want else store.get(key), d, n, dest)
 
 
 def take_chunk(repo: Repository, d: str, n: int, dest: memoryview, src: memoryview | None,
@@ -110,22 +104,27 @@ def take_chunk(repo: Repository, d: str, n: int, dest: memoryview, src: memoryvi
     return False
 
 
-def check_chunk_blob(repo: Repository, key: str, blob: bytes, d: str, n: int | None,
-                     dest: memoryview | None = None) -> None:
-    """Check a whole stored chunk (plain or sealed) against its name; optionally copy its
-    plaintext into ``dest``. ``n``: the expected length (None: the header's)."""
+def check_chunk_blob(repo: Repository, key: str, blob: bytes | memoryview, d: str,
+                     n: int | None, dest: memoryview | None = None) -> None:
+    """Check a whole stored chunk (plain or sealed) against its name; optionally write its
+    plaintext into ``dest`` (of ``n`` bytes: a sealed one is decrypted straight into it).
+    ``n``: the expected length (None: the header's)."""
     if not ck.is_sealed(blob[:ck.HEADER_BYTES]):
-        n = ck.header_length(blob[:ck.HEADER_BYTES]) if n is None else n
-        plain = ck.unframe(key, blob, d, n)
+        framed = bytes(blob)  # no copy of bytes; a view: a plain chunk in a sealed store
+        n = ck.header_length(framed[:ck.HEADER_BYTES]) if n is None else n
+        plain = ck.unframe(key, framed, d, n)
+        if dest is not None:
+            dest[:] = plain
+        return
+    if dest is not None:
+        used = repo.keyring.open_into(key, blob, dest)  # checks the length against dest's
+        opened: Buffer = dest
     else:
         opened, used = repo.keyring.open(key, blob)
         if n is not None and len(opened) != n:
             raise CorruptObject(key, f"length {len(opened)} differs from the expected {n}")
-        if digest(opened, key=used.name_key) != d:
-            raise CorruptObject(key, "content hash does not match its name")
-        plain = memoryview(opened)
-    if dest is not None:
-        dest[:] = plain
+    if digest(opened, key=used.name_key) != d:
+        raise CorruptObject(key, "content hash does not match its name")
 
 
 def get_chunk(repo: Repository, d: str, n: int) -> None:
