@@ -293,6 +293,8 @@ class Ciuic(System):
         self.step = 0
         self.steady: dict[str, list[float]] = {"stall": [], "durable": [], "new_bytes": [],
                                                 "reserve_s": []}
+        #: where each live tensor's memory is: a restore must leave it there
+        self.pointers = {k: v.untyped_storage().data_ptr() for k, v in live.items()}
 
     def fresh(self) -> None:
         self.close()
@@ -346,12 +348,6 @@ class Ciuic(System):
             sync(self.live)
         for k, v in self.live.items():  # the restore kept their memory, not only their values
             assert v.untyped_storage().data_ptr() == self.pointers[k], k
-
-    @property
-    def pointers(self) -> dict[str, int]:
-        if not hasattr(self, "_pointers"):
-            self._pointers = {k: v.untyped_storage().data_ptr() for k, v in self.live.items()}
-        return self._pointers
 
     def close(self) -> None:
         if self.manager is not None:
