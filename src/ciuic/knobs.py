@@ -16,6 +16,9 @@ class Knobs:
     chunk_bytes: int = 4 * 1024 * 1024
     #: Threads that hash and write chunks in the background (BLAKE3 and writes release the GIL).
     write_threads: int = 4
+    #: The local store writes large objects whose memory lines up with pages (the chunks of
+    #: staged tensors) with direct I/O, bypassing the page cache (store/direct.py).
+    direct_io: bool = True
     #: Tensors of at most this many bytes are stored inline in the snapshot body.
     inline_max_bytes: int = 256
     #: How often step() records the run's progress (for interruption detection).

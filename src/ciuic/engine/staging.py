@@ -41,6 +41,7 @@ from ciuic.engine import unchanged
 from ciuic.engine.own_thread import OwnThread
 from ciuic.errors import StagingBudgetExceeded
 from ciuic.faults import failpoint
+from ciuic.format import chunks as ck
 from ciuic.format.tree import Leaf
 from ciuic.threads import lower_priority
 
@@ -88,6 +89,8 @@ def _range_copier(value: torch.Tensor | np.ndarray,
 
 
 _PAGE = mmap.PAGESIZE
+#: Where a staging buffer starts, past a page boundary: a raw chunk's header bytes.
+SKEW = ck.HEADER_BYTES
 _register_failed = False
 #: Where every CUDA runtime call of this module runs. A failed call leaves its error as the
 #: calling thread's "last error", where PyTorch's next kernel-launch check would find it and
@@ -115,32 +118,42 @@ def allocate_host(nbytes: int, pin: int | None = None) -> torch.Tensor:
     """``nbytes`` of host memory (uninitialized), page-locked for CUDA device ``pin`` unless
     None.
 
-    Pinned memory is registered with ``cudaHostRegister`` at its exact size (whole pages of an
-    allocation of its own: two buffers never share a page, which registering twice would
-    refuse) and unregistered when the last view of it is freed (numpy runs the finalizer before
-    it frees the memory); where registering fails, PyTorch's pinned allocator is used (it rounds
-    up to a power of two), with one warning.
+    The memory starts :data:`SKEW` bytes past a page boundary: a chunk of it, behind its
+    16-byte header, then lies on page boundaries, and the local store writes it with direct I/O
+    straight from here (store/direct.py). Each buffer is an allocation of its own, so two
+    buffers never share a page.
+
+    Pinned memory is registered with ``cudaHostRegister`` at its exact size (whole pages:
+    registering a page twice is refused) and unregistered when the last view of it is freed
+    (numpy runs the finalizer before it frees the memory); where registering fails, PyTorch's
+    pinned allocator is used (it rounds up to a power of two, and its buffers are not skewed),
+    with one warning.
     """
     global _register_failed
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if pin is not None and _register_failed:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = np.empty(nbytes + 2 * _PAGE + SKEW, dtype=np.uint8)
+    page = -raw.ctypes.data % _PAGE  # the first page boundary inside ``raw``
+    start = page + SKEW
+    buf = torch.from_numpy(raw[start:start + nbytes])
     if pin is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    if not _register_failed and nbytes > 0:
-        raw = np.empty(nbytes + 2 * _PAGE, dtype=np.uint8)
-        start = -raw.ctypes.data % _PAGE
-        span = -(-nbytes // _PAGE) * _PAGE
-        ptr = raw.ctypes.data + start
-        try:
-            err = _pin_thread.run(_register, ptr, span, pin)
-            why = f"cudaError {err}"
-        except Exception as e:  # no such binding in this torch build
-            err, why = -1, f"{type(e).__name__}: {e}"
-        if err == 0:
-            weakref.finalize(raw, _unpin, ptr, pin)
-            return torch.from_numpy(raw[start:start + nbytes])
-        _register_failed = True
-        log.warning("could not page-lock staging memory with cudaHostRegister (%s); using "
-                    "PyTorch's pinned allocator, which rounds each buffer up to a power of two "
-                    "(more host memory)", why)
+        return buf
+    ptr = raw.ctypes.data + page
+    span = -(-(SKEW + nbytes) // _PAGE) * _PAGE
+    try:
+        err = _pin_thread.run(_register, ptr, span, pin)
+        why = f"cudaError {err}"
+    except Exception as e:  # no such binding in this torch build
+        err, why = -1, f"{type(e).__name__}: {e}"
+    if err == 0:
+        weakref.finalize(raw, _unpin, ptr, pin)
+        return buf
+    _register_failed = True
+    log.warning("could not page-lock staging memory with cudaHostRegister (%s); using "
+                "PyTorch's pinned allocator, which rounds each buffer up to a power of two "
+                "(more host memory)", why)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 

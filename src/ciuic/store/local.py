@@ -12,6 +12,8 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
+import mmap
 import os
 import secrets
 import threading
@@ -20,16 +22,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ciuic import knobs
 from ciuic.errors import ObjectNotFound, StoreError
+from ciuic.store import direct as dio
 from ciuic.store.base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
+log = logging.getLogger("ciuic")
 
 
 _SYNC_THREADS = 8
 #: A local disk's write speed is measured once per file system and process, by writing this many
 #: bytes (not zeros: some file systems compress) and fsync'ing them.
 PROBE_BYTES = 256 * 1024 * 1024
+_PROBE_BLOCK = 4 * 1024 * 1024
 _speeds: dict[int, float] = {}  # st_dev -> bytes/s
 _read_speeds: dict[int, float] = {}  # st_dev -> bytes/s of a cold read of the probe
 _speeds_lock = threading.Lock()
@@ -104,6 +110,12 @@ class LocalStore(Store):
         self._pending: list[Path] = []
         self._pending_lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
+        #: direct I/O for objects that line up (store/direct.py), until the file system or the
+        #: device refuses it
+        self.direct = True
+        #: bytes written with direct I/O, and in all, by this store object
+        self.direct_bytes = 0
+        self.written_bytes = 0
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
@@ -142,16 +154,27 @@ class LocalStore(Store):
             return _read_speeds.get(device)
 
     def _probe(self) -> tuple[float, float | None] | None:
-        """(write, cold read) bytes/s of :data:`PROBE_BYTES` (the read None where the page
-        cache could not be dropped for the file, or the read failed)."""
+        """(write, cold read) bytes/s of :data:`PROBE_BYTES`, written as chunks are (4 MiB
+        writes, direct where the store writes direct; a probe through the page cache measured
+        0.43-0.53 GB/s on the development VM, where direct chunk writes reach 1.6) and fsync'ed
+        (the read None where the page cache could not be dropped for the file, or the read
+        failed)."""
         path = self.root / f"{_TMP}probe-{secrets.token_hex(8)}"
-        block = os.urandom(1 << 20)
+        block = mmap.mmap(-1, _PROBE_BLOCK)  # page-aligned: writable direct, as chunks are
+        block[:] = os.urandom(_PROBE_BLOCK)
         try:
             t0 = time.perf_counter()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd, direct = dio.open_for(path, self.direct and knobs.get().direct_io)
             try:
-                for _ in range(PROBE_BYTES >> 20):
-                    os.write(fd, block)
+                for _ in range(PROBE_BYTES // _PROBE_BLOCK):
+                    try:
+                        os.write(fd, block)
+                    except OSError as e:  # the device refuses this alignment: buffered
+                        if not direct or e.errno != errno.EINVAL:
+                            raise
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~dio.FLAG)
+                        direct = False
+                        os.write(fd, block)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -209,9 +232,22 @@ class LocalStore(Store):
         parent = path.parent
         self._ensure_dir(parent)
         tmp = parent / f"{_TMP}{secrets.token_hex(8)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        views = parts(data)
+        pages = dio.plan(views) if self.direct and knobs.get().direct_io else None
+        fd, direct = dio.open_for(tmp, pages is not None)
         try:
-            _write_all(fd, parts(data))
+            if direct and pages is not None:
+                wrote = dio.write(fd, pages)
+                with self._pending_lock:
+                    self.direct_bytes += wrote
+                if not wrote:
+                    self._refuse("the device refused the alignment of a direct write")
+            else:
+                if pages is not None:
+                    self._refuse("the file system refused O_DIRECT")
+                _write_all(fd, views)
+            with self._pending_lock:
+                self.written_bytes += sum(len(v) for v in views)
             if self.fsync:
                 if sync:
                     os.fsync(fd)
@@ -224,6 +260,11 @@ class LocalStore(Store):
             raise
         os.close(fd)
         return tmp
+
+    def _refuse(self, why: str) -> None:
+        if self.direct:
+            self.direct = False
+            log.info("%s: writing %s through the page cache", why, self.root)
 
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         path = self._path(key)
