@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from ciuic.chain.health import HealthTracker
 from ciuic.chain.lease import Lease
 from ciuic.chain.lease import check as check_lease
 from ciuic.chain.repo import Repository
-from ciuic.engine.compression import CompressionPolicy, float_kind
+from ciuic.engine.compression import CompressionPolicy, float_kind, usable_cores
 from ciuic.errors import StoreError
 from ciuic.faults import failpoint
 from ciuic.format import chunks as ck
@@ -98,17 +98,27 @@ def _describe(leaf: Leaf) -> dict[str, Any]:
 
 
 class _ChunkWriter:
-    """Hashes pieces and writes those the store lacks, on a few threads (BLAKE3 and the
-    store's writes release the GIL). Identical pieces within a snapshot are written once."""
+    """Names pieces and writes those the store lacks. Identical pieces within a snapshot are
+    written once.
+
+    Naming (BLAKE3, and the float codec where it compresses) runs on the calling threads; the
+    store's writes on the ``io`` threads, at most :data:`WRITES_AHEAD` per I/O thread queued, so
+    that the store always has writes to do while the next pieces are hashed (on the development
+    VM, hashing and writing on the same four threads left the disk idle a quarter of the time).
+    :meth:`drain` waits for the writes and raises the first failure."""
 
     def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec,
-                 compression: CompressionPolicy) -> None:
+                 compression: CompressionPolicy, io: ThreadPoolExecutor, io_threads: int) -> None:
         self.store = repo.store
         self.cache = cache
         self.codec = codec
         self.compression = compression
+        self.io = io
         self.lock = threading.Lock()
         self.stored_bytes = 0  # what the new chunks take in the store (after compression)
+        self._window = threading.BoundedSemaphore(WRITES_AHEAD * io_threads)
+        self._writes: list[Future[None]] = []
+        self._failed = threading.Event()
 
         #: digest of each piece, when hashed ahead (batch mode), and the chunks the store lacks
         self.named: dict[int, str] = {}
@@ -128,7 +138,9 @@ class _ChunkWriter:
     def __call__(self, piece: memoryview, kind: tuple[str, int] | None,
                  known: str | None) -> tuple[str, int]:
         """Name ``piece`` (``known``: its digest, from the last snapshot of the same bytes) and
-        write it unless the store has it. Returns (digest, bytes written)."""
+        queue its write unless the store has it. Returns (digest, bytes to write)."""
+        if self._failed.is_set():  # a write failed: the snapshot fails, stop early
+            raise _Abandoned
         d = known or self.named.get(id(piece)) or self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
@@ -142,16 +154,59 @@ class _ChunkWriter:
             if present:
                 return d, 0
             encoded = self.compression.encode(kind, piece)
+            self._window.acquire()
+        except BaseException:
+            with self.lock:
+                self.cache.digests.discard(d)
+            raise
+        try:
+            write = self.io.submit(self._put, d, key, piece, encoded)
+        except BaseException:
+            self._window.release()
+            with self.lock:
+                self.cache.digests.discard(d)
+            raise
+        with self.lock:
+            self._writes.append(write)
+        return d, len(piece)
+
+    def _put(self, d: str, key: str, piece: memoryview, encoded: bytes | None) -> None:
+        try:
             failpoint("chunk.put")
             self.store.put(key, self.codec.chunk(key, piece, encoded), durable=False)  # synced
             with self.lock:
                 self.stored_bytes += len(piece) if encoded is None else len(encoded)
                 self.cache.suspect.discard(d)
-            return d, len(piece)
         except BaseException:
+            self._failed.set()
             with self.lock:
                 self.cache.digests.discard(d)
             raise
+        finally:
+            self._window.release()
+
+    def drain(self) -> None:
+        """Wait for every queued write; raise the first failure."""
+        with self.lock:
+            writes, self._writes = self._writes, []
+        for write in writes:
+            write.exception()  # wait for all before raising: none is left running
+        for write in writes:
+            write.result()
+
+
+class _Abandoned(Exception):
+    """A piece not named because an earlier write failed (that failure is raised instead)."""
+
+
+#: Writes queued per I/O thread while the naming threads run ahead.
+WRITES_AHEAD = 2
+
+
+def naming_threads() -> int:
+    """Threads that hash (and compress) pieces: the writer threads, on at most as many cores as
+    the process may use (more only take turns on the cores)."""
+    return max(1, min(knobs.get().write_threads, usable_cores()))
 
 
 def _itemsize(flat: torch.Tensor | np.ndarray) -> int:
@@ -211,7 +266,6 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
                 owners.append(desc)
                 spans.append(flat[off // size:(off + n) // size] if by_piece else None)
         leaf.digests = None  # set again below, once every chunk is named
-    writer = _ChunkWriter(repo, cache, codec, compression)
     seen = cache.stats
     reduced: dict[tuple[str, str], st.Stats] = {}
 
@@ -231,16 +285,23 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     by_desc: dict[int, list[st.Stats | None]] = {}
     # new threads inherit the caller's priority: lowered under an asynchronous snapshot's
     # writer, normal under a synchronous one (engine/background.py)
-    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-chunk") as pool:
-        if repo.store.batch_missing and pieces:
-            writer.ask_in_one_batch(pieces, known, pool)
-        for desc, piece, (d, wrote, piece_stats) in zip(
-                owners, pieces, pool.map(write, pieces, kinds, known, spans), strict=True):
-            desc["chunks"].append([d, len(piece)])
-            by_desc.setdefault(id(desc), []).append(piece_stats)
-            new += wrote
-        for desc, flat in whole:
-            desc["stats"] = st.compute(flat).to_json()
+    with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-write") as io, \
+            ThreadPoolExecutor(naming_threads(), thread_name_prefix="ciuic-chunk") as pool:
+        writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads)
+        try:
+            if repo.store.batch_missing and pieces:
+                writer.ask_in_one_batch(pieces, known, pool)
+            for desc, piece, (d, wrote, piece_stats) in zip(
+                    owners, pieces, pool.map(write, pieces, kinds, known, spans), strict=True):
+                desc["chunks"].append([d, len(piece)])
+                by_desc.setdefault(id(desc), []).append(piece_stats)
+                new += wrote
+            for desc, flat in whole:
+                desc["stats"] = st.compute(flat).to_json()
+        except _Abandoned:
+            pass  # drain() raises the failed write's own error
+        # (on any other error, leaving the pools waits for the queued writes)
+        writer.drain()
     cache.stats = reduced
     for leaf, desc, by_piece in chunked:
         leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])
