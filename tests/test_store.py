@@ -56,3 +56,16 @@ def test_chunks_written_without_fsync_start_their_writeback(
     store.sync()
     assert store.get("chunks/ab/one") == b"x" * 100_000
     real(-1)  # a failing call (bad descriptor, a file system without it) raises nothing
+
+
+def test_the_speed_probe_reports_its_fastest_stretch() -> None:
+    """A probe disturbed part of the way (the job starting up) reads the disk at the speed of
+    its undisturbed stretch, not of the whole."""
+    from ciuic.store.local import PROBE_STRETCH, _fastest
+
+    block = 4 << 20
+    per = PROBE_STRETCH // block
+    times = [0.1] * 4 + [0.01] * per + [0.1] * 4
+    assert _fastest(times, block) == pytest.approx(per * block / (0.01 * per))
+    assert _fastest([0.1] * per * 2, block) == pytest.approx(block / 0.1)
+    assert _fastest([0.2, 0.1], block) == pytest.approx(2 * block / 0.3)  # shorter than one
