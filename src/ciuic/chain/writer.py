@@ -118,7 +118,7 @@ class _ChunkWriter:
         self.stored_bytes = 0  # what the new chunks take in the store (after compression)
         self._window = threading.BoundedSemaphore(WRITES_AHEAD * io_threads)
         self._writes: list[Future[None]] = []
-        self._failed = threading.Event()
+        self._failed: BaseException | None = None  # the first write's failure
 
         #: digest of each piece, when hashed ahead (batch mode), and the chunks the store lacks
         self.named: dict[int, str] = {}
@@ -139,8 +139,9 @@ class _ChunkWriter:
                  known: str | None) -> tuple[str, int]:
         """Name ``piece`` (``known``: its digest, from the last snapshot of the same bytes) and
         queue its write unless the store has it. Returns (digest, bytes to write)."""
-        if self._failed.is_set():  # a write failed: the snapshot fails, stop early
-            raise _Abandoned
+        failed = self._failed
+        if failed is not None:  # a write failed: the snapshot fails with its error, at once
+            raise failed
         d = known or self.named.get(id(piece)) or self.codec.name(piece)
         with self.lock:
             if d in self.cache.digests:
@@ -177,10 +178,11 @@ class _ChunkWriter:
             with self.lock:
                 self.stored_bytes += len(piece) if encoded is None else len(encoded)
                 self.cache.suspect.discard(d)
-        except BaseException:
-            self._failed.set()
+        except BaseException as e:
             with self.lock:
                 self.cache.digests.discard(d)
+                if self._failed is None:
+                    self._failed = e
             raise
         finally:
             self._window.release()
@@ -193,10 +195,6 @@ class _ChunkWriter:
             write.exception()  # wait for all before raising: none is left running
         for write in writes:
             write.result()
-
-
-class _Abandoned(Exception):
-    """A piece not named because an earlier write failed (that failure is raised instead)."""
 
 
 #: Writes queued per I/O thread while the naming threads run ahead.
@@ -288,20 +286,16 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-write") as io, \
             ThreadPoolExecutor(naming_threads(), thread_name_prefix="ciuic-chunk") as pool:
         writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads)
-        try:
-            if repo.store.batch_missing and pieces:
-                writer.ask_in_one_batch(pieces, known, pool)
-            for desc, piece, (d, wrote, piece_stats) in zip(
-                    owners, pieces, pool.map(write, pieces, kinds, known, spans), strict=True):
-                desc["chunks"].append([d, len(piece)])
-                by_desc.setdefault(id(desc), []).append(piece_stats)
-                new += wrote
-            for desc, flat in whole:
-                desc["stats"] = st.compute(flat).to_json()
-        except _Abandoned:
-            pass  # drain() raises the failed write's own error
-        # (on any other error, leaving the pools waits for the queued writes)
-        writer.drain()
+        if repo.store.batch_missing and pieces:
+            writer.ask_in_one_batch(pieces, known, pool)
+        for desc, piece, (d, wrote, piece_stats) in zip(
+                owners, pieces, pool.map(write, pieces, kinds, known, spans), strict=True):
+            desc["chunks"].append([d, len(piece)])
+            by_desc.setdefault(id(desc), []).append(piece_stats)
+            new += wrote
+        for desc, flat in whole:
+            desc["stats"] = st.compute(flat).to_json()
+        writer.drain()  # (on an error above, leaving the pools waits for the queued writes)
     cache.stats = reduced
     for leaf, desc, by_piece in chunked:
         leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])

@@ -29,10 +29,14 @@ from typing import Any
 
 import torch
 
+from ciuic.format.chunks import HEADER_BYTES
 from ciuic.supervisor.channel import Link
 
 log = logging.getLogger("ciuic")
 MIN_BYTES = 64 * 1024
+#: A shared buffer starts this far into its memfd, as every staging buffer starts past a page
+#: boundary: its chunks then go to the disk with direct I/O (engine/staging.allocate_host).
+SKEW = HEADER_BYTES
 
 
 class HostTier:
@@ -63,7 +67,8 @@ class HostTier:
         fds = self._link.descriptors([i for _, i, _ in entries])
         try:
             for (path, i, n), fd in zip(entries, fds, strict=True):
-                buf = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
+                buf = torch.frombuffer(mmap.mmap(fd, SKEW + n), dtype=torch.uint8, count=n,
+                                       offset=SKEW)
                 self._track(buf, i)
                 self.adopted[path] = buf
         finally:
@@ -110,8 +115,8 @@ class HostTier:
             i, self._next = self._next, self._next + 1
         fd = os.memfd_create(f"ciuic:{path[-200:]}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, nbytes)
-            region = mmap.mmap(fd, nbytes)
+            os.ftruncate(fd, SKEW + nbytes)
+            region = mmap.mmap(fd, SKEW + nbytes)
             reply = self._call({"op": "put", "id": i, "path": path, "nbytes": nbytes}, [fd])
         finally:
             os.close(fd)
@@ -121,7 +126,7 @@ class HostTier:
                 self.enabled = False
             region.close()
             return None
-        buf = torch.frombuffer(region, dtype=torch.uint8)
+        buf = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=SKEW)
         self._track(buf, i)
         return buf
 
