@@ -148,6 +148,7 @@ class _ChunkWriter:
                 return d, 0
             self.cache.digests.add(d)  # claimed: a twin piece in this snapshot skips the write
             replace = d in self.cache.suspect
+        queued = False
         try:
             key = layout.chunk_key(d)
             present = not replace and (key not in self.lacking if self.lacking is not None
@@ -156,14 +157,11 @@ class _ChunkWriter:
                 return d, 0
             encoded = self.compression.encode(kind, piece)
             self._window.acquire()
-        except BaseException:
-            with self.lock:
-                self.cache.digests.discard(d)
-            raise
-        try:
+            queued = True
             write = self.io.submit(self._put, d, key, piece, encoded)
         except BaseException:
-            self._window.release()
+            if queued:  # acquired, but not handed to a write that releases it
+                self._window.release()
             with self.lock:
                 self.cache.digests.discard(d)
             raise

@@ -95,12 +95,17 @@ def open_for(path: str | os.PathLike[str], direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+def to_buffered(fd: int) -> None:
+    """Turn direct I/O off for ``fd``: its next writes go through the page cache."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~FLAG)
+
+
 def write(fd: int, pages: tuple[memoryview, memoryview, memoryview]) -> int:
     """Write a :func:`plan` to ``fd`` (opened direct, at offset 0): the aligned part direct,
     then the rest buffered. Returns the bytes written direct: 0 where the device refused the
     alignment (EINVAL), and the whole object went buffered."""
     first, body, rest = pages
-    aligned = [first, body] if len(body) else [first]
+    aligned = [first, body]
     size = sum(len(v) for v in aligned)
     done = 0
     try:
@@ -114,7 +119,7 @@ def write(fd: int, pages: tuple[memoryview, memoryview, memoryview]) -> int:
         if e.errno != errno.EINVAL:
             raise
     direct = done
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~FLAG)
+    to_buffered(fd)
     tail = _skip([*aligned, rest], done)
     while tail:
         n = os.pwritev(fd, tail, done)

@@ -43,9 +43,10 @@ PROBE_STRETCH = 32 * 1024 * 1024
 def _fastest(times: list[float], block: int) -> float:
     """Bytes/s of the fastest run of :data:`PROBE_STRETCH` bytes, from each block's time."""
     per = max(1, PROBE_STRETCH // block)
-    runs = [sum(times[i:i + per]) for i in range(0, len(times) - per + 1)] or [sum(times)]
-    return per * block / max(min(runs), 1e-6) if len(times) >= per else (
-        len(times) * block / max(sum(times), 1e-6))
+    if len(times) < per:  # shorter than one stretch: the whole
+        return len(times) * block / max(sum(times), 1e-6)
+    fastest = min(sum(times[i:i + per]) for i in range(len(times) - per + 1))
+    return per * block / max(fastest, 1e-6)
 _speeds: dict[int, float] = {}  # st_dev -> bytes/s
 _read_speeds: dict[int, float] = {}  # st_dev -> bytes/s of a cold read of the probe
 _speeds_lock = threading.Lock()
@@ -123,9 +124,8 @@ class LocalStore(Store):
         #: direct I/O for objects that line up (store/direct.py), until the file system or the
         #: device refuses it
         self.direct = True
-        #: bytes written with direct I/O, and in all, by this store object
+        #: bytes written with direct I/O by this store object
         self.direct_bytes = 0
-        self.written_bytes = 0
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
@@ -191,7 +191,7 @@ class LocalStore(Store):
                     except OSError as e:  # the device refuses this alignment: buffered
                         if not direct or e.errno != errno.EINVAL:
                             raise
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~dio.FLAG)
+                        dio.to_buffered(fd)
                         direct = False
                         os.write(fd, block)
                     times.append(time.perf_counter() - t1)
@@ -270,8 +270,6 @@ class LocalStore(Store):
                 if pages is not None:
                     self._refuse("the file system refused O_DIRECT")
                 _write_all(fd, views)
-            with self._pending_lock:
-                self.written_bytes += sum(len(v) for v in views)
             if self.fsync:
                 if sync:
                     os.fsync(fd)
