@@ -8,9 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.ciuic-installed
-want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/bootstrap.sh scripts/constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
+  # Every install below is held to the versions the suite last passed with (scripts/lock.sh),
+  # so a new release on the registry cannot break a clean clone.
+  export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
   # The dev/CI pin: a CPU build of torch that this machine installs from local files.
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
   .venv/bin/python -m pip install --quiet -e ".[dev]"
