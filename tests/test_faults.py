@@ -8,7 +8,7 @@ import pickle
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -276,3 +276,56 @@ def test_gc_during_a_save_never_deletes_what_the_save_references(store_dir: Path
     with SnapshotManager("p", job="race", store=store_dir) as m2:
         assert m2.restore(fresh, fresh_opt) == 1
     assert torch.equal(fresh.weight, model.weight)
+
+
+class CountingStore(FaultyStore):
+    """The faulty memory store, counting the calls that ask about and write chunks."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.calls: dict[str, int] = {"has": 0, "missing": 0, "put_many": 0}
+
+    def has(self, key: str) -> bool:
+        self.calls["has"] += 1
+        return super().has(key)
+
+    def missing(self, keys: list[str]) -> list[str]:
+        self.calls["missing"] += 1
+        return self.inner.missing(keys)
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        self.calls["put_many"] += 1
+        super().put_many(items, durable=durable)
+
+
+def test_small_chunks_are_asked_about_and_written_in_batches() -> None:
+    """128 small tensors (16 KiB each) and one of 2 MiB: the small ones' chunks go to the store
+    in batches of up to 1 MiB, one call to ask and one to write each (not one per chunk); a
+    transient failure retries a batch whole, and the snapshot restores bit-exactly."""
+    from ciuic.chain.writer import BATCH_BYTES
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(128)],
+                          nn.Linear(1024, 512, bias=False))
+    store = CountingStore("batches")
+    with knobs.override(store_backoff_s=0.01), SnapshotManager(
+            "p", job="batches", store=store, save_interval=1, compression="off") as m:
+        store.mode = "flaky"
+        info = m.save(0, model)
+        assert store.failures >= 1 and m.stats.failures == 0
+        chunks = list(store.list("chunks/"))
+        assert len(chunks) >= 129  # (the RNG states' chunks too)
+        assert info.new_bytes >= 128 * 16384 + (2 << 20)
+        # the small chunks fill two batches exactly; the others may each need one of their own
+        small_batches = 128 * 16384 // BATCH_BYTES
+        asked = store.calls["missing"] + store.calls["has"]
+        assert small_batches == 2
+        assert small_batches + 1 <= asked <= small_batches + 1 + (len(chunks) - 129), store.calls
+        # at most one write per batch asked about, and one more per failure (retried whole)
+        assert small_batches + 1 <= store.calls["put_many"] - store.failures <= asked, store.calls
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        m.restore(model)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import builtins
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from ciuic.errors import InvalidKey
@@ -105,6 +105,13 @@ class Store(abc.ABC):
         a crash after the next :meth:`sync` returns (the writer batches many chunk writes this
         way and syncs once before it writes anything that refers to them).
         """
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        """:meth:`put` each ``(key, data)``, in order: a wrapper passes the whole batch on in one
+        call (the writer batches small chunks so that each costs no thread hand-off of its own).
+        Not atomic as a whole: a failure may leave any prefix of the batch written."""
+        for key, data in items:
+            self.put(key, data, durable=durable)
 
     def sync(self) -> None:  # noqa: B027 - stores that are always durable need nothing
         """Make every ``put(..., durable=False)`` made so far durable."""

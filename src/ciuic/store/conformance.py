@@ -149,6 +149,15 @@ class StoreConformance:
         assert [store.get(f"conformance/batch/{i:02d}") for i in range(20)] == [
             f"v{i}".encode() for i in range(20)]
 
+    def test_put_many_writes_each_object(self, store: Store) -> None:
+        items = [(f"conformance/many/{i:02d}", f"m{i}".encode() * (i + 1)) for i in range(12)]
+        store.put_many(items[:6])
+        store.put_many(items[6:], durable=False)
+        store.put_many([])
+        store.sync()
+        assert [store.get(k) for k, _ in items] == [v for _, v in items]
+        assert store.missing([k for k, _ in items]) == []
+
     def test_missing_answers_in_order(self, store: Store) -> None:
         store.put("conformance/have/1", b"x")
         store.put("conformance/have/3", b"x")

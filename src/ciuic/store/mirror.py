@@ -22,7 +22,7 @@ from __future__ import annotations
 import builtins
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -164,6 +164,18 @@ class MirrorStore(Store):
         self._submit(self._upload, key, after=deleting)
         if durable and self.durability == "remote":
             self.flush()
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        if self.durability == "remote" and durable:  # each put waits for the durable tier
+            super().put_many(items, durable=durable)
+            return
+        for key, _ in items:
+            self._remote_has.discard(key)
+        self.fast.put_many(items, durable=durable)
+        for key, _ in items:
+            with self._lock:
+                deleting = self._deleting.pop(key, None)
+            self._submit(self._upload, key, after=deleting)
 
     def sync(self) -> None:
         self.fast.sync()

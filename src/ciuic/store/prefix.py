@@ -4,7 +4,7 @@ project, ``projects/<name>/``, inside its storage)."""
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 
 from ciuic.store.base import Data, Store, check_key, check_prefix
@@ -29,6 +29,9 @@ class PrefixStore(Store):
 
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self.inner.put(self._k(key), data, durable=durable)
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        self.inner.put_many([(self._k(k), d) for k, d in items], durable=durable)
 
     def sync(self) -> None:
         self.inner.sync()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -80,6 +80,12 @@ class RetryingStore(Store):
 
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self._call("writing", key, lambda: self.inner.put(key, data, durable=durable))
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        # one call, retried whole (a put is idempotent)
+        if items:
+            self._call(f"writing {len(items)} objects, the first", items[0][0],
+                       lambda: self.inner.put_many(items, durable=durable))
 
     def sync(self) -> None:
         self._call("syncing", "", self.inner.sync)
