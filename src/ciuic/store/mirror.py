@@ -159,23 +159,25 @@ class MirrorStore(Store):
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self._remote_has.discard(key)
         self.fast.put(key, data, durable=durable)
-        with self._lock:
-            deleting = self._deleting.pop(key, None)
-        self._submit(self._upload, key, after=deleting)
+        self._upload_later(key)
         if durable and self.durability == "remote":
             self.flush()
 
     def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
-        if self.durability == "remote" and durable:  # each put waits for the durable tier
-            super().put_many(items, durable=durable)
-            return
         for key, _ in items:
             self._remote_has.discard(key)
         self.fast.put_many(items, durable=durable)
         for key, _ in items:
-            with self._lock:
-                deleting = self._deleting.pop(key, None)
-            self._submit(self._upload, key, after=deleting)
+            self._upload_later(key)
+        if durable and self.durability == "remote":  # one wait for the durable tier
+            self.flush()
+
+    def _upload_later(self, key: str) -> None:
+        """Queue the upload of ``key``, just written to the fast tier (after its deletion from
+        the durable tier, where one is under way)."""
+        with self._lock:
+            deleting = self._deleting.pop(key, None)
+        self._submit(self._upload, key, after=deleting)
 
     def sync(self) -> None:
         self.fast.sync()
