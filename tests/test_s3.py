@@ -9,7 +9,13 @@ import threading
 import pytest
 
 from ciuic import knobs
-from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.errors import (
+    ConfigurationError,
+    InvalidKey,
+    ObjectNotFound,
+    StoreAccessError,
+    StoreError,
+)
 from ciuic.store import open_store
 from ciuic.store.retry import RetryingStore
 from ciuic.store.s3 import S3Store
@@ -33,6 +39,42 @@ def test_large_objects_use_multipart_and_parallel_ranged_reads(s3_url: str,
         assert s.create("big/one", blob) is False
         assert s.create("big/two", blob) is True
         assert s.get("big/two") == blob
+
+
+def test_a_batch_of_small_objects_is_sent_and_asked_about_in_parallel(s3_url: str) -> None:
+    """Each PUT and HEAD waits a round trip or two: a batch of a model's small chunks goes out
+    in parallel requests, not one after another. Each request here waits at a barrier for a
+    second one to be in flight (one at a time, the first would wait until the barrier breaks,
+    and the batch would fail)."""
+    s = open_store(s3_url)
+    assert isinstance(s, S3Store)
+    barriers = {"PutObject": threading.Barrier(2, timeout=20),
+                "HeadObject": threading.Barrier(2, timeout=20)}
+    met: list[str] = []
+
+    def in_pairs(model: object, **_: object) -> None:
+        name = str(getattr(model, "name", ""))
+        if name in barriers:
+            barriers[name].wait()
+            met.append(name)
+
+    s._client.meta.events.register("before-call.s3.PutObject", in_pairs)
+    s._client.meta.events.register("before-call.s3.HeadObject", in_pairs)
+    keys = [f"chunks/aa/{i}" for i in range(4)]
+    s.put_many([(k, k.encode() * 100) for k in keys], durable=False)
+    lacking = ["chunks/bb/0", "chunks/bb/1"]
+    assert s.missing([keys[0], *lacking, keys[3]]) == lacking  # 4 HEADs, in the keys' order
+    assert met.count("PutObject") == 4 and met.count("HeadObject") == 4
+    s._client.meta.events.unregister("before-call.s3.PutObject", in_pairs)
+    s._client.meta.events.unregister("before-call.s3.HeadObject", in_pairs)
+    assert [s.get(k) for k in keys] == [k.encode() * 100 for k in keys]
+
+
+def test_a_failed_object_fails_its_batch_after_the_others_are_written(s3_url: str) -> None:
+    s = open_store(s3_url)
+    with pytest.raises(InvalidKey):
+        s.put_many([("ok/one", b"1"), ("../bad", b"2"), ("ok/two", b"3")])
+    assert s.get("ok/one") == b"1" and s.get("ok/two") == b"3"  # none left running
 
 
 def test_prefixes_isolate_stores_in_one_bucket(s3_url: str) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from ciuic import SnapshotManager
 from ciuic.catalog.keys import audit_log, create_key, revoke_key
 from ciuic.chain.repo import Repository
 from ciuic.server import create_app
+from ciuic.threads import Pools
 from tests.s3server import free_port
 from tests.serverutil import cli, new_key, serve
 
@@ -221,16 +223,43 @@ def _save_through(http: TestClient, key: str, store: str, model: nn.Module) -> s
 
             self._httpx = httpx
             self._client = http  # type: ignore[assignment]
+            self._pools = Pools(2, "test-http")
 
         def _call(self, method: str, path: str, **kw: Any) -> Any:
             kw.setdefault("headers", {})["Authorization"] = f"Bearer {key}"
             return super()._call(method, "/v1/projects/p" + path, **kw)
 
         def close(self) -> None:  # the test owns the client
-            pass
+            self._pools.shutdown()
 
     with SnapshotManager("p", store=Local(), handle_signals=False) as m:
         return m.save(1, model).id
+
+
+def test_a_batch_of_small_objects_goes_to_the_server_in_parallel(
+        server: tuple[str, Path]) -> None:
+    """A batch of a model's small chunks is sent in parallel requests, not one round trip
+    after another: each PUT here waits at a barrier for a second one to be in flight (one at a
+    time, the barrier would break and the batch fail)."""
+    from ciuic.store.http import HttpStore
+
+    url, store = server
+    s = HttpStore(f"{url}/v1/projects/batches", api_key=new_key(store, "batches", "writer"))
+    barrier = threading.Barrier(2, timeout=20)
+    met: list[str] = []
+
+    def in_pairs(request: Any) -> None:
+        if request.method == "PUT":
+            barrier.wait()
+            met.append(request.url.path)
+
+    s._client.event_hooks = {"request": [in_pairs], "response": []}
+    keys = [f"chunks/aa/{i}" for i in range(4)]
+    s.put_many([(k, k.encode() * 100) for k in keys], durable=False)
+    assert sorted(met) == sorted(f"/v1/projects/batches/objects/{k}" for k in keys)
+    s._client.event_hooks = {"request": [], "response": []}
+    assert [s.get(k) for k in keys] == [k.encode() * 100 for k in keys]
+    s.close()
 
 
 def test_names_keys_and_sizes_are_checked_with_clear_json_errors(

@@ -23,11 +23,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from ciuic import knobs
 
 _LINUX = sys.platform.startswith("linux")
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def lower_priority() -> None:
@@ -68,6 +72,18 @@ class Pools:
 
     def get(self) -> ThreadPoolExecutor:
         return self._lowered if lowered() else self._normal
+
+    def each(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``fn(item)`` for every item, in parallel on the caller's pool; the results in order.
+        Waits for every call before it raises the first failure, so that none is left running.
+        ``fn`` must not wait for work on these pools (their threads could all be waiting)."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        pool = self.get()
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            future.exception()
+        return [future.result() for future in futures]
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop both pools: waiting for their work, or cancelling what has not started."""

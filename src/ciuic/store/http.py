@@ -17,13 +17,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlparse
 
 from ciuic import knobs
 from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
 from ciuic.store.base import Data, Store, check_key, check_prefix, joined
+from ciuic.threads import Pools
 
 _MISSING_BATCH = 10_000  # keys per "missing" request (the server takes up to 100 000)
 
@@ -71,6 +72,8 @@ class HttpStore(Store):
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(timeout, connect=knobs.get().s3_connect_timeout_s),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
+        #: a batch's PUTs in parallel (the client is shared between threads)
+        self._pools = Pools(knobs.get().s3_concurrency, "ciuic-http")
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
@@ -93,6 +96,11 @@ class HttpStore(Store):
 
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self._call("PUT", self._obj(key), content=joined(data))
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        """A batch's objects sent in parallel requests: one after another, a batch of small
+        chunks waited as many round trips as it has chunks."""
+        self._pools.each(lambda item: self.put(*item), items)
 
     def create(self, key: str, data: Data) -> bool:
         r = self._call("PUT", self._obj(key), content=joined(data), params={"create": "true"})
@@ -151,6 +159,7 @@ class HttpStore(Store):
         return dict(r.json())
 
     def close(self) -> None:
+        self._pools.shutdown()
         self._client.close()
 
 

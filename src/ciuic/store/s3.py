@@ -23,10 +23,11 @@ first-time passphrase set-ups); the lease's fencing token narrows the first, see
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
@@ -146,6 +147,17 @@ class S3Store(Store):
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         check_key(key)
         self._call("writing", key, lambda: self._upload(key, data, conditional=False))
+
+    def put_many(self, items: Sequence[tuple[str, Data]], *, durable: bool = True) -> None:
+        """The objects of a batch uploaded in parallel (each PUT waits a round trip or two: one
+        after another, a batch of small chunks took as many round trips as it has chunks);
+        those large enough for a multipart upload one after another, each in parallel parts."""
+        large = [sum(len(p) for p in parts(data)) > self._threshold for _, data in items]
+        self._pools.each(lambda item: self.put(*item),
+                         [item for item, big in zip(items, large, strict=True) if not big])
+        for item, big in zip(items, large, strict=True):
+            if big:  # (its parts go to the pools: not sent from a pool's thread)
+                self.put(*item)
 
     def _upload(self, key: str, data: Data, *, conditional: bool) -> None:
         """PUT (or multipart upload) ``data``; raises ClientError 412 if ``conditional`` and
@@ -286,6 +298,11 @@ class S3Store(Store):
         except ObjectNotFound:
             return False
         return True
+
+    def missing(self, keys: builtins.list[str]) -> builtins.list[str]:
+        """Asked with parallel HEAD requests (S3 has no call that asks about many keys)."""
+        found = self._pools.each(self.has, keys)
+        return [k for k, present in zip(keys, found, strict=True) if not present]
 
     def list(self, prefix: str = "") -> Iterator[str]:
         check_prefix(prefix)
