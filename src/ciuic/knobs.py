@@ -36,7 +36,9 @@ class Knobs:
     store_timeout_s: float = 120.0
     store_backoff_s: float = 0.1
     #: S3: objects above this size go up as multipart uploads (and come back as parallel ranged
-    #: GETs) in parts of ``s3_part_bytes``, ``s3_concurrency`` at a time per store.
+    #: GETs) in parts of ``s3_part_bytes``, ``s3_concurrency`` at a time per store; a batch of
+    #: small objects goes up, and is asked about, that many at a time too (on a server store:
+    #: its PUTs).
     s3_multipart_threshold_bytes: int = 16 * 1024 * 1024
     s3_part_bytes: int = 8 * 1024 * 1024
     s3_concurrency: int = 8
