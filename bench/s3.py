@@ -11,7 +11,7 @@ until ``save()`` returns (committed: every object acknowledged by the server); b
 ``upload_file`` of one file holding the same tensor bytes (multipart, 10 threads, its defaults),
 the file already in the page cache. Prints min/median/max.
 
-``--state small`` snapshots the demo's model and AdamW state instead (118 tensors, 4.8 MiB: a
+``--state small`` snapshots the demo's model and AdamW state instead (87 tensors, 4.8 MiB: a
 snapshot of many small chunks, which ciuic writes in batches). ``--rtt-ms`` puts a proxy in
 front of the server that delays each request by a network round trip (bench/latency.py), for
 both systems: moto on 127.0.0.1 answers in well under a millisecond, real S3 in 10-30 ms, and a

@@ -33,6 +33,11 @@ def parts(data: Data) -> list[memoryview]:
     return [memoryview(data).cast("B")]
 
 
+def size(data: Data) -> int:
+    """How many bytes ``data`` holds."""
+    return sum(len(p) for p in parts(data))
+
+
 def joined(data: Data) -> bytes:
     return b"".join(parts(data)) if isinstance(data, list) else bytes(data)
 

@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ciuic import knobs
 from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
-from ciuic.store.base import Data, Store, check_key, check_prefix, joined, parts
+from ciuic.store.base import Data, Store, check_key, check_prefix, joined, size
 from ciuic.threads import Pools
 
 T = TypeVar("T")
@@ -152,7 +152,7 @@ class S3Store(Store):
         """The objects of a batch uploaded in parallel (each PUT waits a round trip or two: one
         after another, a batch of small chunks took as many round trips as it has chunks);
         those large enough for a multipart upload one after another, each in parallel parts."""
-        large = [sum(len(p) for p in parts(data)) > self._threshold for _, data in items]
+        large = [size(data) > self._threshold for _, data in items]
         self._pools.each(lambda item: self.put(*item),
                          [item for item, big in zip(items, large, strict=True) if not big])
         for item, big in zip(items, large, strict=True):
@@ -162,30 +162,30 @@ class S3Store(Store):
     def _upload(self, key: str, data: Data, *, conditional: bool) -> None:
         """PUT (or multipart upload) ``data``; raises ClientError 412 if ``conditional`` and
         the key exists. S3 writes are durable when the call returns."""
-        size = sum(len(p) for p in parts(data))
+        nbytes = size(data)
         extra = {"IfNoneMatch": "*"} if conditional else {}
-        if size <= self._threshold:
+        if nbytes <= self._threshold:
             body = joined(data)
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, **extra)
             return
-        self._multipart(key, data, size, extra)
+        self._multipart(key, data, nbytes, extra)
 
-    def _multipart(self, key: str, data: Data, size: int, extra: dict[str, str]) -> None:
+    def _multipart(self, key: str, data: Data, nbytes: int, extra: dict[str, str]) -> None:
         blob = memoryview(joined(data))
         name = self._key(key)
         upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
         step = self._part_bytes
 
-        def send(number: int, start: int) -> dict[str, Any]:
+        def send(start: int) -> dict[str, Any]:
+            number = start // step + 1
             part = bytes(blob[start:start + step])
             etag = self._client.upload_part(Bucket=self.bucket, Key=name, UploadId=upload,
                                             PartNumber=number, Body=part)["ETag"]
             return {"ETag": etag, "PartNumber": number}
 
         try:
-            futures = [self._pools.get().submit(send, i + 1, start)
-                       for i, start in enumerate(range(0, size, step))]
-            done = [f.result() for f in futures]
+            # every part finished before an abort: a part still uploading could outlive it
+            done = self._pools.each(send, range(0, nbytes, step))
             self._client.complete_multipart_upload(
                 Bucket=self.bucket, Key=name, UploadId=upload,
                 MultipartUpload={"Parts": done}, **extra)
@@ -282,9 +282,8 @@ class S3Store(Store):
                                                Range=f"bytes={start}-{end}", **extra)
                 _read_into(part["Body"], views, start, end + 1 - start)
 
-            for future in [self._pools.get().submit(fetch, s)
-                           for s in range(first, total, self._part_bytes)]:
-                future.result()
+            # (every fetch done before a failure is raised: none writes into the buffers after)
+            self._pools.each(fetch, range(first, total, self._part_bytes))
         return total
 
     def _head(self, key: str) -> dict[str, Any]:
