@@ -55,6 +55,22 @@ def test_killed_mid_epoch_after_epoch_0_it_ends_bit_exact(reference: Path,
     assert differences(final(reference), final(tmp_path)) == {}
 
 
+@pytest.mark.parametrize("every", [
+    "5",  # resumed mid-epoch 1, from step 15
+    pytest.param("12", marks=pytest.mark.slow),  # resumed at epoch 1's start, from step 12
+], ids=["mid-epoch", "epoch-end"])
+def test_a_loader_with_its_own_generator_killed_after_epoch_0_ends_bit_exact(
+        tmp_path: Path, every: str) -> None:
+    """``DataLoader(generator=torch.Generator())``: the resumed epoch's order is drawn from the
+    generator as the interrupted run had it, not from a new one (epoch 0's order)."""
+    args = ("--generator", "--every", every)
+    finished(fit(tmp_path / "a", *args))
+    killed(fit(tmp_path / "b", *args, "--kill-at", "17"))
+    again = finished(fit(tmp_path / "b", *args))
+    assert resumed_at(again, "Lightning fit") == (15 if every == "5" else 12)
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
 @pytest.mark.slow
 def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
         reference: Path, tmp_path: Path) -> None:

@@ -32,18 +32,18 @@ def ahead(loader: DataLoader[Any]) -> Iterator[torch.Tensor]:
         current = following
 
 
-def make(shuffle: bool = False, skip: bool = False) -> tuple[DataLoader[Any], FetchRng]:
-    loader = DataLoader(Noisy(), batch_size=4, shuffle=shuffle)  # shuffle: order from the RNG
-    fetch = FetchRng(skip=skip)
-    assert fetch.attach(loader.batch_sampler)
-    return loader, fetch
-
-
 def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None,
-        shuffle: bool = False, skip: bool = False) -> tuple[list[torch.Tensor], Any]:
+        shuffle: bool = False, skip: bool = False, generator: bool = False,
+        late: bool = False) -> tuple[list[torch.Tensor], Any]:
     """Train-like loop: per batch one more RNG draw (dropout). ``stop=(epoch, step)``: return the
-    snapshot (RNG + FetchRng state) taken after that step; ``resume``: start from one."""
-    loader, fetch = make(shuffle, skip)
+    snapshot (RNG + FetchRng state) taken after that step; ``resume``: start from one.
+    ``shuffle``: the order from the global RNG, or with ``generator`` from the loader's own;
+    ``late``: the loader is attached after the restore (as Lightning's is)."""
+    loader = DataLoader(Noisy(), batch_size=4, shuffle=shuffle,
+                        generator=torch.Generator() if generator else None)
+    fetch = FetchRng(skip=skip)
+    if not late:
+        assert fetch.attach_loader(loader)
     seen: list[torch.Tensor] = []
     start_epoch, skip_n = 0, 0
     if resume is not None:
@@ -53,6 +53,8 @@ def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None,
         fetch.restored()
     else:
         torch.manual_seed(0)
+    if late:
+        assert fetch.attach_loader(loader)
     for epoch in range(start_epoch, epochs):
         for step, batch in enumerate(ahead(loader), 1 + (skip_n if skip else 0)):
             if not skip and epoch == start_epoch and step <= skip_n:
@@ -66,14 +68,17 @@ def run(epochs: int, stop: tuple[int, int] | None = None, resume: Any = None,
     return seen, None
 
 
-@pytest.mark.parametrize(("shuffle", "skip"), [(False, False), (True, False), (True, True)],
-                         ids=["in-order", "shuffled-by-the-global-rng", "the-sampler-skips"])
-def test_resuming_mid_pass_and_at_a_pass_end_gives_the_same_batches(shuffle: bool,
-                                                                    skip: bool) -> None:
-    full, _ = run(3, shuffle=shuffle)
+@pytest.mark.parametrize(("shuffle", "skip", "generator", "late"), [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False),
+    (True, False, True, False), (True, True, True, True)],
+    ids=["in-order", "shuffled-by-the-global-rng", "the-sampler-skips",
+         "shuffled-by-the-loader-generator", "the-loader-generator-attached-after-the-restore"])
+def test_resuming_mid_pass_and_at_a_pass_end_gives_the_same_batches(
+        shuffle: bool, skip: bool, generator: bool, late: bool) -> None:
+    full, _ = run(3, None, None, shuffle, skip, generator, late)
     for stop in [(1, 2), (0, 5), (1, 6), (2, 1)]:
-        before, snap = run(3, stop=stop, shuffle=shuffle, skip=skip)
-        after, _ = run(3, resume=snap, shuffle=shuffle, skip=skip)
+        before, snap = run(3, stop, None, shuffle, skip, generator, late)
+        after, _ = run(3, None, snap, shuffle, skip, generator, late)
         assert len(before) + len(after) == len(full)
         assert all(torch.equal(a, b) for a, b in zip(before + after, full, strict=True)), stop
 

@@ -3,9 +3,10 @@
     python tests/helpers/pl_train.py --out DIR --mode ciuic|pl [--kill-at STEP] [--ddp]
 
 An MLP with dropout on random data whose ``__getitem__`` adds noise from torch's global RNG,
-shuffled by a plain ``DataLoader(shuffle=True)`` (its order also drawn from the global RNG), with
-Adam and a StepLR scheduler. ``--kill-at`` SIGKILLs the process (every rank: each kills itself)
-at the end of that global step. ``--mode ciuic`` fits with CiuicCallback into DIR/store;
+shuffled by a plain ``DataLoader(shuffle=True)`` (its order also drawn from the global RNG; with
+``--generator`` from the loader's own ``torch.Generator()``), with Adam and a StepLR scheduler.
+``--kill-at`` SIGKILLs the process (every rank: each kills itself) at the end of that global
+step. ``--mode ciuic`` fits with CiuicCallback into DIR/store;
 ``--mode pl`` with Lightning's ModelCheckpoint (every 5 steps, DIR/pl) and ``ckpt_path="last"``.
 ``--package pytorch_lightning`` uses that package instead of ``lightning.pytorch``. At a normal
 end rank 0 writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
@@ -38,6 +39,8 @@ def main() -> int:
     p.add_argument("--val", action="store_true", help="validate at each epoch's end")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--generator", action="store_true",
+                   help="the train loader shuffles with its own torch.Generator()")
     a = p.parse_args()
     pl: Any = importlib.import_module(a.package)
     out = Path(a.out)
@@ -65,7 +68,8 @@ def main() -> int:
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)]
 
         def train_dataloader(self) -> DataLoader[Any]:
-            return DataLoader(Noisy(48), batch_size=4, shuffle=True)
+            return DataLoader(Noisy(48), batch_size=4, shuffle=True,
+                              generator=torch.Generator() if a.generator else None)
 
         def val_dataloader(self) -> DataLoader[Any]:
             return DataLoader(Noisy(8), batch_size=4)

@@ -8,7 +8,9 @@ How it hooks in (docs/integrations.md, "Lightning"):
 - ``setup``: builds the :class:`SnapshotManager` from the arguments it was given (the process
   group exists by then, so under DDP every rank builds its own, as ciuic's multi-rank mode
   wants), and wraps the strategy's ``process_dataloader`` to hook the train loader's batch
-  sampler (:class:`ciuic.state.replay.FetchRng`) before Lightning first iterates it.
+  sampler (:class:`ciuic.state.replay.FetchRng`) before Lightning first iterates it; the
+  generators its order is drawn from (``DataLoader(generator=)``) are kept and put back with
+  the RNG's state.
 - ``on_fit_start`` (optimizers exist, Lightning's own restore comes right after): one
   ``manager.restore()`` of the model, the optimizer, the data position and the RNG; the rest of
   Lightning's checkpoint (loops, callbacks, schedulers, precision plugin, datamodule) is handed
@@ -104,6 +106,7 @@ def build(pl: Any) -> type:
                     return out
 
                 strategy.process_dataloader = process_dataloader
+            self.fetch = FetchRng(skip=True)  # this fit's loader is attached after its restore
             self._restored = False
             self._last_step = None
             self._at_epoch_end = None
@@ -112,7 +115,7 @@ def build(pl: Any) -> type:
             stateful = callable(getattr(loader, "state_dict", None)) and callable(
                 getattr(loader, "load_state_dict", None))
             self.fetch.skip = not stateful  # a stateful loader is put back by Lightning itself
-            if not self.fetch.attach(getattr(loader, "batch_sampler", None)):
+            if not self.fetch.attach_loader(loader):
                 log.info("the train loader has no batch sampler (an iterable dataset): the RNG "
                          "at each batch fetch is not recorded, and augmentation drawn from the "
                          "global RNGs may differ on resume")

@@ -8,8 +8,6 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 from ciuic.errors import ConfigurationError
 from ciuic.state.replay import FetchRng
 
@@ -47,14 +45,7 @@ class LoaderPosition:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.fetch = FetchRng(skip=True)
-        self.hooked = self.fetch.attach(getattr(loader, "batch_sampler", None))
-        seen: dict[int, torch.Generator] = {}
-        for g in (getattr(loader, "synchronized_generator", None),
-                  getattr(getattr(loader, "sampler", None), "generator", None),
-                  getattr(loader, "generator", None)):
-            if isinstance(g, torch.Generator):
-                seen.setdefault(id(g), g)
-        self.fetch.generators = list(seen.values())
+        self.hooked = self.fetch.attach_loader(loader)
         self.consumed = 0
         self.passes = 0  # passes completed (the epoch of a loader that does not count them)
         self._resume_at = 0  # batches of the resumed epoch already trained on

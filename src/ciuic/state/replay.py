@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from ciuic.errors import ConfigurationError
 from ciuic.state.capture import rng_state, set_rng_state
 
@@ -76,6 +78,12 @@ class FetchRng:
         self.generators: list[Any] = []
         self._gen_start: list[Any] | None = None
 
+    def attach_loader(self, loader: Any) -> bool:
+        """Hook ``loader``'s batch sampler (:meth:`attach`), and replay the generators its
+        order is drawn from with the global RNG's (:func:`loader_generators`)."""
+        self.generators = loader_generators(loader)
+        return self.attach(getattr(loader, "batch_sampler", None))
+
     def attach(self, batch_sampler: Any) -> bool:
         """Hook ``batch_sampler`` (a loader's, before it is iterated). Returns False, hooking
         nothing, for a loader without one (an iterable dataset)."""
@@ -115,6 +123,8 @@ class FetchRng:
             plan["final"] = rng_state()
         if plan is not None and plan["consumed"] == 0:
             set_rng_state(plan["final"])
+            if plan["generators"] is not None:  # restored before the loader was attached
+                _set_generators(self.generators, plan["generators"])
             plan = None
         return self._pass(inner, plan)
 
@@ -174,9 +184,11 @@ class FetchRng:
                       "pending": {int(j): s for j, s in state["pending"]},
                       "final": None, "generators": None}
         if state.get("generators") is not None:
-            if self._plan["consumed"] == 0:  # the next pass draws from them as they were
-                _set_generators(self.generators, state["generators"])
-            else:  # the interrupted pass drew its order from them as they were at its start
+            if self._plan["consumed"] == 0 and (self.attached or self.generators):
+                _set_generators(self.generators, state["generators"])  # the next pass draws
+                # from them as they were
+            else:  # the interrupted pass drew its order from them as they were at its start;
+                # or the loader is attached after the restore (Lightning): set when it starts
                 self._plan["generators"] = state["generators"]
 
     def restored(self) -> None:
@@ -185,7 +197,26 @@ class FetchRng:
             self._plan["final"] = rng_state()
 
 
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators ``loader`` draws its order from, each once: accelerate's synchronized
+    one, its sampler's (``RandomSampler(generator=)``), its own (``DataLoader(generator=)``,
+    the sampler's too with ``shuffle=True``)."""
+    seen: dict[int, torch.Generator] = {}
+    for g in (getattr(loader, "synchronized_generator", None),
+              getattr(getattr(loader, "sampler", None), "generator", None),
+              getattr(loader, "generator", None)):
+        if isinstance(g, torch.Generator):
+            seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
 def _set_generators(generators: list[Any], states: list[Any]) -> None:
+    if not states and generators:
+        log.warning("the snapshot holds no state of the data loader's %d generator(s) (its "
+                    "loader had none, or the ciuic that took it did not save them): the "
+                    "resumed pass draws its order from them as they are now, not as the "
+                    "interrupted run had them", len(generators))
+        return
     if len(states) != len(generators):
         raise ConfigurationError(
             f"the snapshot holds the state of {len(states)} data loader generator(s), this "
