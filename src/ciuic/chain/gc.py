@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ciuic import knobs
 from ciuic.chain.read import body_states, chunk_refs
@@ -111,6 +111,16 @@ class GcResult:
     kept_chunks: int = 0
     skipped: str = ""
     damaged: list[str] = field(default_factory=list)
+
+    def add(self, other: GcResult) -> None:
+        """Count ``other``'s (another store's gc) with these; a skip or damage in either is
+        said."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, int):
+                setattr(self, f.name, mine + theirs)
+        self.skipped = "; ".join(x for x in (self.skipped, other.skipped) if x)
+        self.damaged.extend(other.damaged)
 
 
 def referenced(repo: Repository, progress: Callable[[str], None] | None = None

@@ -147,10 +147,20 @@ class _Reader:
         """Whether ``Repository.sync_job`` would change nothing: for ``job``, or (None) for
         every job the store holds a manifest of. The catalog must know each manifest the store
         lists, and the body of each snapshot it holds committed must be in the store."""
-        prefix = layout.jobs_prefix() if job is None else layout.job_prefix(*job)
+        served = self.store.children(layout.PROJECTS)  # a server's storage: its projects
+        if job is None:
+            where = [(self.store, layout.jobs_prefix(), served),
+                     *((LocalStore(self.store.root / layout.PROJECTS / p), layout.jobs_prefix(p),
+                        []) for p in served)]
+        elif job[0] in served:
+            where = [(LocalStore(self.store.root / layout.PROJECTS / job[0]),
+                      layout.job_prefix(*job), [])]
+        else:
+            where = [(self.store, layout.job_prefix(*job), [])]
         listed: dict[tuple[str, str], set[str]] = {}
         bodies: dict[tuple[str, str], set[str]] = {}
-        for key in self.store.list(prefix):
+        for key in (k for store, prefix, hidden in where for k in store.list(prefix)
+                    if k.split("/", 2)[1] not in hidden):
             manifest, body = layout.parse_manifest(key), layout.parse_body(key)
             if manifest is not None:
                 listed.setdefault((manifest.project, manifest.job), set()).add(

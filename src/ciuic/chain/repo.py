@@ -36,6 +36,7 @@ from ciuic.format.digest import digest, is_digest
 from ciuic.format.info import SnapshotInfo
 from ciuic.store import LocalStore, Store, open_store
 from ciuic.store.mirror import MirrorStore
+from ciuic.store.prefix import PrefixStore
 from ciuic.store.retry import RetryingStore
 
 log = logging.getLogger("ciuic")
@@ -76,13 +77,26 @@ def cached_catalog_url(store_url: str) -> str:
 
 
 class Repository:
-    def __init__(self, store: Store, catalog: Catalog) -> None:
+    """A store and the catalog that indexes it: what every reader and writer of snapshots
+    opens (:meth:`open`).
+
+    A server's storage (``ciuic serve``) holds one store per project, ``projects/<name>/``,
+    all indexed by the server's one catalog. Opened at its root (``ciuic --store /srv/ciuic``),
+    the repository names its jobs across those stores (:meth:`jobs`); :meth:`scope` is the
+    repository of one project's snapshots, and :meth:`sync_job` and :meth:`split_job` look in
+    it. A project that a server keeps hides a job of the same project written at the root.
+    """
+
+    def __init__(self, store: Store, catalog: Catalog, *, project: str | None = None) -> None:
         self.store = store
         self.catalog = catalog
         self._keyring: Keyring | None = None
         #: how a person names this store in a message: the folder given for a local store
         #: (not its objects/ inside), else the store's URL
         self.name = store.url
+        #: the project whose store (in a server's storage) this repository is; None: a root
+        self.project = project
+        self._served: dict[str, Repository] | None = None
 
     @property
     def keyring(self) -> Keyring:
@@ -162,6 +176,43 @@ class Repository:
             cached = _MEMORY_CATALOGS[store.url] = Catalog("sqlite://")
         return cls(wrapped, cached)
 
+    # -- a server's storage: one store per project ---------------------------------------
+
+    def served(self, project: str) -> Repository:
+        """The repository of ``project``'s store inside this one, ``projects/<project>/``
+        (where a server keeps it), sharing this catalog."""
+        if self.project is not None:
+            raise ValueError(f"{self.name} is already the store of project {self.project}")
+        scoped = Repository(PrefixStore(self.store, layout.project_prefix(project)),
+                            self.catalog, project=project)
+        scoped.name = f"{self.name}/{layout.project_prefix(project).rstrip('/')}"
+        return scoped
+
+    def _projects(self) -> dict[str, Repository]:
+        """The projects a server keeps in this store, by name (listed once)."""
+        if self._served is None:
+            names = [] if self.project is not None else self.store.children(layout.PROJECTS)
+            self._served = {n: self.served(n) for n in names if layout.is_name(n)}
+        return self._served
+
+    def scope(self, project: str) -> Repository:
+        """The repository that holds ``project``'s snapshots: its store in a server's storage
+        where this is one and the server keeps that project, else this repository."""
+        return self._projects().get(project, self)
+
+    def namespaces(self) -> list[Repository]:
+        """This repository, then the store of every project a server keeps in it."""
+        return [self, *self._projects().values()]
+
+    def jobs(self) -> list[tuple[str, str]]:
+        """(project, job) of every job with a manifest, in this store and in every project's
+        store that a server keeps in it, sorted."""
+        served = self._projects()
+        found = {pj for pj in list_jobs(self.store) if pj[0] not in served}
+        for project, repo in served.items():
+            found.update(list_jobs(repo.store, project))
+        return sorted(found)
+
     def read_verified(self, key: str, read: Callable[[Store], T]) -> T:
         """``read(store)`` from the nearest copy of ``key`` that is present and intact.
 
@@ -224,7 +275,10 @@ class Repository:
         return m
 
     def manifest_ids(self, project: str, job: str) -> list[str]:
-        return [k.snapshot_id for k in list_manifests(self.store, project, job)]
+        """The IDs of the manifests the store lists for a job (in its project's store, in a
+        server's storage)."""
+        return [k.snapshot_id
+                for k in list_manifests(self.scope(project).store, project, job)]
 
     def sync_job(self, project: str, job: str) -> int:
         """Make the catalog follow the store for one job: add rows for manifests it lacks, and
@@ -234,19 +288,33 @@ class Repository:
         body deleted through another catalog (another client's retention, a server's
         ``DELETE``, ``ciuic prune`` on another machine) the second. The store is the truth, so
         every catalog heals here, with one listing of the job's manifests and one of its bodies.
+
+        Only a snapshot whose manifest the store lists and whose body it lacks is pruned (a
+        prune deletes the body and keeps the manifest). A row whose manifest the store does not
+        list at all is left as it is: the catalog is then read over another store than the one
+        it indexes (a moved folder, a server's storage read at its root), not a pruned one.
         """
+        repo = self.scope(project)
+        if repo is not self:
+            return repo.sync_job(project, job)
         rows = self.catalog.snapshots(project, job, status=None)
         known = {i.id for i in rows}
+        listed = self.manifest_ids(project, job)
         bodies = {b[2] for b in map(layout.parse_body,
                                     self.store.list(layout.bodies_prefix(project, job)))
                   if b is not None}
         partial = len(self.store.copies()) > 1  # a mirror lists its fast tier only
+        foreign = [row for row in rows if row.id not in listed]
+        if foreign and len(foreign) == len(rows):
+            log.warning("the catalog names %d snapshot(s) of %s/%s whose manifests are not in %s:"
+                        " leaving them as they are (`ciuic reindex` rebuilds the catalog from "
+                        "the store it indexes)", len(foreign), project, job, self.name)
         for row in rows:
-            if row.status == "committed" and row.body not in bodies and not (
-                    partial and self.store.has(layout.body_key(project, job, row.body))):
+            if row.status == "committed" and row.id in listed and row.body not in bodies and (
+                    not (partial and self.store.has(layout.body_key(project, job, row.body)))):
                 self.catalog.set_status(row.id, "pruned")
         found: dict[str, mf.Manifest] = {}
-        for sid in self.manifest_ids(project, job):
+        for sid in listed:
             if sid in known:
                 continue
             try:
@@ -261,20 +329,28 @@ class Repository:
         return len(found)
 
     def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
-        """Rebuild the catalog's snapshot rows from the store alone."""
+        """Rebuild the catalog's snapshot rows from the store alone (and from the store of
+        every project a server keeps in it)."""
         counts = {"snapshots": 0, "pruned": 0, "damaged": 0, "removed": 0}
         seen: set[str] = set()
         found: dict[str, mf.Manifest] = {}
-        for mk in list_manifests(self.store):
-            if progress:
-                progress(mk.key)
-            try:
-                found[mk.snapshot_id] = self.read_manifest(mk.project, mk.job, mk.snapshot_id)
-            except (UnreadableObject, ObjectNotFound):
-                counts["damaged"] += 1
+        where: dict[str, Repository] = {}
+        for repo in self.namespaces():
+            for mk in list_manifests(repo.store):
+                if self.scope(mk.project) is not repo:
+                    continue  # a root job hidden by the project a server keeps
+                if progress:
+                    progress(mk.key)
+                try:
+                    found[mk.snapshot_id] = repo.read_manifest(mk.project, mk.job,
+                                                               mk.snapshot_id)
+                    where[mk.snapshot_id] = repo
+                except (UnreadableObject, ObjectNotFound):
+                    counts["damaged"] += 1
         for sid in commit_order(found):
             m = found[sid]
-            status = ("committed" if self.store.has(layout.body_key(m.project, m.job, m.body))
+            status = ("committed" if where[sid].store.has(layout.body_key(m.project, m.job,
+                                                                           m.body))
                       else "pruned")
             self.catalog.add_snapshot(m, sid, status)
             seen.add(sid)

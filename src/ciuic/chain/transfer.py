@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 from ciuic.chain.read import body_states, check_chunk_blob, chunk_refs
-from ciuic.chain.repo import Repository, commit_order, list_jobs, list_manifests
+from ciuic.chain.repo import Repository, commit_order, list_manifests
 from ciuic.errors import IntegrityError, ObjectNotFound, SnapshotNotFound, UnreadableObject
 from ciuic.format import layout
 from ciuic.format import manifest as mf
@@ -45,20 +45,20 @@ class CopyStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def find_job(store: Store, text: str) -> tuple[str, str]:
-    """``PROJECT/JOB`` or a unique bare ``JOB`` among the jobs in ``store``."""
-    jobs = list_jobs(store)
+def find_job(repo: Repository, text: str) -> tuple[str, str]:
+    """``PROJECT/JOB`` or a unique bare ``JOB`` among the jobs in ``repo``."""
+    jobs = repo.jobs()
     if "/" in text:
         project, job = text.split("/", 1)
         wanted = (layout.check_name("project", project), layout.check_name("job", job))
         if wanted not in jobs:
-            raise SnapshotNotFound(f"no job {text} in {store.url}; it has: "
+            raise SnapshotNotFound(f"no job {text} in {repo.name}; it has: "
                                    f"{', '.join(f'{p}/{j}' for p, j in jobs) or 'no jobs'}")
         return wanted
     matches = [pj for pj in jobs if pj[1] == text]
     if len(matches) != 1:
         what = "no job" if not matches else "several jobs"
-        raise SnapshotNotFound(f"{what} named {text!r} in {store.url}; write PROJECT/JOB "
+        raise SnapshotNotFound(f"{what} named {text!r} in {repo.name}; write PROJECT/JOB "
                                f"(jobs there: {', '.join(f'{p}/{j}' for p, j in jobs) or '-'})")
     return matches[0]
 

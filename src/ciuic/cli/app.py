@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from ciuic.chain.repo import Repository
+    from ciuic.format.info import SnapshotInfo
 
 
 class Argument(click.Argument):
@@ -139,6 +140,14 @@ def store_location() -> str:
 
 def current_repo() -> Repository:
     return open_existing(store_location())
+
+
+def resolve(snap: str, repo: Repository | None = None) -> tuple[Repository, SnapshotInfo]:
+    """The snapshot ``snap`` names and the repository that holds it (in a server's storage,
+    its project's store)."""
+    repo = repo or current_repo()
+    info = repo.resolve(snap)
+    return repo.scope(info.project), info
 
 
 def check_existing(location: str) -> None:

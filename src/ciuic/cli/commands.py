@@ -20,6 +20,7 @@ from ciuic.cli.app import (
     open_existing,
     options,
     progress_bar,
+    resolve,
     size_text,
     store_location,
     time_text,
@@ -46,9 +47,8 @@ def ls() -> None:
     check_existing(location)
     rows = read_jobs(location)  # without SQLAlchemy, when the catalog is in sync
     if rows is None:
-        from ciuic.chain.repo import list_jobs
         repo = open_existing(location)
-        for project, job in list_jobs(repo.store):
+        for project, job in repo.jobs():
             repo.sync_job(project, job)
         rows = repo.catalog.jobs()
     if not rows:
@@ -150,8 +150,7 @@ def show(snap: str, as_json: bool) -> None:
 
     from ciuic.chain.read import read_body
     from ciuic.format.tree import walk_leaves
-    repo = current_repo()
-    info = repo.resolve(snap)
+    repo, info = resolve(snap)
     m = repo.read_manifest(info.project, info.job, info.id)
     if as_json:
         console.print_json(json.dumps({"id": info.id, **m.to_json()}))
@@ -191,19 +190,18 @@ def _pieces(desc: dict[str, Any]) -> str:
 def verify(target: str | None, deep: bool) -> None:
     """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
     re-read and re-hashed, which finds a damaged chunk)."""
-    from ciuic.chain.repo import list_jobs
     from ciuic.chain.verify import verify_job
     repo = current_repo()
     jobs: list[tuple[str, str, str | None]] = []
     if target is None:
-        jobs = [(p, j, None) for p, j in list_jobs(repo.store)]
+        jobs = [(p, j, None) for p, j in repo.jobs()]
     elif "@" in target or not _looks_like_job(repo, target):
         info = repo.resolve(target)
         jobs = [(info.project, info.job, info.id)]
     else:
         project, job = repo.split_job(target)
         jobs = [(project, job, None)]
-    cache: dict[str, Problem | None] = {}
+    caches: dict[str, dict[str, Problem | None]] = {}  # a chunk's verdict, in its store
     bad = 0
     with progress_bar() as bar:
         for project, job, only in jobs:
@@ -212,8 +210,9 @@ def verify(target: str | None, deep: bool) -> None:
             def tick(n: int, total: int, task: TaskID = task) -> None:
                 bar.update(task, completed=n, total=total)
 
-            report = verify_job(repo, project, job, deep=deep, only=only, _chunk_cache=cache,
-                                progress=tick)
+            scoped = repo.scope(project)
+            report = verify_job(scoped, project, job, deep=deep, only=only,
+                                _chunk_cache=caches.setdefault(scoped.name, {}), progress=tick)
             problems = report.problems or []
             bad += len(problems)
             damage = [p for p in problems if p.key_id is None]
@@ -259,8 +258,7 @@ def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> No
     from ciuic.restore.export import export
 
     state = list(states) or None
-    repo = current_repo()
-    info = repo.resolve(snap)
+    repo, info = resolve(snap)
     try:
         tensors = export(repo, info, to, fmt, state)
     except IntegrityError as e:
@@ -306,7 +304,8 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
     repo = current_repo()
     project, name = repo.split_job(job)
     repo.sync_job(project, name)
-    doomed = prune_job(repo, project, name, keep_last, keep_every, dry_run=dry_run)
+    doomed = prune_job(repo.scope(project), project, name, keep_last, keep_every,
+                       dry_run=dry_run)
     verb = "would prune" if dry_run else "pruned"
     console.print(f"{verb} {len(doomed)} snapshot(s)"
                   + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""))
@@ -318,7 +317,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
               help="Seconds to wait for saves in progress")
 def gc(dry_run: bool, wait: float) -> None:
     """Delete chunks and bodies no snapshot references."""
-    from ciuic.chain.gc import collect
+    from ciuic.chain.gc import GcResult, collect
     repo = current_repo()
     with progress_bar() as bar:
         task = bar.add_task("gc: reading manifests", total=None)
@@ -333,6 +332,7 @@ def gc(dry_run: bool, wait: float) -> None:
                   f"{size_text(result.deleted_bytes)}; kept {result.kept_chunks} chunk(s)")
     for key in result.damaged:
         err.print(f"[red]damaged, skipped: {key}[/red]")
+    result = GcResult()
 
 
 @app.command("reindex")
@@ -362,7 +362,8 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
                                                 size="")
                 bar.update(tasks[phase], completed=done, total=count, size=size_text(sent))
 
-            stats = copy_job(src, dst.store, project, job, verify=verify, progress=tick)
+            stats = copy_job(src.scope(project), dst.scope(project).store, project, job,
+                             verify=verify, progress=tick)
             dst.sync_job(project, job)
             total.add(stats)
             console.print(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
@@ -403,7 +404,7 @@ def pull(job: str, url: str, verify: bool) -> None:
     from ciuic.chain.transfer import find_job
 
     src = open_existing(url)
-    _copy(src, Repository.open(store_location()), [find_job(src.store, job)], verify)
+    _copy(src, Repository.open(store_location()), [find_job(src, job)], verify)
 
 
 @app.command("copy")
@@ -414,11 +415,11 @@ def pull(job: str, url: str, verify: bool) -> None:
 @verify_option
 def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool) -> None:
     """Copy jobs' chains from one store to another, only what the destination lacks."""
-    from ciuic.chain.repo import Repository, list_jobs
+    from ciuic.chain.repo import Repository
     from ciuic.chain.transfer import find_job
 
     src = open_existing(src_url)
-    jobs = [find_job(src.store, j) for j in job] if job else list_jobs(src.store)
+    jobs = [find_job(src, j) for j in job] if job else src.jobs()
     if not jobs:
         raise CiuicError(f"{src_url} holds no snapshots: nothing to copy")
     _copy(src, Repository.open(dst_url), jobs, verify)

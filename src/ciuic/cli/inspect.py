@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ciuic.cli.app import app, argument, console, current_repo, size_text
+from ciuic.cli.app import app, argument, console, current_repo, resolve, size_text
 
 if TYPE_CHECKING:  # imported where a table is drawn: not by the help
     from rich.table import Table
@@ -24,8 +24,8 @@ def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
     from ciuic.restore.diff import diff  # imports torch
 
     repo = current_repo()
-    info_a, info_b = repo.resolve(a), repo.resolve(b)
-    result = diff(repo, info_a, repo, info_b)
+    (repo_a, info_a), (repo_b, info_b) = resolve(a, repo), resolve(b, repo)
+    result = diff(repo_a, info_a, repo_b, info_b)
     if as_json:
         console.print_json(json.dumps(result.to_json(), default=str))
         return
@@ -75,8 +75,7 @@ def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute
     norm), as recorded when it was written; with TENSOR, that tensor's histogram."""
     from ciuic.restore import inspect  # imports torch
 
-    repo = current_repo()
-    info = repo.resolve(snap)
+    repo, info = resolve(snap)
     if tensor is not None:
         h = inspect.histogram(repo, info, tensor, bins)
         if as_json:

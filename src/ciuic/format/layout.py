@@ -43,9 +43,14 @@ _CHUNK = re.compile(rf"^chunks/[0-9a-f]{{2}}/({_HEX})$")
 _LEASE = re.compile(r"/leases/(\d{12})\.json$")
 
 
+def is_name(name: str) -> bool:
+    """Whether ``name`` is a valid project or job name (:func:`check_name`)."""
+    return isinstance(name, str) and bool(_NAME.match(name))
+
+
 def check_name(what: str, name: str) -> str:
     """Validate a project or job name (it becomes part of store keys)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not is_name(name):
         raise ConfigurationError(
             f"invalid {what} name {name!r}: use 1-128 characters from letters, digits, "
             "'.', '_' and '-', starting with a letter or digit"

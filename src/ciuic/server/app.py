@@ -43,7 +43,6 @@ from ciuic.format.info import SnapshotInfo
 from ciuic.server import inspect
 from ciuic.server.observe import install
 from ciuic.store.base import check_key, check_prefix
-from ciuic.store.prefix import PrefixStore
 from ciuic.version import __version__
 
 log = logging.getLogger("ciuic.server")
@@ -97,8 +96,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     def repo_of(project: str) -> Repository:
         if project not in repos:
-            repos[project] = Repository(PrefixStore(root.store, layout.project_prefix(project)),
-                                        catalog)
+            repos[project] = root.served(project)
         return repos[project]
 
     app = FastAPI(title="ciuic", version=__version__,

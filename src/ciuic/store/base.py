@@ -158,6 +158,16 @@ class Store(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every key that starts with ``prefix``, in sorted order. Empty if none."""
 
+    def children(self, prefix: str) -> builtins.list[str]:
+        """The names one level below ``prefix`` (which ends with "/"), sorted: each key under
+        it contributes the part of its name before the next "/" (``children("projects/")`` of a
+        server's storage: its projects). Backends that can list one level override this; the
+        default lists every key."""
+        check_prefix(prefix)
+        if not prefix.endswith("/"):
+            raise ValueError(f"children() takes a prefix that ends with '/', got {prefix!r}")
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in self.list(prefix)})
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``. Idempotent: a missing key is not an error."""

@@ -103,6 +103,17 @@ class StoreConformance:
         assert set(keys) <= set(everything)
         assert list(store.list("conformance/nothing/")) == []
 
+    def test_children_are_the_names_one_level_down(self, store: Store) -> None:
+        for key in ("conformance/c/projects/a/jobs/a/x", "conformance/c/projects/a/chunks/1",
+                    "conformance/c/projects/b2/y", "conformance/c/projects/top",
+                    "conformance/c/projectsX/z"):
+            store.put(key, b"x")
+        assert store.children("conformance/c/projects/") == ["a", "b2", "top"]
+        assert store.children("conformance/c/projects/a/") == ["chunks", "jobs"]
+        assert store.children("conformance/c/nothing/") == []
+        with pytest.raises(ValueError, match="ends with '/'"):
+            store.children("conformance/c/projects")
+
     def test_list_does_not_show_deleted_keys(self, store: Store) -> None:
         store.put("conformance/l/1", b"x")
         store.put("conformance/l/2", b"y")

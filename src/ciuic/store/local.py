@@ -8,6 +8,7 @@ exists: an atomic create-if-absent), and the directory is fsync'ed. Temporary fi
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
@@ -398,6 +399,16 @@ class LocalStore(Store):
                 if key.startswith(prefix):
                     found.append(key)
         return iter(sorted(found))
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        check_prefix(prefix)
+        if not prefix.endswith("/"):
+            raise ValueError(f"children() takes a prefix that ends with '/', got {prefix!r}")
+        start = self.root.joinpath(*prefix.rstrip("/").split("/"))
+        if not start.is_dir():
+            return []
+        # (temporaries and the .locks folder start with a dot: no key does)
+        return sorted(e.name for e in os.scandir(start) if not e.name.startswith("."))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -62,6 +62,10 @@ class PrefixStore(Store):
         for key in self.inner.list(self.prefix + prefix):
             yield key[n:]
 
+    def children(self, prefix: str) -> builtins.list[str]:
+        check_prefix(prefix)
+        return self.inner.children(self.prefix + prefix)
+
     def delete(self, key: str) -> None:
         self.inner.delete(self._k(key))
 

@@ -10,6 +10,7 @@ thread), and its thread is left to finish or hang on its own.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -112,6 +113,9 @@ class RetryingStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[str]:
         return iter(self._call("listing", prefix, lambda: list(self.inner.list(prefix))))
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        return self._call("listing", prefix, lambda: self.inner.children(prefix))
 
     def delete(self, key: str) -> None:
         self._call("deleting", key, lambda: self.inner.delete(key))

@@ -315,6 +315,26 @@ class S3Store(Store):
         keys = self._call("listing", prefix, collect)
         return iter(sorted(k for k in keys if not k.startswith(".ciuic-probe/")))
 
+    def children(self, prefix: str) -> builtins.list[str]:
+        """One listing with a delimiter: S3 answers the names below ``prefix`` as "common
+        prefixes" (folders) and keys, without listing what is under each."""
+        check_prefix(prefix)
+        if not prefix.endswith("/"):
+            raise ValueError(f"children() takes a prefix that ends with '/', got {prefix!r}")
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+
+        def collect() -> builtins.list[str]:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full, Delimiter="/")
+            names: set[str] = set()
+            for page in pages:
+                names.update(p["Prefix"][len(full):].rstrip("/")
+                             for p in page.get("CommonPrefixes", []))
+                names.update(o["Key"][len(full):] for o in page.get("Contents", []))
+            return sorted(names)
+
+        return self._call("listing", prefix, collect)
+
     def delete(self, key: str) -> None:
         check_key(key)
         self._call("deleting", key,
