@@ -79,10 +79,11 @@ def test_bounds_and_the_reason_for_the_choice(caplog: pytest.LogCaptureFixture) 
     clock = SimClock()
     t = IntervalTuner(AutoInterval(max_overhead=0.01, max_interval_s=3600,
                                    prior_mtbf_s=1e9), clock=clock)
-    assert t.interval_s == 60.0 and "measure" in t.reason
+    assert t.interval_s == 0.0 and "first step()" in t.reason
     t.snapshot_started(20.0, background=False)  # Young/Daly: 200 000 s; capped at an hour
     assert t.interval_s == 3600 and "max_interval_s" in t.reason
-    assert "save interval now 3.6e+03 s (was 60 s): the max_interval_s bound" in caplog.text
+    assert ("save interval now 3.6e+03 s (the first snapshot measured): the max_interval_s "
+            "bound") in caplog.text
     t = IntervalTuner(AutoInterval(prior_mtbf_s=100.0), clock=clock)
     t.snapshot_started(5.0, background=False)  # Young/Daly: 31.6 s, but 1 % overhead: 500 s
     assert t.interval_s == pytest.approx(500.0) and "overhead bound" in t.reason
@@ -164,3 +165,24 @@ def test_the_interval_grows_with_a_slower_store_and_shrinks_with_failures(
     expected = young_daly(again.stats.snapshot_cost_s or 0, again.stats.mtbf_s)
     assert again.stats.interval_s == pytest.approx(max(expected, 2 * (
         again.stats.snapshot_cost_s or 0)), rel=0.05)
+
+
+def test_the_first_automatic_snapshot_is_taken_at_the_first_step(store_dir: Path) -> None:
+    """A crash in the job's first minute still has a snapshot to resume from: the first one is
+    the measurement of the cost, at the first step()."""
+    torch.manual_seed(0)
+    net = nn.Linear(16, 16)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    with SnapshotManager("p", job="early", store=store_dir, save_interval="auto",
+                         handle_signals=False) as m:
+        assert "first step()" in (m.stats.interval_reason or "")
+        m.step(0, net, opt)
+        m.wait()
+        assert m.stats.snapshots == 1
+        m.step(1, net, opt)  # the next is due after the measured interval, not at once
+        m.wait()
+        assert m.stats.snapshots == 1
+    with Repository.open(store_dir) as repo:
+        assert 0 in [s.step for s in repo.catalog.snapshots("p", "early")]
+    with pytest.raises(ConfigurationError, match="first_snapshot_s must be a non-negative"):
+        AutoInterval(first_snapshot_s=-1)

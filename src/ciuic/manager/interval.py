@@ -15,10 +15,13 @@ starts at the prior and moves away from it as evidence accrues.
 
 Two bounds apply, in this order: the interval is at least ``C / max_overhead`` (snapshots never
 cost more than that share of training), and at most ``max_interval_s`` (never more than that
-much work to lose), which wins when the two conflict. The first snapshot is taken after
-``first_snapshot_s``, to measure ``C``; the second replaces its cost (the first paid once for
-staging buffers and for writing every chunk), and each later one updates it (an exponential
-average that gives the newest half the weight, so that a store that slows down shows at once).
+much work to lose), which wins when the two conflict. The first snapshot is taken at the
+first ``step()`` (``first_snapshot_s=0``, the default): it is the measurement of ``C``, and a
+crash in the job's first minutes then loses only what came after it (an interval that waited
+to measure would leave nothing to resume from). The second replaces its cost (the first paid
+once for staging buffers and for writing every chunk), and each later one updates it (an
+exponential average that gives the newest half the weight, so that a store that slows down
+shows at once).
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ class AutoInterval:
         max_overhead: the largest share of training time snapshots may cost.
         max_interval_s: the longest time between two snapshots.
         prior_mtbf_s: the mean time between failures assumed before the job has shown its own.
-        first_snapshot_s: when the first snapshot is taken (its cost is measured).
+        first_snapshot_s: seconds after the start (or the restore) when the first snapshot
+            is taken, to measure its cost; 0: at the first ``step()``.
     """
 
     max_overhead: float = 0.01
     max_interval_s: float = 3600.0
     prior_mtbf_s: float = 24 * 3600.0
-    first_snapshot_s: float = 60.0
+    first_snapshot_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_overhead, (int, float)) and 0 < self.max_overhead < 1):
@@ -60,9 +64,11 @@ class AutoInterval:
                                      f"1 (0.01 = 1 %), got {self.max_overhead!r}")
         for name in ("max_interval_s", "prior_mtbf_s", "first_snapshot_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ConfigurationError(f"{name} must be a positive number of seconds, got "
-                                         f"{v!r}")
+            least = 0 if name == "first_snapshot_s" else 1e-9  # the first may be at once
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < least:
+                raise ConfigurationError(
+                    f"{name} must be a {'non-negative' if least == 0 else 'positive'} number "
+                    f"of seconds, got {v!r}")
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:
@@ -84,7 +90,9 @@ class IntervalTuner:
         self.observed_s = observed_s  # training time of the earlier runs
         self.cost_s: float | None = None
         self.interval_s = config.first_snapshot_s
-        self.reason = f"first snapshot after {config.first_snapshot_s:g} s, to measure its cost"
+        self.reason = (f"first snapshot after {config.first_snapshot_s:g} s, to measure its cost"
+                       if config.first_snapshot_s else
+                       "first snapshot at the first step(), to measure its cost")
         self._idle: deque[float] = deque(maxlen=64)  # step times with no write in flight
         self._stall = 0.0  # of the snapshot in flight
         self._excess = 0.0  # its in-run slowdown so far
@@ -148,6 +156,9 @@ class IntervalTuner:
                        f"{mtbf / 3600:.3g} h ({self.failures} interruption(s) observed over "
                        f"{(self.observed_s + self.clock() - self.started) / 3600:.3g} h, "
                        f"prior {c.prior_mtbf_s / 3600:.3g} h)")
-        if before <= 0 or abs(interval - before) / before > _LOG_CHANGE:
+        if before <= 0:
+            log.info("save interval now %.3g s (the first snapshot measured): %s", interval,
+                     self.reason)
+        elif abs(interval - before) / before > _LOG_CHANGE:
             log.info("save interval now %.3g s (was %.3g s): %s", interval, before, self.reason)
         return interval

@@ -54,8 +54,9 @@ class SavePolicy:
     def time_due(self, now: float) -> bool:
         """Whether ``time_interval_s`` (or the automatic interval) has passed since the last
         snapshot."""
-        interval = self.tuner.interval_s if self.tuner is not None else self.time_interval_s
-        return bool(interval and now - self.last_save_time >= interval)
+        if self.tuner is not None:  # its first interval may be 0: at the first step()
+            return now - self.last_save_time >= self.tuner.interval_s
+        return bool(self.time_interval_s and now - self.last_save_time >= self.time_interval_s)
 
     def auto(self, tuner: IntervalTuner) -> None:
         """Let ``tuner`` choose the time between snapshots; it counts from now."""
