@@ -81,10 +81,16 @@ class SavePolicy:
                             "on_busy='wait'", step, self.stats.last_save_s)
             return False
         since = time.monotonic() - self.last_save_time  # training time since the last one
+        # the process's first snapshot pays once for what the later ones reuse (staging
+        # buffers, the store's probes, every chunk new): a wait for it says nothing of the rate
+        first = self.stats.snapshots + self.stats.failures == 0
         t0 = time.perf_counter()
         wait()
         waited = time.perf_counter() - t0
         self.stats.waited_s += waited
+        if first:
+            log.debug("snapshot at step %d waited %.2f s for the first one", step, waited)
+            return True
         # worth a warning when the wait matters: a tenth of the interval, or three in a row
         self._waits_in_a_row = self._waits_in_a_row + 1 if waited > 0.05 else 0
         share = waited / max(since, 1e-9)
