@@ -333,3 +333,58 @@ def test_intended_infinities_odd_dtypes_and_16_bit_precision(store_dir: Path) ->
     assert bf is not None and bf.mean == 1.0 and bf.norm == 1000.0  # summed in float32
     with pytest.raises(ConfigurationError, match="nonfinite_ignore is a tuple"):
         HealthPolicy(nonfinite_ignore="model/mask")  # type: ignore[arg-type]
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    """The rows of a table ``ciuic`` drew, by their first cell."""
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines()
+            if line.startswith("│")]
+    return {r[0]: r for r in rows if r and r[0].startswith("model/")}
+
+
+def test_nan_and_inf_tensors_show_nan_or_nothing_never_a_healthy_number(
+        store_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: an all-NaN tensor showed ``norm 0`` (inspect) and ``max |a-b| 0``, ``norm
+    change -100.00%`` (diff); the manifest recorded its norm as "0.0"."""
+    nan, inf = float("nan"), float("inf")
+    part, infs = torch.ones(8), torch.ones(8)
+    part[0], infs[0] = nan, inf
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        m.save(1, {"w": torch.ones(8), "part": torch.ones(8), "inf": torch.ones(8)})
+        m.save(2, {"w": torch.full((8,), nan), "part": part, "inf": infs})
+    with Repository.open(store_dir) as repo:
+        a, b = repo.resolve("p/default@1"), repo.resolve("p/default@2")
+        descs = {p: d for p, _k, d in walk_leaves(read_body(repo, b)[1])}
+        d = {t.path: t for t in diff(repo, a, repo, b).tensors}
+        series = inspect.chain_series(repo, "p", "default")
+    assert descs["model/w"]["stats"] == {"inf": 0, "nan": 8}  # no norm of no element
+    back = st.of_descriptor(descs["model/w"])
+    assert back is not None and back.nan == 8 and back.summary()["norm"] is not None
+    assert math.isnan(back.summary()["norm"] or 0.0)
+    assert [p["norms"].get("model") for p in series] == [pytest.approx(math.sqrt(24)), None]
+    assert math.isnan(d["model/w"].max_abs_diff or 0.0) and d["model/w"].changed_elements == 8
+    assert math.isnan(d["model/w"].rel_norm_change or 0.0)
+    assert math.isnan(d["model/part"].max_abs_diff or 0.0)
+    assert d["model/inf"].max_abs_diff == inf and d["model/inf"].rel_norm_change == inf
+
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@2")
+    assert code == 0, err
+    rows = _table(out)  # tensor, dtype and shape, NaN, Inf, min, max, mean, norm
+    assert rows["model/w"][2:] == ["8", "0", "nan", "nan", "nan", "nan"], out
+    assert rows["model/part"][2:] == ["1", "0", "nan", "nan", "nan", "nan"], out
+    assert rows["model/inf"][2:] == ["0", "1", "-", "-", "-", "inf"], out
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "inspect",
+                           "p/default@2", "--json")
+    assert code == 0, err
+    got = {t["path"]: t["stats"] for t in json.loads(out)["tensors"]}
+    assert got["model/w"] == {"nan": 8, "inf": 0, "min": None, "max": None, "mean": None,
+                              "norm": None}
+    assert got["model/inf"]["norm"] is None and got["model/inf"]["max"] is None
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "diff",
+                           "p/default@1", "p/default@2")
+    assert code == 0, err
+    rows = _table(out)  # tensor, status, max |a-b|, norm change, NaN/Inf, changed, dtype
+    assert rows["model/w"][2:6] == ["nan", "nan", "0 -> 8", "8"], out
+    assert rows["model/inf"][2:4] == ["inf", "inf"], out

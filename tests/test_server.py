@@ -499,3 +499,29 @@ def test_snapshot_ids_of_other_projects_stay_invisible(
     r = http.post("/v1/projects/p/snapshots/" + "0" * 64 + "/verify?deep=true",
                   headers={"Authorization": f"Bearer {keys['reader']}"})
     assert r.status_code == 403  # a deep check re-reads everything: writers only
+
+
+def test_statistics_and_diff_of_nan_tensors_show_no_healthy_number(
+        app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
+    """Issue 30: the API gave an all-NaN tensor norm 0, and its diff max |a-b| 0 and a norm
+    change of -100 %. Numbers that do not exist are null."""
+    http, keys, store = app_with_keys
+    torch.manual_seed(0)
+    net = nn.Linear(4, 4)
+    first = _save_through(http, keys["writer"], store, net)
+    with torch.no_grad():
+        net.weight.fill_(float("nan"))
+        net.bias[0] = float("inf")
+    second = _save_through(http, keys["writer"], store, net)
+    h = {"Authorization": f"Bearer {keys['reader']}"}
+    r = http.get(f"/v1/projects/p/snapshots/{second}/tensors", headers=h)
+    assert r.status_code == 200, r.text
+    stats = {t["path"]: t["stats"] for t in r.json()["tensors"]}
+    assert stats["model/weight"] == {"nan": 16, "inf": 0, "min": None, "max": None,
+                                     "mean": None, "norm": None}
+    assert stats["model/bias"]["inf"] == 1 and stats["model/bias"]["norm"] is None
+    r = http.get(f"/v1/projects/p/diff?a={first}&b={second}", headers=h)
+    assert r.status_code == 200, r.text
+    w = {t["path"]: t for t in r.json()["tensors"]}["model/weight"]
+    assert w["changed_elements"] == 16 and w["nonfinite_b"] == 16
+    assert (w["max_abs_diff"], w["norm_b"], w["rel_norm_change"]) == (None, None, None)

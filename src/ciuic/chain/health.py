@@ -157,6 +157,8 @@ def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[floa
     sumsq: dict[str, float] = {}
     for p, s in stats.items():
         sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + s.sumsq
+    for p, s in bad:  # its finite elements' norm would look healthy: the state's is NaN or Inf
+        sumsq[_state_of(p)] += math.nan if s.nan else math.inf
     return {"healthy": not reasons, "reasons": reasons,
             "nonfinite": sum(s.nonfinite for s in stats.values()),
             "norms": {k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())}}

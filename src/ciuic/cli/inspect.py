@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -45,8 +46,7 @@ def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
         table = Table("tensor", "status", "max |a-b|", "norm change", "NaN/Inf", "changed",
                       "dtype, shape")
         for t in shown:
-            table.add_row(t.path, _status(t), _num(t.max_abs_diff),
-                          "-" if t.rel_norm_change is None else f"{t.rel_norm_change:+.2%}",
+            table.add_row(t.path, _status(t), _num(t.max_abs_diff), _change(t.rel_norm_change),
                           _nonfinite(t.nonfinite_a, t.nonfinite_b),
                           "-" if t.changed_elements is None else str(t.changed_elements),
                           t.note or f"{t.dtype} {tuple(t.shape)}")
@@ -123,9 +123,11 @@ def _stats_table(rows: list[Any]) -> Table:
             table.add_row(r.path, f"{r.dtype} {tuple(r.shape)}", *(["-"] * 6))
             continue
         bad = "[red]{}[/red]".format
+        shown = s.summary()  # NaN, or not known, where the tensor holds NaN or Inf
         table.add_row(r.path, f"{r.dtype} {tuple(r.shape)}",
                       bad(s.nan) if s.nan else "0", bad(s.inf) if s.inf else "0",
-                      _num(s.lo), _num(s.hi), _num(s.mean), _num(s.norm) + mark)
+                      _num(shown["min"]), _num(shown["max"]), _num(shown["mean"]),
+                      _num(shown["norm"]) + mark)
     return table
 
 
@@ -151,6 +153,11 @@ def _status(t: Any) -> str:
 
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
+
+
+def _change(x: float | None) -> str:
+    """A relative change as a percentage ("nan", "inf": a norm that is not finite)."""
+    return "-" if x is None else f"{x:+.2%}" if math.isfinite(x) else f"{x:.4g}"
 
 
 def _nonfinite(a: int | None, b: int | None) -> str:

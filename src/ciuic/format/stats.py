@@ -2,8 +2,8 @@
 
 Every float tensor's descriptor carries ``"stats"``: its NaN and Inf counts and, over its finite
 elements, the minimum, maximum, mean and L2 norm. Floats are written as strings (Python's
-round-trip ``repr``; canonical JSON has no floats); a value that does not exist (the min of a
-tensor with no finite element) is absent::
+round-trip ``repr``; canonical JSON has no floats); a value that does not exist (the min or the
+norm of a tensor with no finite element) is absent::
 
     "stats": {"inf": 0, "max": "0.73", "mean": "-0.0012", "min": "-0.81", "nan": 0,
               "norm": "12.6"}
@@ -12,6 +12,10 @@ The writer computes them piece by piece (each chunk's elements, on the threads t
 chunks), so that a piece whose bytes did not change reuses its statistics, and a sharded tensor's
 shards combine into the whole tensor's (:func:`combine`). Snapshots written before statistics
 existed have none: every reader treats a missing ``stats`` as "not known".
+
+What is shown of a tensor (``ciuic inspect``, the dashboard) is :meth:`Stats.summary`: the whole
+tensor's values, NaN or not known where it holds NaN or Inf, never the finite elements' numbers
+as if they were the tensor's.
 """
 
 from __future__ import annotations
@@ -60,8 +64,20 @@ class Stats:
     def norm(self) -> float:
         return math.sqrt(self.sumsq)
 
+    def summary(self) -> dict[str, float | None]:
+        """The whole tensor's ``min``, ``max``, ``mean`` and ``norm`` (L2), as shown: all NaN
+        when it holds a NaN; with an Inf, the norm Inf and the others not known (None: the signs
+        of its infinities are not recorded); None where no element exists."""
+        if self.nan:
+            return dict.fromkeys(("min", "max", "mean", "norm"), math.nan)
+        if self.inf:
+            return {"min": None, "max": None, "mean": None, "norm": math.inf}
+        return {"min": self.lo, "max": self.hi, "mean": self.mean, "norm": self.norm}
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"nan": self.nan, "inf": self.inf, "norm": _text(self.norm)}
+        out: dict[str, Any] = {"nan": self.nan, "inf": self.inf}
+        if self.finite or not self.count:  # no norm of a tensor with no finite element
+            out["norm"] = _text(self.norm)
         if self.lo is not None and self.hi is not None and self.mean is not None:
             out |= {"min": _text(self.lo), "max": _text(self.hi), "mean": _text(self.mean)}
         return out
@@ -74,8 +90,8 @@ class Stats:
             return None
         try:
             nan, inf = int(obj["nan"]), int(obj["inf"])
-            norm = float(obj["norm"])
             finite = count - nan - inf
+            norm = float(obj["norm"]) if finite or "norm" in obj else 0.0
             mean = float(obj["mean"]) if "mean" in obj else None
             return cls(count, nan, inf, (mean or 0.0) * finite, norm * norm,
                        float(obj["min"]) if "min" in obj else None,

@@ -115,13 +115,14 @@ def _compare(t: TensorDiff, a: torch.Tensor, b: torch.Tensor) -> None:
         x, y = a.to(wide), b.to(wide)
         same = (x == y) | (torch.isnan(x) & torch.isnan(y))
         t.changed_elements = int((~same).sum())
-        finite = torch.isfinite(x) & torch.isfinite(y)
-        delta = (x - y).abs()[finite]
+        # over the elements that changed, and of the whole tensors: NaN where one became NaN,
+        # Inf where one became Inf (never the finite elements' numbers, which look healthy)
+        delta = (x - y).abs()[~same]
         t.max_abs_diff = float(delta.max()) if delta.numel() else 0.0
         t.nonfinite_a = int((~torch.isfinite(x)).sum())
         t.nonfinite_b = int((~torch.isfinite(y)).sum())
-        t.norm_a = float(torch.linalg.vector_norm(x[torch.isfinite(x)]))
-        t.norm_b = float(torch.linalg.vector_norm(y[torch.isfinite(y)]))
+        t.norm_a = float(torch.linalg.vector_norm(x))
+        t.norm_b = float(torch.linalg.vector_norm(y))
         if t.norm_a:
             t.rel_norm_change = (t.norm_b - t.norm_a) / t.norm_a
     else:  # integers: compared exactly, the difference in float64

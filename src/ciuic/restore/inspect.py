@@ -38,10 +38,9 @@ class TensorRow:
         out: dict[str, Any] = {"path": self.path, "dtype": self.dtype, "shape": self.shape,
                                "bytes": self.nbytes, "computed": self.computed, "stats": {}}
         s = self.stats
-        if s is not None:
-            out["stats"] = {"nan": s.nan, "inf": s.inf, "min": _finite(s.lo),
-                            "max": _finite(s.hi), "mean": _finite(s.mean),
-                            "norm": _finite(s.norm)}
+        if s is not None:  # what does not exist or is not finite (NaN, Inf) is null
+            out["stats"] = {"nan": s.nan, "inf": s.inf,
+                            **{k: _finite(v) for k, v in s.summary().items()}}
         return out
 
 
