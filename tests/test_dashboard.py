@@ -58,6 +58,17 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, P
                     with torch.no_grad():
                         model[1].bias[2] = float("nan")
                 m.save(step, model, loss=1.0 / step)
+        # job dash/rot: every chunk of its one snapshot corrupted (its tensors are its own)
+        chunks = base / "store" / "objects" / "projects" / "dash" / "chunks"
+        before = set(chunks.rglob("*"))
+        with SnapshotManager("dash", job="rot", api_key=writer, endpoint=url,
+                             handle_signals=False) as m:
+            m.save(1, {"w": torch.randn(3000), "b": torch.randn(70)})
+        for path in set(chunks.rglob("*")) - before:
+            if path.is_file():
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
         yield url, reader, base
 
 
@@ -109,6 +120,7 @@ def test_load_navigate_verify_and_screenshot(site: tuple[str, str, Path],
         assert "loss" in driver.find_element(By.ID, "chart").text
         rows[0].find_element(By.CSS_SELECTOR, "button[data-verify]").click()
         WebDriverWait(driver, 30).until(lambda d: "verified" in rows[0].text)
+        assert "chunks re-hashed" in rows[0].text  # a reader's check re-hashes (issue 30)
         shot("chain")
         rows[0].find_elements(By.TAG_NAME, "a")[0].click()
         WebDriverWait(driver, 30).until(
@@ -168,6 +180,25 @@ def test_health_plots_and_the_diff_of_two_snapshots(site: tuple[str, str, Path],
     finally:
         driver.quit()
     assert (tmp_path / "diff.png").stat().st_size > 5000
+
+
+def test_a_readers_verify_re_hashes_and_finds_corrupted_chunks(site: tuple[str, str, Path],
+                                                               tmp_path: Path) -> None:
+    """Issue 30: with a reader's key the button said "verified (every chunk present)" for a
+    snapshot whose every chunk was corrupted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key, _ = site
+    driver = chrome(tmp_path / "profile")
+    try:
+        open_page(driver, url, key, "/p/dash/j/rot")
+        row = driver.find_element(By.CSS_SELECTOR, "#timeline tr[data-step]")
+        row.find_element(By.CSS_SELECTOR, "button[data-verify]").click()
+        WebDriverWait(driver, 30).until(lambda d: "damaged" in row.text or "verified" in row.text)
+        assert "damaged: chunks/" in row.text and "verified" not in row.text, row.text
+    finally:
+        driver.quit()
 
 
 def test_a_refused_key_says_so_and_asks_for_another(site: tuple[str, str, Path],

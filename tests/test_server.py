@@ -498,7 +498,7 @@ def test_snapshot_ids_of_other_projects_stay_invisible(
             assert "beef0000" not in r.text and "beef1000" not in r.text, r.text
     r = http.post("/v1/projects/p/snapshots/" + "0" * 64 + "/verify?deep=true",
                   headers={"Authorization": f"Bearer {keys['reader']}"})
-    assert r.status_code == 403  # a deep check re-reads everything: writers only
+    assert r.status_code == 404  # a reader may re-hash (a read), of its project's snapshots
 
 
 def test_statistics_and_diff_of_nan_tensors_show_no_healthy_number(
@@ -525,3 +525,46 @@ def test_statistics_and_diff_of_nan_tensors_show_no_healthy_number(
     w = {t["path"]: t for t in r.json()["tensors"]}["model/weight"]
     assert w["changed_elements"] == 16 and w["nonfinite_b"] == 16
     assert (w["max_abs_diff"], w["norm_b"], w["rel_norm_change"]) == (None, None, None)
+
+
+def test_a_reader_verifies_deeply_one_snapshot_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: a reader's check of a snapshot whose every chunk was corrupted said
+    "verified (every chunk present)" (readers could not re-hash). Any key may now re-hash one
+    snapshot's chunks; the server runs one deep check at a time and refuses a second (429);
+    every answer says what it checked."""
+    import httpx
+
+    store = tmp_path / "store"
+    writer, reader = new_key(store, "p", "writer"), new_key(store, "p", "reader")
+    monkeypatch.setenv("CIUIC_FAILPOINTS", "server.verify.deep=sleep:4")  # the server's
+    with serve(store, tmp_path / "server.log") as url:
+        with SnapshotManager("p", api_key=writer, endpoint=url, handle_signals=False) as m:
+            sid = m.save(1, {"w": torch.randn(5000), "b": torch.randn(300)}).id
+        chunks = [p for p in (store / "objects" / "projects" / "p" / "chunks").rglob("*")
+                  if p.is_file()]
+        assert len(chunks) >= 2
+        for path in chunks:  # every chunk damaged
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        h = {"Authorization": f"Bearer {reader}"}
+        check = f"{url}/v1/projects/p/snapshots/{sid}/verify"
+        r = httpx.post(check, headers=h, timeout=30)
+        assert r.status_code == 200, r.text
+        shallow = r.json()
+        assert shallow["ok"] and not shallow["deep"] and shallow["chunks_checked"] == len(chunks)
+        assert "not re-read" in shallow["checked"], shallow  # it says what it did not check
+        first: list[httpx.Response] = []
+        running = threading.Thread(target=lambda: first.append(
+            httpx.post(check + "?deep=true", headers=h, timeout=60)))
+        running.start()
+        time.sleep(1.5)  # the first deep check is inside the server's 4 s failpoint
+        busy = httpx.post(check + "?deep=true", headers=h, timeout=30)
+        running.join()
+    assert busy.status_code == 429, busy.text
+    assert "one deep check at a time" in busy.json()["error"]["message"]
+    assert first[0].status_code == 200, first[0].text
+    deep = first[0].json()
+    assert deep["deep"] and not deep["ok"] and "re-hashed" in deep["checked"]
+    assert len(deep["problems"]) == len(chunks), deep

@@ -9,6 +9,8 @@ from typing import Any
 
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
+from ciuic.errors import ApiError
+from ciuic.faults import failpoint
 from ciuic.format.info import SnapshotInfo
 from ciuic.restore import inspect as look
 from ciuic.restore.diff import diff
@@ -19,6 +21,7 @@ STATS_MAX_BYTES = 512 * 1024 * 1024
 #: a diff reads the tensors whose bytes differ: at most this many bytes of them
 DIFF_MAX_BYTES = 2 * 1024 * 1024 * 1024
 _ONE_AT_A_TIME = threading.Semaphore(1)  # reads of whole tensors: never several at once
+_ONE_DEEP_CHECK = threading.Semaphore(1)  # re-hashing a snapshot's chunks: one at a time
 
 
 def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
@@ -64,10 +67,34 @@ def _json_safe(v: Any) -> Any:
 
 
 def verify(repo: Repository, info: SnapshotInfo, deep: bool) -> dict[str, Any]:
-    """Check one snapshot: its manifest, its chain link, its body and its chunks (``deep``:
-    re-read and re-hash every chunk)."""
-    report = verify_job(repo, info.project, info.job, deep=deep, only=info.id)
-    return {"id": info.id, "ok": report.ok, "deep": deep,
-            "pruned": info.status != "committed" or report.pruned > 0,
+    """Check one snapshot: its manifest, its chain link, its body and its chunks (present;
+    ``deep``: re-read and re-hashed). A check is a read, open to any key: deep checks run one
+    at a time on the server (each reads a whole snapshot), and one asked for while another runs
+    is refused with 429, not queued (a waiting request would hold a server thread). The answer
+    says what was checked (``checked``)."""
+    if deep and not _ONE_DEEP_CHECK.acquire(blocking=False):
+        raise ApiError(429, "busy", "the server is re-hashing another snapshot (one deep check "
+                       "at a time); try again when it finishes")
+    try:
+        if deep:
+            failpoint("server.verify.deep")  # tests: a long deep check
+        report = verify_job(repo, info.project, info.job, deep=deep, only=info.id)
+    finally:
+        if deep:
+            _ONE_DEEP_CHECK.release()
+    pruned = info.status != "committed" or report.pruned > 0
+    return {"id": info.id, "ok": report.ok, "deep": deep, "pruned": pruned,
             "chunks_checked": report.chunks_checked,
+            "checked": _checked(report.chunks_checked, deep, pruned),
             "problems": [{"key": p.key, "reason": p.reason} for p in report.problems or []]}
+
+
+def _checked(chunks: int, deep: bool, pruned: bool) -> str:
+    """What a check of one snapshot covered, in words (the dashboard shows it)."""
+    if pruned:
+        return "the manifest and its parent link; the body and its chunks were pruned"
+    if deep:
+        return (f"the manifest, its parent link, the body and {chunks} chunk(s), re-read and "
+                "re-hashed")
+    return (f"the manifest, its parent link and the body (re-hashed); {chunks} chunk(s) present, "
+            "not re-read (deep=true re-hashes them)")
