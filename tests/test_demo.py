@@ -75,3 +75,15 @@ def test_a_sigterm_to_the_demo_stops_its_training_processes_too(tmp_path: Path) 
         demo.kill()
         for pid in _training(store):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_command_the_demo_prints_is_the_readmes() -> None:
+    """With the default store and interval, the demo's "train it further" command is the one
+    the README shows (a user saw two different commands)."""
+    from ciuic.demo import SAVE_EVERY, _again
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    printed = _again(".ciuic", "<job>", 400, SAVE_EVERY, default_store=True)
+    assert " ".join(["-m", *printed[2:]]) in readme
+    assert "--store" in _again("/tmp/s", "<job>", 400, SAVE_EVERY, default_store=False)
+    assert "--save-every" in _again(".ciuic", "<job>", 400, 10, default_store=True)

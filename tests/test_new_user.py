@@ -276,6 +276,25 @@ def test_output_to_a_pipe_is_not_wrapped(store_dir: Path) -> None:
     assert sid in run.stdout  # the 64-character ID on one line
 
 
+def test_output_to_a_pipe_fits_100_columns(store_dir: Path) -> None:
+    """`ciuic log > file` (and `make demo > file`) were 200 to 1000 columns wide."""
+    model, opt = model_and_opt()
+    metrics = {f"metric_{i}": 0.5 + i for i in range(12)}  # a long notes column
+    with SnapshotManager("p", job="wide", store=store_dir, save_interval=1) as m:
+        m.step(0, model, opt, **metrics)
+        m.wait()
+        sid = m.latest().id  # type: ignore[union-attr]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = {}
+    for args in (("log", "p/wide"), ("ls",)):
+        run = subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store_dir), *args],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        assert max(map(len, run.stdout.splitlines())) <= 100, run.stdout
+        out[args[0]] = run.stdout
+    assert sid[:12] in out["log"] and "metric_11=11.5" in out["log"]  # whole, wrapped by word
+
+
 def test_log_shows_interruptions_resumes_and_lineages(store_dir: Path) -> None:
     run = run_train(store_dir, "--steps", "30", "--save-every", "10", "--kill-at", "13")
     assert run.rc == -9

@@ -118,13 +118,19 @@ def app(store: str | None) -> None:
     options["store"] = store
 
 
+#: the width of output to a pipe or a file ($COLUMNS, where set, wins)
+PIPE_COLUMNS = 100
+
+
 def _console(stderr: bool = False) -> Console:
-    """Rich output that wraps to the terminal, and not at all when it is not one (a pipe, a
-    file, a test): digests and IDs must reach scripts whole."""
+    """Rich output that fits the terminal; to a pipe or a file (a log, ``make demo > file``),
+    tables and rules fit 100 columns (or ``$COLUMNS``) and a printed line is never wrapped:
+    digests and IDs must reach scripts whole (the tables keep them in columns that never
+    wrap)."""
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
         return Console(stderr=stderr)
-    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0")) or 1000,
+    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0")) or PIPE_COLUMNS,
                    soft_wrap=True)
 
 

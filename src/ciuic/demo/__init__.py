@@ -63,11 +63,15 @@ def _stream(proc: subprocess.Popen[str], console: Console, prefix: str) -> None:
     proc.wait()
 
 
-def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
+#: the training script's snapshot interval when it is not given (``--save-every``)
+SAVE_EVERY = 20
+
+
+def run_demo(store: str | None = None, steps: int = 300, save_every: int = SAVE_EVERY,
              kill_at: int | None = None, seed: int | None = None,
              console: Console | None = None) -> DemoResult:
     console = console or Console()
-    store = store or default_location()
+    given, store = store, store or default_location()
     rng = random.Random(seed)
     kill_at = kill_at if kill_at is not None else rng.randrange(save_every + 1, steps - 20)
     job = "chargpt-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -130,11 +134,21 @@ def run_demo(store: str | None = None, steps: int = 300, save_every: int = 20,
         identical=reference["digest"] == resumed["digest"], kill_at=kill_at,
         resumed_from=resumed["restored_step"], reference=reference, resumed=resumed,
         interrupted_rc=a.returncode, job=job, seconds=time.perf_counter() - t0,
-        again=[_here(sys.executable), "-m", "ciuic.demo.train", "--store", _here(store),
-               "--job", job, "--steps", str(steps + 100), "--save-every", str(save_every)],
+        again=_again(store, job, steps + 100, save_every, default_store=given is None),
     )
     _summary(console, result)
     return result
+
+
+def _again(store: str, job: str, steps: int, save_every: int, default_store: bool
+           ) -> list[str]:
+    """The command that trains the demo's job further, as the README shows it: the store and
+    the interval only where they are not the training script's defaults."""
+    cmd = [_here(sys.executable), "-m", "ciuic.demo.train"]
+    if not default_store:
+        cmd += ["--store", _here(store)]
+    cmd += ["--job", job, "--steps", str(steps)]
+    return cmd + ([] if save_every == SAVE_EVERY else ["--save-every", str(save_every)])
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -191,9 +205,11 @@ def _summary(console: Console, r: DemoResult) -> None:
                       "reference run's.")
     console.print(f"Sample from the model: [italic]{res['sample']!r}[/italic]")
     cli = _cli_name()
-    console.print(f"Explore: [cyan]{cli} log demo/{r.job}[/cyan], [cyan]{cli} verify --deep "
-                  f"demo/{r.job}[/cyan]; train it further by hand (it resumes from its latest "
-                  f"snapshot): [cyan]{' '.join(r.again)}[/cyan]", highlight=False)
+    # one command a line, each whole (a command is copied as it is, whatever the width)
+    console.print(f"Explore:\n  [cyan]{cli} log demo/{r.job}[/cyan]\n  [cyan]{cli} verify "
+                  f"--deep demo/{r.job}[/cyan]\nTrain it further by hand (it resumes from its "
+                  f"latest snapshot; stop it any way you like and run it again):\n  "
+                  f"[cyan]{' '.join(r.again)}[/cyan]", highlight=False)
 
 
 def _here(path: str) -> str:

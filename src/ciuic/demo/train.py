@@ -19,6 +19,7 @@ import blake3
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ciuic.demo import SAVE_EVERY
 from ciuic.demo.model import CharGPT, GPTConfig
 from ciuic.manager import SnapshotManager
 from ciuic.state.data import ResumableSampler
@@ -58,7 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--project", default="demo")
     p.add_argument("--job", default="chargpt")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=SAVE_EVERY)
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--no-snapshots", action="store_true", help="the uninterrupted reference run")
