@@ -251,3 +251,55 @@ def test_sealed_chunks_restore_and_a_tampered_one_falls_back(
             assert m.restore(fresh, fresh_opt, snapshot=snapshot) == step
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
     assert "authentication failed" in caplog.text and "falling back" in caplog.text
+
+
+def test_restore_without_the_key_names_the_key_and_talks_of_no_damage(
+        store_dir: Path, key: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 30: a key that is not configured was followed by "No intact snapshot before it
+    was found; ciuic verify --deep ... names every damaged object": nothing is damaged."""
+    from tests.test_cli import ciuic
+
+    model, opt = model_opt()
+    with SnapshotManager("p", job="nokey", encryption=True, store=store_dir) as m:
+        for step in range(3):
+            m.save(step, model, opt)
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY")
+    for command in (("restore", "nokey@2", "--to", str(tmp_path / "out.safetensors")),
+                    ("show", "nokey@2"), ("inspect", "nokey@2"),
+                    ("diff", "nokey@1", "nokey@2")):
+        code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), *command)
+        text = " ".join((out + err).split())
+        assert code != 0, (command, text)
+        assert f"sealed with key {parse_key_text(key).id}, which is not configured" in text
+        assert "CIUIC_ENCRYPTION_KEY_FILE" in text, (command, text)
+        assert "damage" not in text and "intact" not in text, (command, text)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_restore_of_a_damaged_snapshot_says_which_earlier_ones_need_a_key(
+        store_dir: Path, key: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The earlier snapshots are sealed with a key that is not configured: they may be intact,
+    and the advice says which key would let them be checked, not that none is intact."""
+    from tests.test_cli import ciuic
+
+    model, opt = model_opt()
+    saved_then_rotated(store_dir, key, "rot", model, opt, monkeypatch)
+    train(model, opt)
+    with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m:
+        latest = m.save(1, model, opt)
+    repo = Repository.open(store_dir)
+    victim = next(iter(chunk_refs(read_body(repo, latest)[1]["model"])))
+    repo.close()
+    path = store_dir / "objects" / chunk_key(victim)
+    path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    monkeypatch.delenv("CIUIC_DECRYPTION_KEYS")  # step 0's key is forgotten
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "restore", "rot@1",
+                           "--to", str(tmp_path / "out.pt"))
+    text = " ".join((out + err).split())
+    assert code != 0
+    assert "authentication failed" in text  # step 1 is damaged: that is said
+    assert "No intact snapshot" not in text, text
+    assert (f"1 earlier snapshot(s) could not be checked: sealed with key "
+            f"{parse_key_text(key).id}, which is not configured") in text, text

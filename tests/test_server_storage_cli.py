@@ -105,6 +105,14 @@ def test_the_cli_reads_a_servers_storage_and_never_empties_its_listing(
     assert f" {STEPS} " in ls.stdout.split("vision/r5", 1)[1].splitlines()[0], ls.stdout
     assert newest.short_id in cli(store, "log", "vision/r5").stdout
 
+    # an administrator's prune and gc free the project's chunks, in the project's store
+    assert "pruned 4 snapshot(s)" in cli(store, "prune", "vision/r5", "--keep-last", "2").stdout
+    gc = cli(store, "gc")
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert int(gc.stdout.split("deleted ", 1)[1].split()[0]) > 0, gc.stdout
+    assert _listed(url, key) == {"r5": 2}
+    assert "2 snapshot(s) checked" in cli(store, "verify", "--deep", "vision/r5").stdout
+
 
 def test_a_catalog_row_whose_manifest_the_store_does_not_list_is_never_marked_pruned(
         tmp_path: Path) -> None:

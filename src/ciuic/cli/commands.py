@@ -25,7 +25,7 @@ from ciuic.cli.app import (
     store_location,
     time_text,
 )
-from ciuic.errors import CiuicError, IntegrityError
+from ciuic.errors import CiuicError, IntegrityError, MissingKey
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from rich.progress import TaskID
@@ -261,6 +261,8 @@ def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> No
     repo, info = resolve(snap)
     try:
         tensors = export(repo, info, to, fmt, state)
+    except MissingKey:
+        raise  # not damage: its message names the key and how to configure it
     except IntegrityError as e:
         raise CiuicError(f"{e}\n{_intact_before(repo, info, to)}") from e
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -283,10 +285,21 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
     from ciuic.chain.verify import verify_job
     older = [s for s in repo.catalog.snapshots(info.project, info.job, newest_first=True)
              if s.seq < info.seq][:tries]
+    locked, keys = 0, set[str]()  # earlier ones not checked: sealed with keys not configured
     for s in older:
-        if verify_job(repo, s.project, s.job, only=s.id).ok:
+        problems = verify_job(repo, s.project, s.job, only=s.id).problems
+        if not problems:
             return (f"The newest intact snapshot before it is {s.ref} ({s.short_id}): "
                     f"ciuic restore {s.short_id} --to {to}")
+        if all(p.key_id is not None for p in problems):  # not damaged: it may be intact
+            locked += 1
+            keys |= {str(p.key_id) for p in problems}
+    if locked:
+        return (f"{locked} earlier snapshot(s) could not be checked: sealed with key"
+                f"{'s' if len(keys) > 1 else ''} {', '.join(sorted(keys))}, which "
+                f"{'are' if len(keys) > 1 else 'is'} not configured; to find an intact one, "
+                "set CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) or add "
+                "CIUIC_DECRYPTION_KEYS")
     return ("No intact snapshot before it was found; `ciuic verify --deep "
             f"{info.project}/{info.job}` names every damaged object")
 
@@ -319,10 +332,12 @@ def gc(dry_run: bool, wait: float) -> None:
     """Delete chunks and bodies no snapshot references."""
     from ciuic.chain.gc import GcResult, collect
     repo = current_repo()
+    result = GcResult()
     with progress_bar() as bar:
         task = bar.add_task("gc: reading manifests", total=None)
-        result = collect(repo, dry_run=dry_run, wait_s=wait,
-                         progress=lambda key: bar.advance(task))
+        for store in repo.namespaces():  # in a server's storage, each project's store too
+            result.add(collect(store, dry_run=dry_run, wait_s=wait,
+                               progress=lambda key: bar.advance(task)))
     if result.skipped:
         err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
         raise click.exceptions.Exit(2)
@@ -332,7 +347,6 @@ def gc(dry_run: bool, wait: float) -> None:
                   f"{size_text(result.deleted_bytes)}; kept {result.kept_chunks} chunk(s)")
     for key in result.damaged:
         err.print(f"[red]damaged, skipped: {key}[/red]")
-    result = GcResult()
 
 
 @app.command("reindex")
