@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def test_ls_log_show(populated: dict[str, object], capsys: pytest.CaptureFixture
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "show", "--json",
                          infos[2].id[:8])
     assert code == 0 and '"step": 10100' in out
+    shown = json.loads(out)  # the manifest and its tensors, as the table shows them
+    weight = {t["path"]: t for t in shown["tensor_list"]}["model/0.weight"]
+    assert weight["shape"] == [300, 300] and weight["dtype"] == "float32"
+    assert weight["nbytes"] == 300 * 300 * 4 and int(weight["stored"]) >= 1  # its chunks
 
 
 def test_verify_finds_flipped_bit_and_names_object(populated: dict[str, object],

@@ -143,7 +143,8 @@ SNAP_HELP = "ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy"
 
 @app.command("show")
 @argument("snap", help=SNAP_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the manifest and the tensors (tensor_list) as JSON")
 def show(snap: str, as_json: bool) -> None:
     """Show one snapshot: its manifest and its tensors."""
     from rich.table import Table
@@ -152,8 +153,15 @@ def show(snap: str, as_json: bool) -> None:
     from ciuic.format.tree import walk_leaves
     repo, info = resolve(snap)
     m = repo.read_manifest(info.project, info.job, info.id)
-    if as_json:
-        console.print_json(json.dumps({"id": info.id, **m.to_json()}))
+    leaves = (walk_leaves(read_body(repo, info)[1]) if info.status == "committed" else [])
+    if as_json:  # a pruned snapshot's tensors are gone: tensor_list is null
+        console.print_json(json.dumps({"id": info.id, "status": info.status, **m.to_json(),
+                                       "tensor_list": None if info.status != "committed" else [
+                                           {"path": path, "dtype": str(desc["dtype"]),
+                                            "shape": list(desc["shape"]),
+                                            "nbytes": int(desc["nbytes"]),
+                                            "stored": _pieces(desc)}
+                                           for path, _kind, desc in leaves]}))
         return
     console.print(f"[bold]snapshot[/bold] {info.id}")
     for label, value in (("job", f"{m.project}/{m.job}"), ("step", m.step),
@@ -166,9 +174,8 @@ def show(snap: str, as_json: bool) -> None:
         console.print(f"  {label:8} {value}", highlight=False)
     if info.status != "committed":
         return
-    _, states = read_body(repo, info)
     t = Table("tensor", "dtype", "shape", "bytes", "chunks")
-    for path, _kind, desc in walk_leaves(states):
+    for path, _kind, desc in leaves:
         t.add_row(path, str(desc["dtype"]), str(tuple(desc["shape"])),
                   size_text(int(desc["nbytes"])),
                   _pieces(desc))
