@@ -336,13 +336,19 @@ class Catalog:
                 s.expunge(r)
             return rows
 
-    def stopped_at(self, run_id: str, step: int) -> None:
-        """Record the last step a run that ended without a record made (learnt after it died,
-        from its progress file), when it is later than what its heartbeats recorded."""
+    def stopped_at(self, run_id: str, step: int | None) -> None:
+        """Record that a run which recorded no end died, learnt after it died (from its progress
+        file, or from ``ciuic run``): an event ``stopped``, and its last step() (None: it made
+        none) when that is later than what its heartbeats recorded."""
         with self.session() as s:
             run = s.get(Run, run_id)
-            if run is not None and (run.last_step is None or run.last_step < step):
+            if run is None:
+                return
+            if step is not None and (run.last_step is None or run.last_step < step):
                 run.last_step = step
+            s.add(RunEvent(run_id=run_id, job_id=run.job_id, at=utc_now(), kind="stopped",
+                           step=run.last_step,
+                           detail="no end was recorded: it was killed or crashed"))
 
     def interrupted_by(self, run_id: str, cause: str) -> None:
         """Record why a run stopped, as the supervisor (``ciuic run``) saw it."""

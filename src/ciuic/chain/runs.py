@@ -2,7 +2,11 @@
 next run of the job can say how the previous one was interrupted.
 
 A run that was killed (SIGKILL, power loss, OOM killer) records nothing: its row keeps
-``end_kind`` NULL, which the next run reads as a crash.
+``end_kind`` NULL. Its progress file (:mod:`~ciuic.chain.progress`) says that it died and where:
+the next run on the same machine records both (``Catalog.stopped_at``), and ``ciuic log`` reads
+the file until then. Without either, how the run ended is not known.
+
+Where a run stopped is its last ``step()`` (:func:`stopped_where`), in every message.
 
 Imports no SQLAlchemy: ``ciuic log`` reads the runs without the catalog's ORM
 (:mod:`ciuic.chain.listing`).
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ciuic.chain import progress
 from ciuic.format.manifest import parse_time
 
 
@@ -51,19 +56,32 @@ def was_interrupted(run: Run | None) -> bool:
     return run is not None and run.end_kind not in ("clean", "exit")
 
 
-def describe_end(run: Run) -> str:
+def describe_end(run: Run, known: bool = True) -> str:
     """How ``run`` ended, as a clause ("it raised ValueError"); the supervisor's cause when
-    ``ciuic run`` saw it ("hang: no step() for 600 s ...")."""
+    ``ciuic run`` saw it ("hang: no step() for 600 s ..."). A run that recorded no end died when
+    ``known`` (its progress file, or the next run that read it, says so); else how it ended is
+    not known."""
     if run.cause:
         return run.cause
     kind = run.end_kind
     if kind is None:
-        return "it was killed or crashed: no clean exit was recorded"
+        return ("it was killed or crashed: no clean exit was recorded" if known else
+                "its end is not known: none was recorded (it was killed or crashed, or could "
+                "not write to its catalog)")
     if kind.startswith("signal:"):
         return f"it was stopped by {kind.split(':', 1)[1]}"
     if kind.startswith("exception:"):
         return f"it raised {kind.split(':', 1)[1]}"
     return "it exited cleanly"
+
+
+def stopped_where(step: int | None, exact: bool) -> str:
+    """Where a run stopped, in the words of every message: "at step N", N its last ``step()``;
+    "after step N" where only a lower bound is known (progress the catalog recorded now and
+    then, the latest snapshot); "before its first step()"."""
+    if step is None:
+        return "before its first step()" if exact else "at an unknown step"
+    return f"{'at' if exact else 'after'} step {step}"
 
 
 def failure_history(every: Sequence[Run], current: str) -> tuple[int, float]:
@@ -138,6 +156,7 @@ def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list
                   else "")
             found.setdefault(e["detail"], []).append(
                 (e["at"], f"resumed by run {e['run'][:8]}{by}"))
+    died = {e["run"] for e in events if e["kind"] == "stopped"}  # Catalog.stopped_at
     for r in runs:
         where = last.get(r.id)
         if where is None or not was_interrupted(r):
@@ -146,7 +165,20 @@ def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list
         if r.end_kind is None and may_still_run(r):
             found.setdefault(where, []).append((when, f"run {r.id[:8]} may still be running"))
             continue
-        at = f" at step {r.last_step}" if r.last_step is not None else ""
+        step, known = r.last_step, r.end_kind is not None or r.id in died or bool(r.cause)
+        stop = local_stop(r)
+        if stop is not None:  # it died on this machine, and no later run has said so yet
+            known = True
+            step = max((x for x in (step, stop.step) if x is not None), default=None)
         found.setdefault(where, []).append(
-            (when, f"then run {r.id[:8]} stopped{at}: {describe_end(r).removeprefix('it ')}"))
+            (when, f"then run {r.id[:8]} stopped {stopped_where(step, known)}: "
+                   f"{describe_end(r, known).removeprefix('it ')}"))
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
+
+
+def local_stop(run: Run) -> progress.Stop | None:
+    """What the progress file of a run that recorded no end says, when the run was of this
+    machine and no later run has taken the file yet."""
+    if run.end_kind is not None or run.host != socket.gethostname():
+        return None
+    return progress.peek(run.id)

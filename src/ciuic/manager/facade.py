@@ -261,17 +261,17 @@ class SnapshotManager:
                 due, sig = self._policy.agree(step)
                 if snapshot is not None:  # the framework's decision, the same on every rank
                     due = snapshot and step != self._policy.last_save_step
+                self._session.heartbeat(step, now)  # first: where a stop here stopped
                 if sig:  # a signal on any rank stops every rank here
                     self._signals.pending = self._signals.pending or sig
                     self._emergency(step, model, optimizer, extras)
-                self._session.heartbeat(step, now)
                 return due and self._take(step, model, optimizer, extras)
             finally:
                 if not self._closed:
                     self._policy.post_agreement(step, self._signals.pending)
+        self._session.heartbeat(step, now)  # first: where a stop here stopped
         if self._signals.pending is not None:
             self._emergency(step, model, optimizer, extras)
-        self._session.heartbeat(step, now)
         due = (self._policy.due(step, self._policy.time_due(now)) if snapshot is None
                else snapshot and step != self._policy.last_save_step)
         if not due:
@@ -396,7 +396,8 @@ class SnapshotManager:
         if latest is None:
             return
         prev = self._session.previous_run
-        how = ("the previous run was interrupted: " + runs.describe_end(prev)
+        how = ("the previous run was interrupted: "
+               + runs.describe_end(prev, self._session.previous_known)
                if self.interrupted and prev is not None else "")
         log.warning(
             "!!! job %s/%s already has snapshots (latest at step %d, %s) but this run did not "
@@ -425,7 +426,7 @@ class SnapshotManager:
                             info.short_id)
             except (CiuicError, OSError) as e:
                 log.error("Emergency snapshot at step %d failed: %s", step, e)
-        self._session.record_end(f"signal:{name}", step)
+        self._session.record_end(f"signal:{name}")  # at this step(): heartbeat() recorded it
         self.close(final=False)
         raise SystemExit(code)
 

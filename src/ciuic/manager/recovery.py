@@ -191,7 +191,8 @@ class Recovery:
             if s.interrupted and prev is not None:
                 log.info("Detected training interruption %s (%s)", _where(s, found),
                          "no exit was recorded: it may still be running" if
-                         runs.may_still_run(prev) else runs.describe_end(prev))
+                         runs.may_still_run(prev) else runs.describe_end(prev,
+                                                                         s.previous_known))
             log.info("Searching for latest snapshot...")
         if not self.coll.enabled:
             return found
@@ -251,15 +252,16 @@ def _size(n: int) -> str:
 
 
 def _where(session: RunSession, found: list[SnapshotInfo]) -> str:
-    """Where the previous run stopped: its last step(), from its progress file on this machine;
-    else "after" the later of its recorded progress and the latest snapshot (progress reaches
-    the catalog now and then, so the run got at least that far)."""
-    if session.previous_last_step is not None:
-        return f"at step {session.previous_last_step}"
+    """Where the previous run stopped (``runs.stopped_where``): its last step(), when its end
+    record, its progress file on this machine or ``ciuic run`` says; else "after" the later of
+    its recorded progress and the latest snapshot (progress reaches the catalog now and then,
+    so the run got at least that far)."""
     prev = session.previous_run
+    if prev is not None and session.previous_known:
+        return runs.stopped_where(prev.last_step, exact=True)
     steps = [x for x in (prev.last_step if prev else None, *(i.step for i in found[:1]))
              if x is not None]
-    return f"after step {max(steps)}" if steps else "at an unknown step"
+    return runs.stopped_where(max(steps) if steps else None, exact=False)
 
 
 def _check_names(info: SnapshotInfo, trees: dict[str, Any], model: Any, optimizer: Any,

@@ -22,7 +22,7 @@ from typing import Any
 
 from ciuic import knobs
 from ciuic.catalog.models import Run
-from ciuic.chain import runs
+from ciuic.chain import progress, runs
 from ciuic.chain.gc import collect
 from ciuic.chain.lease import Lease
 from ciuic.chain.lease import acquire as acquire_lease
@@ -32,9 +32,7 @@ from ciuic.chain.transfer import copy_job
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.save import check_shared_store
 from ciuic.errors import RankError
-from ciuic.manager import progress
 from ciuic.manager.config import ManagerConfig
-from ciuic.manager.progress import Progress
 from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import Supervised, attach
 from ciuic.store.mirror import MirrorStore
@@ -98,9 +96,12 @@ class RunSession:
         self.previous_run: Run | None = None
         self.interrupted = False
         self.lease: Lease | None = None
-        #: the last step() the previous run made, when it ran on this machine (manager.progress)
-        self.previous_last_step: int | None = None
-        self._progress: Progress | None = None
+        #: whether where and how the previous run ended is known: it recorded its end, or it
+        #: died and its progress file on this machine (chain.progress) or ``ciuic run`` says so
+        self.previous_known = False
+        #: this run's last step() (where it stopped, when it stops: chain.runs.stopped_where)
+        self.last_step: int | None = None
+        self._progress: progress.Progress | None = None
         self._last_heartbeat = 0.0
         #: under ``ciuic run``: the heartbeats, the host-memory tier, the previous start's cause
         self.supervised: Supervised | None = attach(multi_rank=coll.enabled)
@@ -147,14 +148,9 @@ class RunSession:
         self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
         self.interrupted = runs.was_interrupted(self.previous_run)
         prev = self.previous_run
-        if prev is not None and prev.host == socket.gethostname():
-            self.previous_last_step = progress.last_step(prev.id)
-            self._supervisor_said(prev)
-            if self.previous_last_step is not None:  # for `ciuic log` and the dashboard
-                self.repo.catalog.stopped_at(prev.id, self.previous_last_step)
-                if prev.last_step is None or prev.last_step < self.previous_last_step:
-                    prev.last_step = self.previous_last_step
-        self._progress = Progress(self.run_id)
+        if prev is not None:
+            self._how_previous_ended(prev)
+        self._progress = progress.Progress(self.run_id)
         if self._reporter is not None:
             if prev is not None:  # what this run learnt of how the previous one ended
                 self._reporter.report(prev.id)
@@ -162,23 +158,40 @@ class RunSession:
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
         self._catch_up_mirror()
 
-    def _supervisor_said(self, prev: Run) -> None:
+    def _how_previous_ended(self, prev: Run) -> None:
+        """Learn where the previous run stopped and how, from its end record, its progress file
+        on this machine and ``ciuic run``; record in the catalog what it could not (for ``ciuic
+        log`` and the dashboard)."""
+        self.previous_known = prev.end_kind is not None
+        stop = None
+        if prev.host == socket.gethostname() and not runs.may_still_run(prev):
+            stop = progress.take(prev.id)
+        died = prev.end_kind is None and stop is not None
+        steps = [prev.last_step, stop.step if stop is not None else None]
+        if self._supervisor_said(prev, steps):
+            died = died or prev.end_kind is None
+        if died:  # its last step() is known: the later of its file's and the supervisor's
+            prev.last_step = max((x for x in steps if x is not None), default=None)
+            self.repo.catalog.stopped_at(prev.id, prev.last_step)
+            self.previous_known = True
+
+    def _supervisor_said(self, prev: Run, steps: list[int | None]) -> bool:
         """Under ``ciuic run``, after a restart: record why the previous start stopped (the
-        supervisor saw it), and this run's restart number."""
+        supervisor saw it), and this run's restart number; add its last step() to ``steps``.
+        Whether the supervisor saw ``prev`` stop."""
         sup = self.supervised
         restart = sup.restart if sup is not None else None
         if restart is None:
-            return
+            return False
         self.repo.catalog.restarted(self.run_id, restart.number)
         if restart.pids and prev.pid not in restart.pids:
-            return  # the previous start never reached its manager: prev is an older run
-        if restart.stopped_at is not None and (self.previous_last_step is None
-                                               or restart.stopped_at > self.previous_last_step):
-            self.previous_last_step = restart.stopped_at
+            return False  # the previous start never reached its manager: prev is an older run
+        steps.append(restart.stopped_at)
         if restart.cause:
             self.repo.catalog.interrupted_by(prev.id, restart.cause)
             prev.cause = restart.cause
             self.interrupted = True
+        return True
 
     def _warn_if_taken_over(self) -> None:
         prev, lease = self.previous_run, self.lease
@@ -221,6 +234,7 @@ class RunSession:
     def heartbeat(self, step: int, now: float) -> None:
         """Record progress (rank 0), so that the next run knows where this one got to: every
         step in the progress file, now and then in the catalog."""
+        self.last_step = step
         if self._progress is not None:
             self._progress.set(step)
         if self.supervised is not None:
@@ -258,9 +272,9 @@ class RunSession:
             log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
                       result.deleted_chunks, result.skipped)
 
-    def record_end(self, kind: str, step: int | None = None) -> None:
-        """How the run ended (``clean``, ``exit``, ``exception:T``, ``signal:NAME``); the
-        first record wins."""
+    def record_end(self, kind: str) -> None:
+        """How the run ended (``clean``, ``exit``, ``exception:T``, ``signal:NAME``), at its
+        last step(); the first record wins."""
         _untrack(self)
         if self._progress is not None:  # kept after a crash: the next run reads it
             self._progress.close(remove=kind in ("clean", "exit"))
@@ -270,7 +284,7 @@ class RunSession:
         if not self.coll.coordinator:
             return
         try:
-            self.repo.catalog.end_run(self.run_id, kind, step)
+            self.repo.catalog.end_run(self.run_id, kind, self.last_step)
         except Exception as e:  # the catalog may be gone at interpreter exit
             log.debug("could not record the end of run %s: %s", self.run_id, e)
         if self._reporter is not None:

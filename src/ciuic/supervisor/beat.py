@@ -17,7 +17,9 @@ A slot (128 bytes, little-endian)::
 
 CLOCK_MONOTONIC is the same clock in every process of a machine, so the supervisor compares
 these times with its own. A busy rank (restoring, saving synchronously, waiting for a write) is
-never taken for a hung one: the timeout counts from the end of the busy span.
+never taken for a hung one: the timeout counts from the end of the busy span. A rank done with
+training (its manager closed) stays busy "done" until it exits: its slot still says where it
+stopped and what it committed, for the supervisor's last read after the exit.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ _ALIVE = struct.Struct("<d")
 _COMMIT = struct.Struct("<qq")  # at offset 48
 BUSY = {0: "training", 1: "restoring a snapshot", 2: "saving a snapshot",
         3: "waiting for a snapshot write", 4: "closing", 5: "taking an emergency snapshot",
-        6: "opening its store"}
+        6: "opening its store", 7: "done with training"}
 _KIND = {name: code for code, name in (
-    (1, "restore"), (2, "save"), (3, "wait"), (4, "close"), (5, "emergency"), (6, "start"))}
+    (1, "restore"), (2, "save"), (3, "wait"), (4, "close"), (5, "emergency"), (6, "start"),
+    (7, "done"))}
 
 
 class Beacon:
@@ -59,6 +62,7 @@ class Beacon:
         struct.pack_into("<q", region, self._off, SLOT_MAGIC)  # valid from here on
         self._commits = 0
         self._starting = True  # busy opening the store until the manager is built: started()
+        self._done = False  # detach(): busy "done" for good
 
     def started(self) -> None:
         """The manager is built: from here on, silence counts."""
@@ -81,7 +85,7 @@ class Beacon:
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and not self._done:
                 _BUSY.pack_into(self._map, self._off + 32, 0, 0.0)
                 _ALIVE.pack_into(self._map, self._off + 24, time.monotonic())
 
@@ -90,9 +94,11 @@ class Beacon:
         _COMMIT.pack_into(self._map, self._off + 48, step + 1, self._commits)
 
     def detach(self) -> None:
-        """The rank is done with the slot (a clean close): the supervisor stops watching it."""
+        """The rank is done with training (its manager closed): the supervisor no longer
+        watches it for a hang, and still reads its last step and commit."""
+        self._done = True
         with contextlib.suppress(ValueError):  # the region is already unmapped
-            struct.pack_into("<q", self._map, self._off, 0)
+            _BUSY.pack_into(self._map, self._off + 32, _KIND["done"], time.monotonic())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""Where a run stopped and how it ended, said the same way by every message (issue 30): the
+emergency snapshot, the run's end record, the next run's "Detected training interruption",
+``ciuic run``'s "the job stopped" and ``ciuic log``'s notes all name the run's last ``step()``."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ciuic import SnapshotManager
+from ciuic.chain.runs import history
+from ciuic.supervisor import beat
+from tests.conftest import run_train
+
+
+def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+
+def ciuic_log(store: Path, job: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store), "log", job],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "400"})
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def notes(store: Path, project: str, job: str) -> list[str]:
+    from ciuic.chain.repo import Repository
+
+    with Repository.open(store) as repo:
+        found = history(repo.catalog.runs(project, job), repo.catalog.events(project, job))
+    return [n for ns in found.values() for n in ns]
+
+
+# -- 3. one step where a run stopped ----------------------------------------------------------
+
+def test_a_signal_stop_is_the_same_step_in_every_message(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Ctrl-C during step 8's update: the emergency snapshot, the end record, the restart and
+    the history all say step 8 (the restart said 7: the progress file was written after the
+    emergency snapshot's exit)."""
+    model, opt = model_and_opt()
+    with caplog.at_level(logging.INFO, logger="ciuic"):
+        m = SnapshotManager("p", job="int", store=store_dir, save_interval=5)
+        for step in range(9):
+            train(model, opt)
+            if step == 8:
+                os.kill(os.getpid(), signal.SIGINT)  # handled: a flag for the next step()
+            if step < 8:
+                m.step(step, model, opt)
+        with pytest.raises(SystemExit) as stopped:
+            m.step(8, model, opt)
+        assert stopped.value.code == 128 + signal.SIGINT
+        again = SnapshotManager("p", job="int", store=store_dir, save_interval=5)
+        assert again.restore(model, opt) == 8
+        again.close()
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Emergency snapshot at step 8 saved" in said
+    assert "Detected training interruption at step 8 (it was stopped by SIGINT)" in said
+    assert again.previous_run is not None and again.previous_run.last_step == 8
+    assert any(n.endswith("stopped at step 8: was stopped by SIGINT")
+               for n in notes(store_dir, "p", "int"))
+
+
+def test_log_before_the_restart_names_the_step_the_restart_names(store_dir: Path) -> None:
+    """A SIGKILL at step 23, before the heartbeat recorded it (the catalog said step 0): `ciuic
+    log` on the same machine reads the run's progress file, as the restart does."""
+    train_args = ("--steps", "30", "--save-every", "10", "--sync")
+    killed = run_train(store_dir, *train_args, "--kill-at", "23")
+    assert killed.rc == -9
+    before = ciuic_log(store_dir, "tests/mlp")
+    assert re.search(r"then run \w+ stopped at step 23: was killed or crashed", before), before
+    again = run_train(store_dir, *train_args)
+    assert again.rc == 0, again.err
+    assert "Detected training interruption at step 23 (it was killed or crashed" in again.err
+    after = ciuic_log(store_dir, "tests/mlp")
+    assert re.search(r"then run \w+ stopped at step 23: was killed or crashed", after), after
+
+
+def test_the_supervisor_reads_a_closed_ranks_last_step_and_commit() -> None:
+    """A rank that closed its manager (or left its `with` block by an exception) right after its
+    last step(): its slot still says where it got to, and is not watched for a hang. (The slot
+    was wiped: `ciuic run` said the step of its last poll, or "before its first step()".)"""
+    region = mmap.mmap(-1, beat.REGION_BYTES)
+    b = beat.Beacon(region, 0, 0, os.getpid())
+    b.started()
+    for step in range(18):
+        b.step(step)
+        if step % 5 == 0:
+            b.committed(step)
+    b.detach()
+    [seen] = beat.read(region)
+    assert (seen.pid, seen.step, seen.committed, seen.commits) == (os.getpid(), 17, 15, 4)
+    assert seen.silent_s(time.monotonic() + 3600) == 0.0  # done: never a hang
