@@ -187,6 +187,19 @@ def test_a_typo_in_the_job_name_warns_with_the_nearest_jobs(
     assert "killed" in text and "job='killed'" in text
 
 
+def test_a_new_job_beside_jobs_of_other_names_starts_quietly(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`job="hang"` beside a job "exc" is no typo: no advice to pass job='exc'."""
+    model, opt = model_and_opt()
+    with SnapshotManager("runproj", job="exc", store=store_dir, save_interval=1) as m:
+        m.step(0, model, opt)
+    with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
+            "runproj", job="hang", store=store_dir) as m:
+        assert m.restore(model, opt) is None
+    [line] = [r for r in caplog.records if "No snapshot of runproj/hang" in r.getMessage()]
+    assert line.levelno == logging.INFO and "job=" not in line.getMessage()
+
+
 def test_a_new_project_starts_quietly(store_dir: Path, caplog: pytest.LogCaptureFixture
                                       ) -> None:
     model, opt = model_and_opt()

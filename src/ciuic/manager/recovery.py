@@ -156,17 +156,15 @@ class Recovery:
                 others = [j for _, j in list_jobs(self.repo.store, project) if j != job]
             except Exception as e:  # the listing is advice only
                 log.debug("could not list the jobs of %s: %s", project, e)
-        if not others:
+        near = difflib.get_close_matches(job, others, n=3, cutoff=0.6)
+        if not near:  # a new job beside others of other names: nothing looks like a typo
             log.info("No snapshot of %s/%s in %s: starting from scratch", project, job,
                      self.repo.name)
             return
-        near = difflib.get_close_matches(job, others, n=3, cutoff=0.6)
-        shown = near or others[:5]
-        log.warning("No snapshot of %s/%s in %s: starting from scratch. The project has other "
-                    "jobs%s: %s%s. If this run should resume one of them, stop it and pass "
-                    "job=%r", project, job, self.repo.name, " (nearest first)" if near else "",
-                    ", ".join(shown), "" if near or len(others) <= 5 else ", ...",
-                    shown[0])
+        log.warning("No snapshot of %s/%s in %s: starting from scratch. The project has jobs of "
+                    "a similar name (nearest first): %s. If this run should resume one of them, "
+                    "stop it and pass job=%r", project, job, self.repo.name, ", ".join(near),
+                    near[0])
 
     def candidates(self, snapshot: str | None) -> list[SnapshotInfo]:
         """The snapshots to try, newest first. Multi-rank: rank 0 decides, every rank follows."""
