@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.framework_runs import differences, final, finished, launch, resumed_at
+from tests.helpers.noisy import Noisy
 
 pytest.importorskip("accelerate", reason="pip install 'ciuic[accelerate]'")
 pytest.importorskip("safetensors.torch")
@@ -70,6 +71,61 @@ def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
     for _ in range(3):
         next(batches)
     assert snapshots.positions[0].consumed == 3
+
+
+def fit_in_process(store: Path, own: str, stop_at: int | None = None
+                   ) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """3 epochs of 6 steps in this process, the order drawn from a generator of the loader's
+    own (``own``: given to the ``DataLoader`` or to its ``RandomSampler``), snapshots every 4
+    steps. ``stop_at``: stop after that step without a snapshot of it, as a kill would; the
+    next call resumes. Returns the step it resumed from and the final weights."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from ciuic.integrations.accelerate import AccelerateSnapshots
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = Noisy(24)
+    if own == "loader":
+        loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator())
+    else:
+        sampler = RandomSampler(data, generator=torch.Generator())
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    snapshots = AccelerateSnapshots(accelerator, "p", job="j", store=store, save_interval=4,
+                                    handle_signals=False)
+    first_epoch = snapshots.restore()
+    resumed = snapshots.restored.step if snapshots.restored else None
+    for _epoch in range(first_epoch, 3):
+        for x, y in loader:
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            snapshots.step()
+            if snapshots.global_step == stop_at:
+                snapshots.manager.close(final=False)
+                return resumed, {}
+    snapshots.finish()
+    snapshots.close()
+    return resumed, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("own", ["loader", "sampler"])
+def test_a_loader_with_its_own_generator_stopped_in_epoch_1_resumes_bit_exact(
+        tmp_path: Path, own: str) -> None:
+    """``DataLoader(generator=)``, or ``RandomSampler(generator=)`` (which ``prepare`` leaves
+    inside the loader's batch sampler): the resumed epoch's order is drawn from the generator
+    as it was at the epoch's start, not from a new one (epoch 0's order)."""
+    _, reference = fit_in_process(tmp_path / "a", own)
+    fit_in_process(tmp_path / "b", own, stop_at=9)  # epoch 1, 3 batches in
+    step, resumed = fit_in_process(tmp_path / "b", own)
+    assert step == 8
+    assert reference.keys() == resumed.keys()
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
 @pytest.mark.slow

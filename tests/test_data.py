@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ciuic import ResumableSampler, SnapshotManager
+from tests.helpers.noisy import Noisy
 
 
 def batches_of(loader: DataLoader[int], n: int,
@@ -69,3 +70,60 @@ def test_stateful_dataloader_with_workers_resumes_twice(tmp_path: Path) -> None:
             seen += got
             m.save(len(seen), loader=loader)
     assert seen == reference
+
+
+def quick_start(store: Path, stop_after: int | None = None
+                ) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """The README's quick start, small: a ResumableSampler and the loader's own generator,
+    augmentation and dropout from the global RNG, 3 epochs of 6 steps, snapshots every 4.
+    ``stop_after``: stop after that step, without a snapshot of it (as a kill would). Returns
+    the step it resumed from and the final weights."""
+    torch.manual_seed(0)
+    data = Noisy(24)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ResumableSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    with SnapshotManager("p", job="quick", store=store, save_interval=4,
+                         handle_signals=False) as manager:
+        last = manager.restore(model, optimizer, sampler=sampler)
+        step = 0 if last is None else last + 1
+        while step < 18:
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                manager.step(step, model, optimizer, sampler=sampler)
+                if step == stop_after:
+                    manager.close(final=False)
+                    return last, {}
+                step += 1
+                if step == 18:
+                    break
+    return last, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_the_quick_start_stopped_mid_epoch_after_epoch_0_resumes_bit_exact(
+        tmp_path: Path) -> None:
+    """A ResumableSampler with the loader's own generator: the sampler's order is a function
+    of its seed and epoch, the generator only seeds the loader's workers."""
+    _, reference = quick_start(tmp_path / "a")
+    quick_start(tmp_path / "b", stop_after=9)  # epoch 1, 4 batches in
+    last, resumed = quick_start(tmp_path / "b")
+    assert last == 8
+    assert reference.keys() == resumed.keys()
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_a_plain_data_loader_as_an_extra_says_what_keeps_its_position(tmp_path: Path) -> None:
+    from ciuic import CaptureError
+
+    model = torch.nn.Linear(2, 2)
+    loader: DataLoader[int] = DataLoader(list(range(8)), shuffle=True,  # type: ignore[arg-type]
+                                         generator=torch.Generator())
+    with SnapshotManager("p", job="j", store=tmp_path / "s", handle_signals=False) as manager:
+        assert manager.restore(model, loader=loader) is None
+        with pytest.raises(CaptureError, match=r"'loader' is a DataLoader.*ResumableSampler"):
+            manager.step(0, model, loader=loader, snapshot=True)

@@ -59,9 +59,9 @@ def reference(references: dict[int, Path], tmp_path_factory: pytest.TempPathFact
     return references[stage]
 
 
-def kill_and_resume(tmp_path: Path, stage: int) -> Path:
-    killed(train(tmp_path, "--stage", str(stage), "--kill-at", "9"))  # epoch 1, 3 batches in
-    again = finished(train(tmp_path, "--stage", str(stage)))
+def kill_and_resume(tmp_path: Path, stage: int, *args: str) -> Path:
+    killed(train(tmp_path, "--stage", str(stage), *args, "--kill-at", "9"))  # epoch 1, 3 in
+    again = finished(train(tmp_path, "--stage", str(stage), *args))
     assert resumed_at(again, "DeepSpeed loop") == 8
     assert "(epoch 1, 2 batches into it)" in again.stderr
     assert "GLOBAL_STEP 18 SAMPLES 144" in again.stdout  # the engine's counters came back
@@ -74,6 +74,16 @@ def test_zero_1_killed_mid_epoch_after_epoch_0_ends_bit_exact(
         tmp_path: Path) -> None:
     ref = reference(references, tmp_path_factory, 1)
     assert differences(final(ref), final(kill_and_resume(tmp_path, 1))) == {}
+
+
+@pytest.mark.slow
+def test_a_loader_with_its_own_generator_killed_mid_epoch_after_epoch_0_ends_bit_exact(
+        tmp_path: Path) -> None:
+    """``DataLoader(shuffle=True, generator=torch.Generator())``: the resumed epoch's order is
+    drawn from the generator as it was at the epoch's start, not from a new one."""
+    finished(train(tmp_path / "a", "--generator"))
+    assert differences(final(tmp_path / "a"),
+                       final(kill_and_resume(tmp_path / "b", 1, "--generator"))) == {}
 
 
 def test_misuse_is_a_clear_error(tmp_path: Path) -> None:

@@ -64,6 +64,23 @@ def test_killed_mid_epoch_after_epoch_0_it_ends_bit_exact(reference: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("every", [
+    "5",  # resumed mid-epoch 1, from step 15
+    "10",  # resumed at epoch 1's start, from step 10
+], ids=["mid-epoch", "epoch-end"])
+def test_a_sampler_with_its_own_generator_killed_after_epoch_0_ends_bit_exact(
+        tmp_path: Path, every: str) -> None:
+    """``RandomSampler(generator=torch.Generator())``: the resumed epoch's order is drawn from
+    the generator as the interrupted run had it, not from a new one (epoch 0's order)."""
+    args = ("--generator", "--save-steps", every)
+    finished(job(tmp_path / "a", *args))
+    killed(job(tmp_path / "b", *args, "--kill-at", "17"))
+    again = finished(job(tmp_path / "b", *args))
+    assert resumed_at(again, "Trainer") == (15 if every == "5" else 10)
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
 def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
         reference: Path, tmp_path: Path) -> None:
     killed(job(tmp_path, "--kill-at", "17"))

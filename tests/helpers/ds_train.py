@@ -2,10 +2,12 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/helpers/ds_train.py --out DIR
         --mode ciuic|ds --stage 0|1|2 [--kill-at STEP] [--accumulate N] [--every N]
+        [--generator]
 
 An MLP with dropout on data whose ``__getitem__`` adds noise from torch's global RNG, a
-``DistributedSampler(shuffle=True)``, AdamW and a LambdaLR schedule handed to
-``deepspeed.initialize``; 3 epochs. ``--mode ciuic`` snapshots with DeepSpeedSnapshots into
+``DistributedSampler(shuffle=True)`` (``--generator``: each rank's half of the data shuffled by
+``DataLoader(shuffle=True, generator=torch.Generator())``), AdamW and a LambdaLR schedule handed
+to ``deepspeed.initialize``; 3 epochs. ``--mode ciuic`` snapshots with DeepSpeedSnapshots into
 DIR/store every ``--every`` optimizer steps; ``--mode ds`` with ``engine.save_checkpoint`` into
 DIR/ds, resuming as DeepSpeed users do (``load_checkpoint`` of the latest tag, the epoch and the
 batches to skip computed from ``global_steps``). ``--kill-at`` SIGKILLs every rank at the end of
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from noisy import Noisy  # beside this script
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 
 def optimizer_tensors(engine: Any) -> dict[str, torch.Tensor]:
@@ -54,6 +56,7 @@ def main() -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--generator", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -71,6 +74,9 @@ def main() -> int:
                                            config=config)
     sampler = DistributedSampler(Noisy(48), shuffle=True, seed=1)
     loader = DataLoader(Noisy(48), batch_size=4, sampler=sampler)
+    if a.generator:
+        half = Subset(Noisy(48), range(dist.get_rank(), 48, dist.get_world_size()))
+        loader = DataLoader(half, batch_size=4, shuffle=True, generator=torch.Generator())
     first_epoch, skip = 0, 0
     snapshots: Any = None
     if a.mode == "ciuic":

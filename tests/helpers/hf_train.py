@@ -4,7 +4,9 @@
 
 A GPT-2 built from a config (no download) with dropout, trained on random token sequences whose
 ``__getitem__`` replaces 15 % of the tokens with draws from torch's global RNG. ``--kill-at``
-SIGKILLs the process at the end of that global step. ``--mode ciuic`` trains with CiuicTrainer
+SIGKILLs the process at the end of that global step. ``--generator``: the train sampler draws
+its order from its own ``torch.Generator()`` (a ``RandomSampler(generator=)`` that accelerate
+does not reseed: ``use_seedable_sampler=False``). ``--mode ciuic`` trains with CiuicTrainer
 into the store DIR/store; ``--mode hf`` with the plain Trainer, saving ``checkpoint-N`` folders
 in DIR/hf and resuming with ``resume_from_checkpoint=True`` when one exists. At a normal end it
 writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
@@ -17,14 +19,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from finalstate import write_final  # beside this script
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, RandomSampler
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from ciuic import SnapshotManager
-from ciuic.integrations.transformers import CiuicTrainer
+from ciuic.integrations.transformers import with_ciuic
 
 VOCAB, LENGTH = 64, 16
 
@@ -62,6 +65,14 @@ class KillAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class OwnGenerator(Trainer):
+    """Shuffles with a generator of its own, not accelerate's seedable sampler."""
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> RandomSampler:
+        dataset: Any = train_dataset if train_dataset is not None else self.train_dataset
+        return RandomSampler(dataset, generator=torch.Generator())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -72,6 +83,7 @@ def main() -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--save-strategy", default="steps")
     p.add_argument("--eval", action="store_true", help="evaluate at each epoch's end")
+    p.add_argument("--generator", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     # one thread: a loaded machine can make a multi-threaded kernel sum in another order (seen:
@@ -88,18 +100,20 @@ def main() -> int:
         gradient_accumulation_steps=a.accumulate, save_strategy=a.save_strategy,
         save_steps=a.save_steps, logging_steps=5, report_to=[], seed=42, use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True,
-        eval_strategy="epoch" if a.eval else "no")
+        eval_strategy="epoch" if a.eval else "no",
+        accelerator_config={"use_seedable_sampler": not a.generator})
+    base = OwnGenerator if a.generator else Trainer
     common = {"model": model, "args": args, "train_dataset": Augmented(40),
               "eval_dataset": Augmented(8) if a.eval else None}
     if a.mode == "ciuic":
         with SnapshotManager("hf", job="tiny", store=out / "store",
                              handle_signals=False) as manager:
-            trainer = CiuicTrainer(**common, callbacks=[KillAt(a.kill_at, manager)],
-                                   ciuic=manager)
+            trainer = with_ciuic(base)(**common, callbacks=[KillAt(a.kill_at, manager)],
+                                       ciuic=manager)
             trainer.train()
             print("LATEST", manager.latest().step)  # type: ignore[union-attr]
     else:
-        trainer = Trainer(**common, callbacks=[KillAt(a.kill_at)])
+        trainer = base(**common, callbacks=[KillAt(a.kill_at)])
         has = any(d.name.startswith("checkpoint-") for d in (out / "hf").glob("*"))
         trainer.train(resume_from_checkpoint=True if has else None)
     write_final(trainer.model, trainer.optimizer, out / f"final-{a.mode}.safetensors")

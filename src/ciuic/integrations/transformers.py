@@ -144,7 +144,7 @@ class _Ciuic:
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()  # type: ignore[misc]
         me: Any = self
-        if not self._ciuic_fetch.attach(getattr(loader, "batch_sampler", None)):
+        if not self._ciuic_fetch.attach_loader(loader):
             log.info("the train loader has no batch sampler (an iterable dataset): the RNG at "
                      "each batch fetch is not recorded, and augmentation drawn from the global "
                      "RNGs may differ on resume")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ciuic.errors import ConfigurationError, StateMismatch
+from ciuic.errors import CaptureError, ConfigurationError, StateMismatch
 from ciuic.format.tree import Leaf, encode
 
 log = logging.getLogger("ciuic")
@@ -37,6 +37,12 @@ def _state_of(name: str, obj: Any) -> Any:
     fn = getattr(obj, "state_dict", None)
     if callable(fn):
         return fn()
+    if isinstance(obj, torch.utils.data.DataLoader):
+        raise CaptureError(
+            f"extra {name!r} is a DataLoader, which keeps no position to snapshot (neither how "
+            "far its epoch went nor the state its order is drawn from). Give it a "
+            "ciuic.ResumableSampler (DataLoader(..., sampler=sampler)) and pass the sampler "
+            "instead, or use torchdata's StatefulDataLoader")
     return obj
 
 

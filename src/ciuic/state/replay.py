@@ -200,11 +200,17 @@ class FetchRng:
 def loader_generators(loader: Any) -> list[torch.Generator]:
     """The generators ``loader`` draws its order from, each once: accelerate's synchronized
     one, its sampler's (``RandomSampler(generator=)``), its own (``DataLoader(generator=)``,
-    the sampler's too with ``shuffle=True``)."""
+    the sampler's too with ``shuffle=True``), and the sampler's inside its batch sampler (a
+    loader rebuilt around the batch sampler, as accelerate's ``prepare`` does)."""
+    found = [getattr(loader, "synchronized_generator", None),
+             getattr(getattr(loader, "sampler", None), "generator", None),
+             getattr(loader, "generator", None)]
+    inner = getattr(loader, "batch_sampler", None)
+    for _ in range(4):  # a BatchSampler's sampler; accelerate's shard wraps the BatchSampler
+        inner = getattr(inner, "sampler", None) or getattr(inner, "batch_sampler", None)
+        found.append(getattr(inner, "generator", None))
     seen: dict[int, torch.Generator] = {}
-    for g in (getattr(loader, "synchronized_generator", None),
-              getattr(getattr(loader, "sampler", None), "generator", None),
-              getattr(loader, "generator", None)):
+    for g in found:
         if isinstance(g, torch.Generator):
             seen.setdefault(id(g), g)
     return list(seen.values())
