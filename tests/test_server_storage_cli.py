@@ -5,6 +5,7 @@ the server lists."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,3 +132,21 @@ def test_a_catalog_row_whose_manifest_the_store_does_not_list_is_never_marked_pr
         wrong.sync_job("p", "j")
         statuses = {s.status for s in wrong.catalog.snapshots("p", "j", status=None)}
     assert statuses == {"committed"}
+
+
+def test_the_end_of_a_run_reaches_the_server_after_the_reports_in_flight(
+        served: tuple[str, Path, str], caplog: pytest.LogCaptureFixture) -> None:
+    """The run's last report was sent while a background report was still in flight, and the
+    store closed under it: 'could not send run ...'s record (Bad file descriptor)'."""
+    url, store, key = served
+    model, opt = mlp()
+    with caplog.at_level(logging.WARNING, logger="ciuic"):
+        for _ in range(3):
+            with SnapshotManager("vision", job="ends", api_key=key, endpoint=url,
+                                 handle_signals=False) as m:
+                m.restore(model, opt)
+                m.save(1, model, opt)
+    assert "could not send run" not in caplog.text
+    runs = [line for line in cli(store, "log", "vision/ends").stdout.splitlines()
+            if "resumed by run" in line]
+    assert runs, cli(store, "log", "vision/ends").stdout

@@ -19,6 +19,8 @@ from ciuic.catalog import Catalog
 from ciuic.store.http import HttpStore
 
 log = logging.getLogger("ciuic")
+_STOP = "\0stop"  # the end of the run: the worker stops
+_DRAIN_S = 10.0  # the longest the end of a run waits for a send in flight
 
 
 class RunReporter:
@@ -31,7 +33,8 @@ class RunReporter:
         self._queue: queue.Queue[str] = queue.Queue()
         self._queued: set[str] = set()
         self._warned = False
-        threading.Thread(target=self._work, name="ciuic-report", daemon=True).start()
+        self._worker = threading.Thread(target=self._work, name="ciuic-report", daemon=True)
+        self._worker.start()
 
     def report(self, run_id: str) -> None:
         """Send the run's record and new events soon."""
@@ -42,12 +45,18 @@ class RunReporter:
         self._queue.put(run_id)
 
     def report_now(self, run_id: str) -> None:
-        """Send it on this thread (the end of a run)."""
+        """Send it on this thread (the end of a run), once the background send in flight, if
+        any, is done: the store and the catalog close next, and a send still running on the
+        other thread would find them closed."""
+        self._queue.put(_STOP)
+        self._worker.join(timeout=_DRAIN_S)
         self._send(run_id)
 
     def _work(self) -> None:
         while True:
             run_id = self._queue.get()
+            if run_id is _STOP:
+                return
             with self._lock:
                 self._queued.discard(run_id)
             self._send(run_id)
