@@ -127,3 +127,29 @@ def test_a_plain_data_loader_as_an_extra_says_what_keeps_its_position(tmp_path: 
         assert manager.restore(model, loader=loader) is None
         with pytest.raises(CaptureError, match=r"'loader' is a DataLoader.*ResumableSampler"):
             manager.step(0, model, loader=loader, snapshot=True)
+
+
+def test_a_stateful_dataloader_with_its_own_generator_and_no_workers_drifts_after_its_epoch(
+        tmp_path: Path) -> None:
+    """torchdata's restore (``num_workers=0``) rewinds the generator to the epoch's start and
+    draws the order again, but not the loader's base seed, drawn from the same generator after
+    the order: the epochs after the resumed one are shuffled from another state. The README
+    says so; this test fails once torchdata changes it."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make() -> DataLoader[int]:
+        loader: DataLoader[int] = sdl.StatefulDataLoader(
+            list(range(12)), batch_size=4, shuffle=True, generator=torch.Generator())
+        return loader
+
+    reference, _ = batches_of(make(), 9)  # 3 epochs of 3 batches
+    loader = make()
+    with SnapshotManager("p", job="sdl", store=tmp_path / "s") as m:
+        seen, _ = batches_of(loader, 4)  # epoch 1, 1 batch in
+        m.save(4, loader=loader)
+    loader = make()
+    with SnapshotManager("p", job="sdl", store=tmp_path / "s") as m:
+        m.restore(loader=loader)
+        seen += batches_of(loader, 5)[0]
+    assert seen[:6] == reference[:6]  # the resumed epoch
+    assert seen[6:] != reference[6:]  # the next one

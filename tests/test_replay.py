@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ciuic.errors import ConfigurationError
 from ciuic.state.capture import rng_state, set_rng_state
 from ciuic.state.replay import FetchRng
 
@@ -92,3 +93,15 @@ def test_without_the_replay_the_batches_differ() -> None:
 
 def test_a_loader_without_batch_sampler_is_not_hooked() -> None:
     assert FetchRng().attach(None) is False
+
+
+def test_a_snapshot_without_the_loader_generators_state_resumes_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    loader = DataLoader(Noisy(), batch_size=4, shuffle=True, generator=torch.Generator())
+    fetch = FetchRng()
+    assert fetch.attach_loader(loader) and fetch.generators == [loader.generator]
+    fetch.load_state_dict({"consumed": 0, "pending": [], "generators": []})  # an older ciuic's
+    assert "holds no state of the data loader's 1 generator(s)" in caplog.text
+    with pytest.raises(ConfigurationError, match="holds the state of 2 data loader generator"):
+        fetch.load_state_dict({"consumed": 0, "pending": [], "generators": [
+            loader.generator.get_state()] * 2})
