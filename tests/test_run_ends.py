@@ -111,3 +111,68 @@ def test_the_supervisor_reads_a_closed_ranks_last_step_and_commit() -> None:
     [seen] = beat.read(region)
     assert (seen.pid, seen.step, seen.committed, seen.commits) == (os.getpid(), 17, 15, 4)
     assert seen.silent_s(time.monotonic() + 3600) == 0.0  # done: never a hang
+
+
+# -- 4. short runs under ciuic run; a non-zero exit is a cause ---------------------------------
+
+SHORT_JOB = """
+import sys
+import torch
+from torch import nn
+from ciuic import SnapshotManager
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with SnapshotManager("short", job="j", store=sys.argv[1], save_interval=100) as m:
+    last = m.restore(model, opt)
+    for step in range(0 if last is None else last + 1, 3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        m.step(step, model, opt)
+    sys.exit(3)
+"""
+
+
+def test_a_short_job_that_exits_3_under_ciuic_run(tmp_path: Path) -> None:
+    """step(0..2), then exit 3, twice: the first start committed snapshot 0 (progress: restarted
+    at once), the restart ran steps 1-2 from it and committed none. Every message says step 2;
+    the exit is each run's cause in `ciuic log`. (It said step 0, "before its first step()",
+    "without committing a new snapshot", and `ciuic log` showed no cause.)"""
+    job, store = tmp_path / "job.py", tmp_path / "store"
+    job.write_text(SHORT_JOB)
+    run = subprocess.run(
+        [sys.executable, "-m", "ciuic", "run", "--max-stalls", "1", "--host-memory", "off",
+         "--", sys.executable, str(job), str(store)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    err = run.stderr
+    assert run.returncode == 3, err[-3000:]
+    assert re.search(r"ciuic run: the job stopped at step 2: exit: exit status 3\b.*\. Restart 1 "
+                     r"of at most 10 now", err), err[-3000:]
+    assert "Detected training interruption at step 2 (exit: exit status 3" in err
+    assert "Resuming training at step 1" in err
+    assert ("giving up: it failed 1 time(s) in a row without committing a snapshot past step 0. "
+            "The last failure, at step 2: exit: exit status 3") in err
+    shown = ciuic_log(store, "short/j")
+    assert re.search(r"then run \w+ stopped at step 2: exit: exit status 3", shown), shown
+    assert re.search(r"then run \w+ stopped at step 2: exited with status 3", shown), shown
+
+
+def test_sys_exit_with_a_status_inside_the_with_block_is_the_runs_end(store_dir: Path) -> None:
+    model, opt = model_and_opt()
+    with pytest.raises(SystemExit), SnapshotManager("p", job="exit3", store=store_dir,
+                                                     save_interval=100) as m:
+        for step in range(3):
+            train(model, opt)
+            m.step(step, model, opt)
+        sys.exit(3)
+    from ciuic.chain.repo import Repository
+
+    with Repository.open(store_dir) as repo:
+        [r] = repo.catalog.runs("p", "exit3")
+    assert (r.end_kind, r.last_step) == ("exit:3", 2)
+    assert any(n.endswith("stopped at step 2: exited with status 3")
+               for n in notes(store_dir, "p", "exit3"))
+    with SnapshotManager("p", job="exit3", store=store_dir, save_interval=100) as again:
+        assert again.interrupted

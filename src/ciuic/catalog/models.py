@@ -70,7 +70,8 @@ class Run(Base):
     last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     last_seen: Mapped[str] = mapped_column(String(32))
     ended: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    # clean | exit | exception:<Type> | signal:<NAME> ; NULL while running (or after a kill)
+    # clean | exit | exit:<status> | exception:<Type> | signal:<NAME> ; NULL while running
+    # (or after a kill)
     end_kind: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # why it stopped, as ``ciuic run`` saw it ("hang: no step() for 600 s ..."); NULL otherwise
     cause: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -52,8 +52,10 @@ class Run(Protocol):
 
 
 def was_interrupted(run: Run | None) -> bool:
-    """Whether a previous run ended other than by finishing (close() or a normal exit)."""
-    return run is not None and run.end_kind not in ("clean", "exit")
+    """Whether a previous run ended other than by finishing (close() or a normal exit): also
+    a run that ``ciuic run`` saw fail (its cause), such as an exit with status 3 after a clean
+    close()."""
+    return run is not None and (run.end_kind not in ("clean", "exit") or bool(run.cause))
 
 
 def describe_end(run: Run, known: bool = True) -> str:
@@ -72,6 +74,8 @@ def describe_end(run: Run, known: bool = True) -> str:
         return f"it was stopped by {kind.split(':', 1)[1]}"
     if kind.startswith("exception:"):
         return f"it raised {kind.split(':', 1)[1]}"
+    if kind.startswith("exit:"):
+        return f"it exited with status {kind.split(':', 1)[1]}"
     return "it exited cleanly"
 
 

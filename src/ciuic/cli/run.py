@@ -45,7 +45,8 @@ def host_memory_budget(text: str) -> int | None:
 @click.option("--grace", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
               help="After SIGTERM to a hung job, wait this long before SIGKILL.")
 @click.option("--max-stalls", type=click.IntRange(min=1), default=3, metavar="N",
-              help="Give up after N failures in a row that committed no new snapshot.")
+              help="Give up after N failures in a row that committed no snapshot past the "
+                   "latest one.")
 @click.option("--backoff", type=click.FloatRange(min=0), default=1.0, metavar="SECONDS",
               help="The first wait before restarting a job that made no progress; it doubles "
                    "with each such failure (a job that committed a snapshot restarts at once).")

@@ -462,6 +462,9 @@ class SnapshotManager:
                  tb: Any) -> None:
         if tp is not None and not issubclass(tp, SystemExit):
             self._session.record_end(f"exception:{tp.__name__}")
+        elif isinstance(value, SystemExit) and value.code not in (None, 0):
+            # sys.exit(3): the one non-zero exit a process sees (atexit is not told the status)
+            self._session.record_end(f"exit:{value.code if isinstance(value.code, int) else 1}")
         self.close(final=tp is None)
 
     def finish(self) -> SnapshotInfo | None:

@@ -273,8 +273,8 @@ class RunSession:
                       result.deleted_chunks, result.skipped)
 
     def record_end(self, kind: str) -> None:
-        """How the run ended (``clean``, ``exit``, ``exception:T``, ``signal:NAME``), at its
-        last step(); the first record wins."""
+        """How the run ended (``clean``, ``exit``, ``exit:STATUS``, ``exception:T``,
+        ``signal:NAME``), at its last step(); the first record wins."""
         _untrack(self)
         if self._progress is not None:  # kept after a crash: the next run reads it
             self._progress.close(remove=kind in ("clean", "exit"))

@@ -8,9 +8,12 @@
 - SIGTERM, SIGINT or SIGHUP to the supervisor is passed on to the command's process group (under
   torchrun: to torchrun, which passes it to its workers, which take their emergency snapshot);
   the job is then not restarted. A second one kills the job at once.
-- Restarts back off: the first after a start that committed a snapshot is immediate, then 1, 2,
-  4 ... seconds up to ``max_backoff``. After ``max_stalls`` failures in a row without a new
-  snapshot, or ``max_restarts`` restarts, the supervisor gives up and says what failed.
+- Restarts back off: the first after a start that committed a snapshot past the latest one
+  (of the starts before) is immediate, then 1, 2, 4 ... seconds up to ``max_backoff``. After
+  ``max_stalls`` failures in a row without such a snapshot, or ``max_restarts`` restarts, the
+  supervisor gives up and says what failed. A start's last step() and commits are read from
+  its heartbeat slots once more after it exits (a rank's slot keeps them after its manager
+  closes), so a start shorter than a poll is seen whole.
 - Each restart is told what happened through its environment: ``CIUIC_RUN_RESTART`` (the
   number), ``CIUIC_RUN_CAUSE`` (the cause's line), ``CIUIC_RUN_STOPPED_AT`` (the last step()
   seen) and ``CIUIC_RUN_PIDS`` (the processes that stopped), which the manager records in the
@@ -148,7 +151,9 @@ class Supervisor:
             where = (f"at step {start.step}" if start.step is not None
                      else "before its first step()")
             if stalls >= o.max_stalls or start.number >= o.max_restarts:
-                why = (f"it failed {stalls} time(s) in a row without committing a new snapshot"
+                new = ("a new snapshot" if best_commit is None
+                       else f"a snapshot past step {best_commit}")
+                why = (f"it failed {stalls} time(s) in a row without committing {new}"
                        if stalls >= o.max_stalls else
                        f"it was restarted {start.number} time(s), the limit (--max-restarts)")
                 log.error("ciuic run: giving up: %s. The last failure, %s: %s%s", why, where,
