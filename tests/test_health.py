@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -388,3 +389,76 @@ def test_nan_and_inf_tensors_show_nan_or_nothing_never_a_healthy_number(
     rows = _table(out)  # tensor, status, max |a-b|, norm change, NaN/Inf, changed, dtype
     assert rows["model/w"][2:6] == ["nan", "nan", "0 -> 8", "8"], out
     assert rows["model/inf"][2:4] == ["inf", "inf"], out
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "ciuic" and r.levelno >= logging.WARNING and "health" in r.getMessage()]
+
+
+def test_an_unhealthy_snapshot_is_one_short_line_and_a_run_that_stays_so_is_not_repeated(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 30: each unhealthy snapshot logged every reason (700 characters), and again at
+    every later snapshot of a run that stayed unhealthy for the same reasons."""
+    caplog.set_level(logging.INFO, logger="ciuic")
+    _train_to_nan(store_dir)  # steps 60 to 100 unhealthy: 4 tensors NaN, the loss NaN
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "\n" not in warned[0] and len(warned[0]) <= 240, warned[0]
+    assert warned[0] == (
+        "snapshot at step 60 of p/j is unhealthy: model/0.weight: 128 NaN of 128 elements; "
+        "model/0.bias: 16 NaN of 16 elements; and 3 more reasons (`ciuic inspect p/j@60` "
+        "lists them all)")
+
+
+def test_a_run_that_stays_unhealthy_is_warned_of_new_reasons_counted_and_told_when_it_heals(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ciuic")
+    nan, one = torch.full((4,), float("nan")), torch.ones(4)
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        for step in range(1, 30):
+            m.save(step, {"w": nan if 3 <= step < 28 else one,
+                          "v": nan if 8 <= step < 28 else one}, loss=1.0)
+    both = "model/w: 4 NaN of 4 elements; model/v: 4 NaN of 4 elements"
+    assert _warnings(caplog) == [
+        "snapshot at step 3 of p/default is unhealthy: model/w: 4 NaN of 4 elements "
+        "(`ciuic inspect p/default@3` shows its tensors)",
+        "snapshot at step 8 of p/default is unhealthy for a new reason: model/v: 4 NaN of 4 "
+        "elements; model/w: 4 NaN of 4 elements (`ciuic inspect p/default@8` shows its "
+        "tensors)",
+        "p/default is still unhealthy at step 12, 10 snapshots in a row since step 3: "
+        f"{both} (`ciuic inspect p/default@12` shows its tensors)",
+        "p/default is still unhealthy at step 22, 20 snapshots in a row since step 3: "
+        f"{both} (`ciuic inspect p/default@22` shows its tensors)",
+        "snapshot at step 28 of p/default is healthy again, after 25 unhealthy snapshots "
+        "(steps 3 to 27)"]
+
+
+def test_the_optimizers_step_counters_are_left_out_of_its_norm(store_dir: Path) -> None:
+    """Issue 30: Adam's per-parameter ``step`` tensors (float, the step count) made the
+    optimizer's norm on the dashboard's plot (step x sqrt(parameters)), dwarfing its moments."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
+        for step in range(1, 201):
+            opt.zero_grad()
+            net(torch.randn(2, 8)).pow(2).mean().backward()
+            opt.step()
+            if step % 100 == 0:
+                m.save(step, net, opt, loss=1.0)
+    moments = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    expected = math.sqrt(sum(float(t.double().pow(2).sum()) for t in moments))
+    with Repository.open(store_dir) as repo:
+        series = inspect.chain_series(repo, "p", "default")
+        rows = {r.path: r for r in inspect.tensors(repo, repo.resolve("p/default@200"))}
+    assert series[-1]["norms"]["optimizer"] == pytest.approx(expected, rel=1e-5)
+    assert rows["optimizer/state/0/step"].stats is not None  # still shown as the tensor it is
+    # nor are counters judged for a jump (1 -> 300 would be one); NaN in one still counts
+    count = st.compute(torch.tensor([300.0]).reshape(-1))
+    before = {"optimizer/state/0/step": 1.0}
+    watch = HealthPolicy(norm_states=("model", "optimizer"))
+    assert judge({"optimizer/state/0/step": count}, {}, [], before, watch)["healthy"]
+    nan = st.compute(torch.tensor([math.nan]))
+    assert judge({"optimizer/state/0/step": nan}, {}, [], before, watch)["reasons"] == [
+        "optimizer/state/0/step: 1 NaN of 1 element"]

@@ -14,6 +14,9 @@ manifest (docs/format.md, "Health"). A snapshot is **unhealthy** when:
 
 An unhealthy snapshot is written all the same (it may be the evidence a user needs); ``JOB@healthy``
 and ``restore(snapshot="healthy")`` skip it, and retention never prunes the newest healthy one.
+Its commit logs a one-line warning, not repeated at every snapshot of a run that stays unhealthy
+(:class:`Warnings`). Counters (Adam's ``step`` tensors) are left out of the norms
+(:func:`is_counter`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ from ciuic.errors import CiuicError, ConfigurationError
 from ciuic.format import stats as st
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import walk_leaves
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 #: the most reasons a manifest lists (the rest are counted)
 MAX_REASONS = 8
 _MAD_SCALE = 1.4826  # MAD of a normal distribution -> its standard deviation
+#: a run unhealthy for the same reasons is reminded of at this many snapshots in a row, then at
+#: twice as many each time
+REMIND_AFTER = 10
 
 
 @dataclass(frozen=True)
@@ -116,52 +123,156 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
+def is_counter(path: str, s: st.Stats) -> bool:
+    """Whether a tensor counts rather than measures: a one-element tensor named ``step``, the
+    per-parameter step of Adam and its kin (a float tensor holding the step number). Integer
+    and bool tensors have no statistics at all. A counter is left out of its state's norm (the
+    steps would dwarf the moments: the optimizer's norm would be the step x sqrt(parameters))
+    and out of the norm-jump check (a count grows by design); NaN or Inf in one is still
+    unhealthy."""
+    return s.count == 1 and path.rsplit("/", 1)[-1] == "step"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a snapshot is unhealthy: ``key`` names what and where (the same key at the
+    next snapshot is the same problem, whatever its numbers), ``text`` says it to a user."""
+
+    key: str
+    text: str
+
+
 def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[float],
           parent_norms: dict[str, float] | None, policy: HealthPolicy) -> dict[str, Any]:
     """The health record of a snapshot (the manifest's ``health``): ``healthy``, the
-    ``reasons`` it is not, the count of NaN/Inf elements and each state's L2 norm."""
-    reasons: list[str] = []
+    ``reasons`` it is not, the count of NaN/Inf elements and each state's L2 norm (counters
+    left out: :func:`is_counter`)."""
+    return assess(stats, metrics, losses, parent_norms, policy)[0]
+
+
+def assess(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[float],
+           parent_norms: dict[str, float] | None, policy: HealthPolicy
+           ) -> tuple[dict[str, Any], list[Problem]]:
+    """:func:`judge`'s record, and every problem found (the record lists the first
+    ``MAX_REASONS`` of each kind and counts the rest)."""
     bad = [(p, s) for p, s in stats.items() if s.nonfinite
            and not any(fnmatch.fnmatchcase(p, pat) for pat in policy.nonfinite_ignore)]
-    for p, s in bad[:MAX_REASONS]:
+    nonfinite = []
+    for p, s in bad:
         what = " and ".join(f"{n} {name}" for n, name in ((s.nan, "NaN"), (s.inf, "Inf")) if n)
-        reasons.append(f"{p}: {what} of {s.count} elements")
-    if len(bad) > MAX_REASONS:
-        reasons.append(f"and {len(bad) - MAX_REASONS} more tensors hold NaN or Inf")
+        nonfinite.append(Problem(f"nonfinite {p}", f"{p}: {what} of "
+                                 f"{counted(s.count, 'element')}"))
+    of_loss = []
     loss = _num(metrics.get(policy.loss_metric))
     if loss is not None:
         if not math.isfinite(loss):
-            reasons.append(f"{policy.loss_metric} is {loss}")
+            of_loss.append(Problem("loss nonfinite", f"{policy.loss_metric} is {loss}"))
         elif len(losses) >= policy.loss_min_history:
             z = robust_z(loss, losses)
             if z > policy.loss_zscore:
-                reasons.append(
+                of_loss.append(Problem("loss spike", (
                     f"{policy.loss_metric} {loss:.6g} spikes: robust z-score {z:.1f} over the "
                     f"last {len(losses)} snapshots (median {statistics.median(losses):.6g}; "
-                    f"threshold {policy.loss_zscore:g})")
+                    f"threshold {policy.loss_zscore:g})")))
+    jumps = []
     if policy.norm_jump is not None and parent_norms:
-        jumps = []
+        found = []
         for p, s in stats.items():
             before = parent_norms.get(p)
             if (before is None or before < policy.norm_floor or s.nonfinite
-                    or _state_of(p) not in policy.norm_states):
+                    or _state_of(p) not in policy.norm_states or is_counter(p, s)):
                 continue
             if s.norm > policy.norm_jump * before:
-                jumps.append((s.norm / before, p, before, s.norm))
-        jumps.sort(reverse=True)
-        for factor, p, before, after in jumps[:MAX_REASONS]:
-            reasons.append(f"{p}: norm jumped {factor:.1f}x since the last healthy snapshot "
-                           f"({before:.4g} -> {after:.4g}; threshold {policy.norm_jump:g}x)")
-        if len(jumps) > MAX_REASONS:
-            reasons.append(f"and {len(jumps) - MAX_REASONS} more tensors' norms jumped")
+                found.append((s.norm / before, p, before, s.norm))
+        found.sort(reverse=True)
+        jumps = [Problem(f"norm {p}", f"{p}: norm jumped {factor:.1f}x since the last healthy "
+                         f"snapshot ({before:.4g} -> {after:.4g}; threshold "
+                         f"{policy.norm_jump:g}x)") for factor, p, before, after in found]
+    reasons = (_capped(nonfinite, "more tensor holds NaN or Inf",
+                       "more tensors hold NaN or Inf")
+               + [q.text for q in of_loss]
+               + _capped(jumps, "more tensor's norm jumped", "more tensors' norms jumped"))
     sumsq: dict[str, float] = {}
     for p, s in stats.items():
-        sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + s.sumsq
+        if not is_counter(p, s):
+            sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + s.sumsq
     for p, s in bad:  # its finite elements' norm would look healthy: the state's is NaN or Inf
-        sumsq[_state_of(p)] += math.nan if s.nan else math.inf
-    return {"healthy": not reasons, "reasons": reasons,
-            "nonfinite": sum(s.nonfinite for s in stats.values()),
-            "norms": {k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())}}
+        sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + (math.nan if s.nan else math.inf)
+    record = {"healthy": not reasons, "reasons": reasons,
+              "nonfinite": sum(s.nonfinite for s in stats.values()),
+              "norms": {k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())}}
+    return record, nonfinite + of_loss + jumps
+
+
+def _capped(problems: list[Problem], one_more: str, more: str) -> list[str]:
+    """The texts of the first ``MAX_REASONS`` problems, and a line that counts the rest."""
+    rest = len(problems) - MAX_REASONS
+    return [q.text for q in problems[:MAX_REASONS]] + (
+        [f"and {counted(rest, one_more, more)}"] if rest > 0 else [])
+
+
+@dataclass
+class Warnings:
+    """The warnings of one run's unhealthy snapshots, one short line each, never one per
+    snapshot of a run that stays unhealthy: a run that diverged writes an unhealthy snapshot
+    at every interval until someone stops it, and a log of identical warnings hides the one
+    line that matters, the first.
+
+    * The first unhealthy snapshot: its step, its first reason (two if they are short), how
+      many more, and ``ciuic inspect PROJECT/JOB@STEP``, which lists them all.
+    * A later one with a reason not warned of yet in this streak (another tensor turned NaN,
+      the loss spiked too): the same line, with the new reasons first.
+    * A streak that goes on for the same reasons: a reminder at its 10th snapshot, then at its
+      20th, 40th, 80th ... (how long, since which step).
+    * The first healthy snapshot after a streak: that it is healthy again, after how many.
+    """
+
+    streak: int = 0  # unhealthy snapshots in a row
+    since: int = 0  # the step of the streak's first
+    last_step: int = 0
+    named: set[str] = field(default_factory=set)  # the problems warned of in this streak
+    remind_at: int = REMIND_AFTER
+
+    def snapshot(self, where: str, step: int, problems: list[Problem]) -> None:
+        """A snapshot of job ``where`` (``PROJECT/JOB``) was committed at ``step`` with these
+        problems (none: healthy)."""
+        if not problems:
+            if self.streak:
+                log.warning("snapshot at step %d of %s is healthy again, after %s (steps %d to "
+                            "%d)", step, where, counted(self.streak, "unhealthy snapshot"),
+                            self.since, self.last_step)
+            self.streak, self.named, self.remind_at = 0, set(), REMIND_AFTER
+            return
+        self.streak, self.last_step = self.streak + 1, step
+        ref = f"{where}@{step}"
+        new = [q for q in problems if q.key not in self.named]
+        if self.streak == 1:
+            self.since = step
+            log.warning("snapshot at step %d of %s is unhealthy: %s", step, where,
+                        _summary(problems, ref))
+        elif new:
+            log.warning("snapshot at step %d of %s is unhealthy for %s: %s", step, where,
+                        "a new reason" if len(new) == 1 else "new reasons",
+                        _summary(new + [q for q in problems if q not in new], ref))
+        elif self.streak >= self.remind_at:
+            log.warning("%s is still unhealthy at step %d, %s in a row since step %d: %s",
+                        where, step, counted(self.streak, "snapshot"), self.since,
+                        _summary(problems, ref))
+        if self.streak >= self.remind_at:
+            self.remind_at *= 2
+        self.named.update(q.key for q in problems)
+
+
+def _summary(problems: list[Problem], ref: str) -> str:
+    """The first reason (two if they are short), how many more, and the command that shows
+    them all."""
+    shown = 2 if len(problems) > 1 and len(problems[0].text) + len(problems[1].text) <= 120 \
+        else 1
+    text = "; ".join(q.text for q in problems[:shown])
+    more = len(problems) - shown
+    if more:
+        return f"{text}; and {counted(more, 'more reason')} (`ciuic inspect {ref}` lists them all)"
+    return f"{text} (`ciuic inspect {ref}` shows its tensors)"
 
 
 @dataclass
@@ -169,13 +280,15 @@ class HealthTracker:
     """What judging the next snapshot needs from the chain, kept between commits: the losses of
     the recent snapshots of the lineage and the parent's tensor norms. Rebuilt from the catalog
     and the parent's body when the next snapshot's parent is not the last one judged (a resume,
-    another process's commit)."""
+    another process's commit). Its :class:`Warnings` say which snapshots are unhealthy."""
 
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     last_id: str = ""
     losses: deque[float] = field(default_factory=deque)
     norms: dict[str, float] | None = None
+    warnings: Warnings = field(default_factory=Warnings)
     _judged: dict[str, float] = field(default_factory=dict)
+    _problems: list[Problem] = field(default_factory=list)
 
     def judge(self, repo: Repository, project: str, job: str, parent: str,
               states: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +296,9 @@ class HealthTracker:
             self._rebuild(repo, project, job, parent)
         stats = tensor_stats(states)
         self._judged = {p: s.norm for p, s in stats.items()}  # the baseline, if committed
-        return judge(stats, metrics, list(self.losses), self.norms, self.policy)
+        record, self._problems = assess(stats, metrics, list(self.losses), self.norms,
+                                        self.policy)
+        return record
 
     def committed(self, sid: str, metrics: dict[str, Any], healthy: bool) -> None:
         """The snapshot just judged was committed as ``sid`` (with these metrics): the next
@@ -194,6 +309,11 @@ class HealthTracker:
         if healthy:
             self.norms = self._judged
             self._add_loss(metrics)
+
+    def warn(self, project: str, job: str, step: int) -> None:
+        """Warn of the snapshot just committed at ``step`` if it is unhealthy (or healthy
+        again), as :class:`Warnings` says."""
+        self.warnings.snapshot(f"{project}/{job}", step, self._problems)
 
     def _add_loss(self, metrics: dict[str, Any]) -> None:
         loss = _num(metrics.get(self.policy.loss_metric))

@@ -426,9 +426,7 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
             raise StoreError(f"{store.location(key)} exists with other content")
     if health is not None and verdict is not None:
         health.committed(sid, metrics, bool(verdict["healthy"]))
-        if verdict is not None and not verdict["healthy"]:
-            log.warning("snapshot %s of %s/%s at step %d is unhealthy: %s", sid[:12], project,
-                        job, step, "; ".join(verdict["reasons"]))
+        health.warn(project, job, step)
     failpoint("catalog.insert")
     repo.catalog.add_snapshot(m, sid)
     return m, sid
