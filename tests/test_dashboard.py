@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager
+from tests.test_health import train_with_adam
 from tests.test_server import new_key, serve
 
 
@@ -58,6 +59,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, P
                     with torch.no_grad():
                         model[1].bias[2] = float("nan")
                 m.save(step, model, loss=1.0 / step)
+        # job dash/adam: Adam's per-parameter step counters (float tensors) in the optimizer
+        torch.manual_seed(0)
+        with SnapshotManager("dash", job="adam", api_key=writer, endpoint=url,
+                             handle_signals=False) as m:
+            train_with_adam(m, nn.Linear(16, 8), 30, 15)
         # job dash/rot: every chunk of its one snapshot corrupted (its tensors are its own)
         chunks = base / "store" / "objects" / "projects" / "dash" / "chunks"
         before = set(chunks.rglob("*"))
@@ -166,6 +172,7 @@ def test_health_plots_and_the_diff_of_two_snapshots(site: tuple[str, str, Path],
         assert driver.find_element(By.ID, "error").text == ""
         bias = driver.find_element(By.CSS_SELECTOR, '#diff tr[data-path="model/1.bias"]').text
         assert "NaN/Inf appeared" in bias and "0 → 1" in bias
+        assert bias.endswith("float32 (4,)")  # a 1-d shape as Python writes it (it was (4))
         assert "1 changed" in driver.find_element(By.ID, "diff-summary").text
         assert "loss" in driver.find_element(By.ID, "diff-metrics").text
         driver.save_screenshot(str(tmp_path / "diff.png"))
@@ -177,6 +184,9 @@ def test_health_plots_and_the_diff_of_two_snapshots(site: tuple[str, str, Path],
         bias = driver.find_elements(By.CSS_SELECTOR, '#tensors tr[data-path="model/1.bias"] td')
         # min, max, mean, norm of a tensor holding a NaN (issue 30): never its finite part's
         assert [c.text for c in bias[4:9]] == ["NaN", "NaN", "NaN", "NaN", "1/0"]
+        shapes = {r.get_attribute("data-path"): r.find_elements(By.TAG_NAME, "td")[2].text
+                  for r in driver.find_elements(By.CSS_SELECTOR, "#tensors tr[data-path]")}
+        assert shapes["model/1.bias"] == "(4,)" and shapes["model/0.weight"] == "(64, 32)"
     finally:
         driver.quit()
     assert (tmp_path / "diff.png").stat().st_size > 5000
@@ -193,6 +203,7 @@ def test_a_readers_verify_re_hashes_and_finds_corrupted_chunks(site: tuple[str, 
     driver = chrome(tmp_path / "profile")
     try:
         open_page(driver, url, key, "/p/dash/j/rot")
+        assert driver.find_element(By.TAG_NAME, "h2").text == "dash/rot: 1 snapshot"  # not (s)
         row = driver.find_element(By.CSS_SELECTOR, "#timeline tr[data-step]")
         row.find_element(By.CSS_SELECTOR, "button[data-verify]").click()
         WebDriverWait(driver, 30).until(lambda d: "damaged" in row.text or "verified" in row.text)
@@ -214,6 +225,46 @@ def test_a_refused_key_says_so_and_asks_for_another(site: tuple[str, str, Path],
         assert driver.find_element(By.ID, "login").is_displayed()
     finally:
         driver.quit()
+
+
+def test_a_link_with_the_key_opens_the_page_it_names(site: tuple[str, str, Path],
+                                                    tmp_path: Path) -> None:
+    """Issue 30: a link carrying the key (``#/p/P/j/J&key=...``) went to the projects' list;
+    the key is taken, removed from the address bar, and the page the link names shown."""
+    from selenium.webdriver.common.by import By
+
+    url, key, _ = site
+    driver = chrome(tmp_path / "profile")
+    try:
+        driver.get(f"{url}/#/p/dash/j/adam&key={key}")
+        wait_ready(driver, "/p/dash/j/adam")
+        assert driver.execute_script("return location.hash") == "#/p/dash/j/adam"
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step]")) == 2
+        assert driver.execute_script("return sessionStorage.getItem('ciuic-key')") == key
+        driver.get(f"{url}/#key={key}&/p/dash")  # the key first; in the same tab
+        wait_ready(driver, "/p/dash")
+        assert driver.execute_script("return location.hash") == "#/p/dash"
+        assert "adam" in driver.find_element(By.ID, "jobs").text
+        assert key not in driver.current_url
+    finally:
+        driver.quit()
+
+
+def test_the_optimizers_norm_leaves_its_step_counters_out(site: tuple[str, str, Path],
+                                                          tmp_path: Path) -> None:
+    """Issue 30: the optimizer's norm on the plot was Adam's step counters' (30 x sqrt(2) at
+    step 30), which dwarfed its moments."""
+    url, key, _ = site
+    driver = chrome(tmp_path / "profile")
+    try:
+        open_page(driver, url, key, "/p/dash/j/adam")
+        titles = driver.execute_script(
+            "return [...document.querySelectorAll('#norms circle title')]"
+            ".map((t) => t.textContent)")
+    finally:
+        driver.quit()
+    optimizer = [float(t.split("optimizer ")[1]) for t in titles if "optimizer" in t]
+    assert len(optimizer) == 2 and all(0 < v < 5 for v in optimizer), titles
 
 
 def test_the_chain_shows_where_runs_stopped_and_why(tmp_path: Path) -> None:

@@ -434,19 +434,26 @@ def test_a_run_that_stays_unhealthy_is_warned_of_new_reasons_counted_and_told_wh
         "(steps 3 to 27)"]
 
 
+def train_with_adam(manager: SnapshotManager, net: nn.Linear, steps: int,
+                    every: int) -> torch.optim.Optimizer:
+    """Train ``net`` with Adam (per-parameter float ``step`` tensors) for ``steps`` steps,
+    saving a snapshot every ``every``; returns the optimizer."""
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        net(torch.randn(2, net.in_features)).pow(2).mean().backward()
+        opt.step()
+        if step % every == 0:
+            manager.save(step, net, opt, loss=1.0)
+    return opt
+
+
 def test_the_optimizers_step_counters_are_left_out_of_its_norm(store_dir: Path) -> None:
     """Issue 30: Adam's per-parameter ``step`` tensors (float, the step count) made the
     optimizer's norm on the dashboard's plot (step x sqrt(parameters)), dwarfing its moments."""
     torch.manual_seed(0)
-    net = nn.Linear(8, 4)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     with SnapshotManager("p", store=store_dir, handle_signals=False) as m:
-        for step in range(1, 201):
-            opt.zero_grad()
-            net(torch.randn(2, 8)).pow(2).mean().backward()
-            opt.step()
-            if step % 100 == 0:
-                m.save(step, net, opt, loss=1.0)
+        opt = train_with_adam(m, nn.Linear(8, 4), 200, 100)
     moments = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
     expected = math.sqrt(sum(float(t.double().pow(2).sum()) for t in moments))
     with Repository.open(store_dir) as repo:

@@ -14,6 +14,7 @@ from ciuic.faults import failpoint
 from ciuic.format.info import SnapshotInfo
 from ciuic.restore import inspect as look
 from ciuic.restore.diff import diff
+from ciuic.words import counted
 
 #: statistics missing from a snapshot written before ciuic recorded them are computed (reading
 #: the tensors) for up to this many bytes
@@ -94,7 +95,7 @@ def _checked(chunks: int, deep: bool, pruned: bool) -> str:
     if pruned:
         return "the manifest and its parent link; the body and its chunks were pruned"
     if deep:
-        return (f"the manifest, its parent link, the body and {chunks} chunk(s), re-read and "
-                "re-hashed")
-    return (f"the manifest, its parent link and the body (re-hashed); {chunks} chunk(s) present, "
-            "not re-read (deep=true re-hashes them)")
+        return (f"the manifest, its parent link, the body and {counted(chunks, 'chunk')}, "
+                "re-read and re-hashed")
+    return (f"the manifest, its parent link and the body (re-hashed); {counted(chunks, 'chunk')} "
+            "present, not re-read (deep=true re-hashes them)")
