@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_prune_gc_reindex(populated: dict[str, object], capsys: pytest.CaptureFi
     store = str(populated["store"])
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
                          "--keep-last", "1", "--dry-run")
-    assert code == 0 and "would prune 2 snapshot(s): steps 9900, 10000" in out
+    assert code == 0 and "would prune 2 snapshots: steps 9900, 10000" in out
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
                          "--keep-last", "1")
     assert code == 0 and "pruned 2" in out
@@ -142,9 +143,32 @@ def test_prune_gc_reindex(populated: dict[str, object], capsys: pytest.CaptureFi
     assert code == 0, out  # pruned snapshots keep the chain verifiable
     (Path(store) / "catalog.db").unlink()
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "reindex")
-    assert code == 0 and "indexed 1 snapshot(s) and 2 pruned" in out
+    assert code == 0 and "indexed 1 snapshot and 2 pruned" in out
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "log", "proj/job1", "--all")
     assert out.count("pruned") == 2
+
+
+def test_counts_are_in_the_singular_or_the_plural(populated: dict[str, object],
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: "pruned 1 snapshot(s)", "0 body(ies)": the count is known, so is the word."""
+    store = str(populated["store"])
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--keep-last", "2")
+    assert code == 0 and out.strip() == "pruned 1 snapshot: steps 9900", out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--keep-last", "1")
+    assert code == 0 and out.strip() == "pruned 1 snapshot: steps 10000", out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "gc")
+    assert code == 0 and re.fullmatch(r"deleted \d+ chunks and 0 bodies, freeing .+; kept \d+ "
+                                      r"chunks", out.strip()), out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "proj/job1")
+    assert code == 0 and re.fullmatch(r"proj/job1: 1 snapshot checked, 2 pruned, \d+ chunks "
+                                      r"present: ok", out.strip()), out
+    (Path(store) / "catalog.db").unlink()
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "reindex")
+    assert code == 0 and out.strip() == ("indexed 1 snapshot and 2 pruned; 0 stale rows "
+                                         "removed; 0 damaged manifests skipped"), out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -175,6 +175,7 @@ def test_step_failure_does_not_stop_training(store_dir: Path, caplog: pytest.Log
             assert not m.step(1, model, opt)
         assert "snapshot at step 1 failed" in caplog.text and "latest snapshot is still step 0" \
             in caplog.text
+        assert "(1 failure in a row)" in caplog.text  # not "failure(s)" (issue 30)
         assert m.stats.failures == 1
         faults.reload("")
         assert m.latest().step == 0  # type: ignore[union-attr]

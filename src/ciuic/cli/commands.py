@@ -26,6 +26,7 @@ from ciuic.cli.app import (
     time_text,
 )
 from ciuic.errors import CiuicError, IntegrityError, MissingKey
+from ciuic.words import counted
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from rich.progress import TaskID
@@ -227,20 +228,21 @@ def verify(target: str | None, deep: bool) -> None:
             for p in problems:
                 if p.key_id is not None:
                     locked[p.key_id] = locked.get(p.key_id, 0) + 1
-            status = (f"[red]{len(damage)} problem(s)[/red]" if damage else
+            status = (f"[red]{counted(len(damage), 'problem')}[/red]" if damage else
                       "[green]ok[/green]" if not locked else "nothing damaged found")
             if locked:
-                status += (f"; [yellow]{sum(locked.values())} object(s) could not be checked"
-                           "[/yellow] (sealed with a key that is not configured)")
-            console.print(f"{project}/{job}: {report.snapshots} snapshot(s) checked, "
-                          f"{report.pruned} pruned, {report.chunks_checked} chunk(s) "
+                status += (f"; [yellow]{counted(sum(locked.values()), 'object')} could not be "
+                           "checked[/yellow] (sealed with a key that is not configured)")
+            console.print(f"{project}/{job}: {counted(report.snapshots, 'snapshot')} checked, "
+                          f"{report.pruned} pruned, {counted(report.chunks_checked, 'chunk')} "
                           f"{'re-hashed' if deep else 'present'}: {status}")
             for p in damage:
                 console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
             for key_id, n in locked.items():
-                console.print(f"  [yellow]{n} object(s) sealed with key {key_id}[/yellow], which "
-                              "is not configured, could not be checked: set "
+                console.print(f"  [yellow]{counted(n, 'object')} sealed with key "
+                              f"{key_id}[/yellow], which is not configured, could not be "
+                              "checked: set "
                               "CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) to it, or add "
                               "it to CIUIC_DECRYPTION_KEYS", highlight=False)
     if bad:
@@ -327,7 +329,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
     doomed = prune_job(repo.scope(project), project, name, keep_last, keep_every,
                        dry_run=dry_run)
     verb = "would prune" if dry_run else "pruned"
-    console.print(f"{verb} {len(doomed)} snapshot(s)"
+    console.print(f"{verb} {counted(len(doomed), 'snapshot')}"
                   + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""))
 
 
@@ -349,9 +351,10 @@ def gc(dry_run: bool, wait: float) -> None:
         err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
         raise click.exceptions.Exit(2)
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {result.deleted_chunks} chunk(s) and {result.deleted_bodies} "
-                  f"body(ies), {'freeing' if not dry_run else 'which would free'} "
-                  f"{size_text(result.deleted_bytes)}; kept {result.kept_chunks} chunk(s)")
+    console.print(f"{verb} {counted(result.deleted_chunks, 'chunk')} and "
+                  f"{counted(result.deleted_bodies, 'body', 'bodies')}, "
+                  f"{'freeing' if not dry_run else 'which would free'} "
+                  f"{size_text(result.deleted_bytes)}; kept {counted(result.kept_chunks, 'chunk')}")
     for key in result.damaged:
         err.print(f"[red]damaged, skipped: {key}[/red]")
 
@@ -363,9 +366,9 @@ def reindex() -> None:
     with progress_bar() as bar:
         task = bar.add_task("reindex", total=None)
         counts = repo.reindex(progress=lambda key: bar.advance(task))
-    console.print(f"indexed {counts['snapshots']} snapshot(s) and {counts['pruned']} pruned; "
-                  f"{counts['removed']} stale row(s) removed; {counts['damaged']} damaged "
-                  "manifest(s) skipped")
+    console.print(f"indexed {counted(counts['snapshots'], 'snapshot')} and {counts['pruned']} "
+                  f"pruned; {counted(counts['removed'], 'stale row')} removed; "
+                  f"{counted(counts['damaged'], 'damaged manifest')} skipped")
 
 
 def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:

@@ -37,6 +37,7 @@ from ciuic.manager.stats import ManagerStats
 from ciuic.restore.leaves import Resident
 from ciuic.state.capture import Captured, capture
 from ciuic.threads import lower_priority
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 BufferFor = Callable[[str, int], "torch.Tensor | None"]
@@ -258,8 +259,8 @@ class Pipeline:
         level = logging.CRITICAL if s.consecutive_failures >= 3 or isinstance(
             e, FencedOut) else logging.ERROR
         log.log(level, "snapshot at step %d failed (%s); training continues, the latest "
-                "snapshot is still %s (%d failure(s) in a row)", step,
-                str(e) or type(e).__name__, latest, s.consecutive_failures)
+                "snapshot is still %s (%s in a row)", step, str(e) or type(e).__name__,
+                latest, counted(s.consecutive_failures, "failure"))
 
     # -- restore support -------------------------------------------------------------------
 
