@@ -39,10 +39,18 @@ def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProce
 
 
 def resumed_at(run: subprocess.CompletedProcess[str], what: str) -> int:
-    """The global step the run says it resumed at (``what``: "Trainer", "Lightning fit")."""
-    found = re.search(rf"Resuming the {what} at global step (\d+)", run.stderr)
+    """The global step the run says it resumed after (``what``: "Trainer", "Lightning fit";
+    the test helpers' own loops say "at"). Where ciuic also says "Resuming training at step
+    N", N is the step after it: one user read "step 31" then "global step 30" as a
+    disagreement, so the integrations say "after"."""
+    found = re.search(rf"Resuming the {what} (at|after) global step (\d+)", run.stderr)
     assert found, run.stderr[-3000:]
-    return int(found.group(1))
+    step = int(found.group(2))
+    if what in ("Trainer", "Lightning fit"):  # ciuic's own integrations
+        assert found.group(1) == "after", found.group(0)
+        nxt = re.search(r"Resuming training at step (\d+)", run.stderr)
+        assert nxt is not None and int(nxt.group(1)) == step + 1, (run.stderr[-3000:])
+    return step
 
 
 def final(out: Path, mode: str = "ciuic") -> dict[str, torch.Tensor]:

@@ -178,7 +178,9 @@ def build(pl: Any) -> type:
                     "epoch ended and your dataloader is not resumable")
             self._restored = True
             self._last_step = step
-            log.info("Resuming the Lightning fit at global step %d (epoch %s)", step,
+            # "after": the snapshot holds global step N done, and the manager's "Resuming
+            # training at step N+1" names the next one
+            log.info("Resuming the Lightning fit after global step %d (epoch %s)", step,
                      checkpoint.get("epoch"))
 
         # -- snapshots -----------------------------------------------------------------------

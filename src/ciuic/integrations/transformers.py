@@ -195,7 +195,9 @@ class _Ciuic:
         if not me.args.ignore_data_skip:
             in_epoch = (state.global_step % num_update_steps_per_epoch
                         * me.args.gradient_accumulation_steps)
-        log.info("Resuming the Trainer at global step %d (epoch %d, %d batches into it)",
+        # "after": the snapshot holds global step N done, and the manager's "Resuming
+        # training at step N+1" names the next one
+        log.info("Resuming the Trainer after global step %d (epoch %d, %d batches into it)",
                  state.global_step, epochs_trained, in_epoch)
         return epochs_trained, in_epoch
 
