@@ -12,13 +12,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager
+from ciuic import SnapshotManager, knobs
+from ciuic.chain.repo import Repository
 from ciuic.chain.runs import history
 from ciuic.supervisor import beat
 from tests.conftest import run_train
@@ -44,8 +46,6 @@ def ciuic_log(store: Path, job: str) -> str:
 
 
 def notes(store: Path, project: str, job: str) -> list[str]:
-    from ciuic.chain.repo import Repository
-
     with Repository.open(store) as repo:
         found = history(repo.catalog.runs(project, job), repo.catalog.events(project, job))
     return [n for ns in found.values() for n in ns]
@@ -167,8 +167,6 @@ def test_sys_exit_with_a_status_inside_the_with_block_is_the_runs_end(store_dir:
             train(model, opt)
             m.step(step, model, opt)
         sys.exit(3)
-    from ciuic.chain.repo import Repository
-
     with Repository.open(store_dir) as repo:
         [r] = repo.catalog.runs("p", "exit3")
     assert (r.end_kind, r.last_step) == ("exit:3", 2)
@@ -176,3 +174,100 @@ def test_sys_exit_with_a_status_inside_the_with_block_is_the_runs_end(store_dir:
                for n in notes(store_dir, "p", "exit3"))
     with SnapshotManager("p", job="exit3", store=store_dir, save_interval=100) as again:
         assert again.interrupted
+
+
+# -- 5. a full disk ----------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs of its own, to fill. Mounting needs root (or CAP_SYS_ADMIN): elsewhere the
+    test is skipped, with the reason."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                                 capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs to fill ({e}): the full-disk test needs mount(8)")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill ({mounted.stderr.strip()}): the full-disk "
+                    "test needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+def fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError as e:
+        assert e.errno == 28  # ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_is_said_in_ciuic_words_and_a_clean_end_is_not_called_a_kill(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The catalog's disk fills up mid-run; the run goes on and finishes. The warnings say what
+    is full, what was not recorded and what to do (the first was SQLAlchemy's "(sqlite3.
+    OperationalError) database or disk is full (Background on this error at: ...)"); `ciuic
+    log` does not call the run killed (it said "was killed or crashed"), and the next run
+    records its end (it said "Detected training interruption")."""
+    store, model, opt = small_disk / "store", *model_and_opt()
+    with caplog.at_level(logging.INFO, logger="ciuic"), knobs.override(heartbeat_interval_s=0.0):
+        # compression off: "auto" probes the store's write speed with up to 256 MiB, which
+        # fills this disk on its own
+        m = SnapshotManager("p", job="full", store=store, save_interval=1000,
+                            compression="off")
+        for step in range(20):
+            if step == 5:
+                m.wait()
+                filler = fill(small_disk)
+            train(model, opt)
+            m.step(step, model, opt)
+        m.close()
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "OperationalError" not in warned and "sqlalche.me" not in warned, warned
+    full = f"the catalog {store / 'catalog.db'} cannot be written: the disk that holds it is full"
+    assert warned.count(full) == 2, warned  # progress once (not every step), and the end
+    assert "The run's progress (step 5) is not recorded there" in warned
+    assert re.search(r"The end of run \w+ \(clean, at step 19\) is not recorded there; it is "
+                     r"kept in \S+ for the next run of this job on this machine", warned), warned
+    assert "Free space on that disk" in warned
+    shown = ciuic_log(store, "p/full")  # the disk still full
+    assert "killed" not in shown and "stopped" not in shown, shown
+    filler.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
+            "p", job="full", store=store, save_interval=1000, compression="off") as again:
+        assert again.restore(model, opt) == 0
+        assert not again.interrupted
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Detected training interruption" not in said
+    with Repository.open(store) as repo:
+        first = repo.catalog.runs("p", "full")[0]
+    assert (first.end_kind, first.last_step) == ("clean", 19)
+
+
+def test_a_run_with_no_end_seen_from_another_machine_is_not_called_killed() -> None:
+    """No end recorded, no progress file here, no later run's word: how it ended is not known
+    (killed, crashed, or its catalog full), and its step is a lower bound."""
+    from ciuic.chain.listing import RunRow
+
+    run = RunRow("a" * 16, 1, "2026-12-01T00:00:00.000000Z", "another-machine", 4242, 641,
+                 "2026-12-01T00:10:00.000000Z", None, None, None, None)
+    events = [{"run": run.id, "at": "2026-12-01T00:05:00.000000Z", "kind": "snapshot",
+               "step": 600, "detail": "s" * 64}]
+    [note] = history([run], events)["s" * 64]
+    assert note == ("then run aaaaaaaa stopped after step 641: its end is not known: none was "
+                    "recorded (it was killed or crashed, or could not write to its catalog)")
+    died = {**events[0], "kind": "stopped", "at": "2026-12-01T01:00:00.000000Z",
+            "detail": "no end was recorded: it was killed or crashed"}
+    [note] = history([run], [*events, died])["s" * 64]  # the next run read its progress file
+    assert note.endswith("stopped at step 641: was killed or crashed: no clean exit was "
+                         "recorded")

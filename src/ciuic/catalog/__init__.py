@@ -8,6 +8,7 @@ May import: ``format`` and the foundation modules.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select
-from sqlalchemy.exc import DatabaseError, IntegrityError
+from sqlalchemy.exc import DatabaseError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -62,6 +63,19 @@ def _is_damage(e: DatabaseError) -> bool:
     """Whether SQLite says the file itself is bad (as opposed to busy or racing)."""
     text = str(getattr(e, "orig", None) or e).lower()
     return any(m in text for m in ("not a database", "malformed", "encrypted", "disk i/o"))
+
+
+def _unwritable(e: BaseException) -> tuple[str, str] | None:
+    """Why a write failed and what to do, when the database cannot be written at all: its disk
+    is full, or it is read-only; None for other errors."""
+    orig = getattr(e, "orig", None) or e
+    text = str(orig).lower()
+    if (getattr(orig, "errno", None) == errno.ENOSPC or "database or disk is full" in text
+            or "no space left" in text):
+        return "the disk that holds it is full", "Free space on that disk"
+    if isinstance(e, OperationalError) and "readonly database" in text:
+        return "it is read-only", "Make it writable"
+    return None
 
 
 def _json_metrics(metrics: dict[str, Any]) -> str:
@@ -136,6 +150,22 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @property
+    def where(self) -> str:
+        """The catalog's file (SQLite), else its URL without the password."""
+        if self.url.startswith("sqlite:///"):
+            return self.url.split("///", 1)[1]
+        return self.engine.url.render_as_string(hide_password=True)
+
+    def write_failure(self, e: BaseException) -> tuple[str, str] | None:
+        """A write that raised ``e``, in ciuic's words, when the catalog cannot be written at
+        all: ("the catalog PATH cannot be written: the disk that holds it is full", "Free space
+        on that disk"); None when ``e`` is another error."""
+        found = _unwritable(e)
+        if found is None:
+            return None
+        return f"the catalog {self.where} cannot be written: {found[0]}", found[1]
 
     # -- projects and jobs -------------------------------------------------------------------
 
@@ -373,12 +403,15 @@ class Catalog:
                 run.last_step = step
                 run.last_seen = utc_now()
 
-    def end_run(self, run_id: str, kind: str, step: int | None = None) -> None:
+    def end_run(self, run_id: str, kind: str, step: int | None = None,
+                at: str | None = None) -> None:
+        """Record how a run ended (at ``at``: later, from its progress file, when the catalog
+        could not be written then), at its last step(); the first record wins."""
         with self.session() as s:
             run = s.get(Run, run_id)
             if run is None or run.ended is not None:
                 return
-            run.ended = utc_now()
+            run.ended = at or utc_now()
             run.end_kind = kind
             if step is not None:
                 run.last_step = step

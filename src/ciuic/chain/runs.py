@@ -55,7 +55,11 @@ def was_interrupted(run: Run | None) -> bool:
     """Whether a previous run ended other than by finishing (close() or a normal exit): also
     a run that ``ciuic run`` saw fail (its cause), such as an exit with status 3 after a clean
     close()."""
-    return run is not None and (run.end_kind not in ("clean", "exit") or bool(run.cause))
+    return run is not None and _interrupted(run.end_kind, run.cause)
+
+
+def _interrupted(end_kind: str | None, cause: str | None) -> bool:
+    return end_kind not in ("clean", "exit") or bool(cause)
 
 
 def describe_end(run: Run, known: bool = True) -> str:
@@ -63,9 +67,10 @@ def describe_end(run: Run, known: bool = True) -> str:
     ``ciuic run`` saw it ("hang: no step() for 600 s ..."). A run that recorded no end died when
     ``known`` (its progress file, or the next run that read it, says so); else how it ended is
     not known."""
-    if run.cause:
-        return run.cause
-    kind = run.end_kind
+    return run.cause or _describe_kind(run.end_kind, known)
+
+
+def _describe_kind(kind: str | None, known: bool) -> str:
     if kind is None:
         return ("it was killed or crashed: no clean exit was recorded" if known else
                 "its end is not known: none was recorded (it was killed or crashed, or could "
@@ -163,20 +168,26 @@ def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list
     died = {e["run"] for e in events if e["kind"] == "stopped"}  # Catalog.stopped_at
     for r in runs:
         where = last.get(r.id)
-        if where is None or not was_interrupted(r):
+        if where is None:
+            continue
+        # a run of this machine that recorded no end, before the next run takes its progress
+        # file: it died there, or its end is in the file (the catalog could not record it)
+        stop = local_stop(r)
+        kind = r.end_kind or (stop.end if stop is not None else None)
+        if not _interrupted(kind, r.cause):
             continue
         when = r.ended or r.last_seen
-        if r.end_kind is None and may_still_run(r):
+        if kind is None and may_still_run(r):
             found.setdefault(where, []).append((when, f"run {r.id[:8]} may still be running"))
             continue
-        step, known = r.last_step, r.end_kind is not None or r.id in died or bool(r.cause)
-        stop = local_stop(r)
-        if stop is not None:  # it died on this machine, and no later run has said so yet
+        step, known = r.last_step, kind is not None or r.id in died or bool(r.cause)
+        if stop is not None:
             known = True
             step = max((x for x in (step, stop.step) if x is not None), default=None)
+        how = r.cause or _describe_kind(kind, known)
         found.setdefault(where, []).append(
             (when, f"then run {r.id[:8]} stopped {stopped_where(step, known)}: "
-                   f"{describe_end(r, known).removeprefix('it ')}"))
+                   f"{how.removeprefix('it ')}"))
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
 
 

@@ -33,9 +33,12 @@ MANIFEST_KIND = "ciuic.snapshot"
 BODY_KIND = "ciuic.body"
 
 
-def utc_now() -> str:
-    """The current time as the format writes it: ``2026-11-30T01:33:08.123456Z``."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def utc_now(at: float | None = None) -> str:
+    """The current time (or the Unix time ``at``) as the format writes it:
+    ``2026-11-30T01:33:08.123456Z``."""
+    when = dt.datetime.now(dt.timezone.utc) if at is None else dt.datetime.fromtimestamp(
+        at, dt.timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def parse_time(text: str) -> dt.datetime:

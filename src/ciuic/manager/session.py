@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -32,6 +33,7 @@ from ciuic.chain.transfer import copy_job
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.save import check_shared_store
 from ciuic.errors import RankError
+from ciuic.format.manifest import utc_now
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import Supervised, attach
@@ -103,6 +105,8 @@ class RunSession:
         self.last_step: int | None = None
         self._progress: progress.Progress | None = None
         self._last_heartbeat = 0.0
+        self._ended: str | None = None  # the end record_end() was first given
+        self._unwritable = False  # the catalog could not be written, and that was said
         #: under ``ciuic run``: the heartbeats, the host-memory tier, the previous start's cause
         self.supervised: Supervised | None = attach(multi_rank=coll.enabled)
 
@@ -162,10 +166,12 @@ class RunSession:
         """Learn where the previous run stopped and how, from its end record, its progress file
         on this machine and ``ciuic run``; record in the catalog what it could not (for ``ciuic
         log`` and the dashboard)."""
-        self.previous_known = prev.end_kind is not None
         stop = None
-        if prev.host == socket.gethostname() and not runs.may_still_run(prev):
+        if prev.host == socket.gethostname() and not _still_running(prev):
             stop = progress.take(prev.id)
+        if prev.end_kind is None and stop is not None and stop.end is not None:
+            self._record_late_end(prev, stop)
+        self.previous_known = prev.end_kind is not None
         died = prev.end_kind is None and stop is not None
         steps = [prev.last_step, stop.step if stop is not None else None]
         if self._supervisor_said(prev, steps):
@@ -174,6 +180,21 @@ class RunSession:
             prev.last_step = max((x for x in steps if x is not None), default=None)
             self.repo.catalog.stopped_at(prev.id, prev.last_step)
             self.previous_known = True
+        self.interrupted = runs.was_interrupted(prev)
+
+    def _record_late_end(self, prev: Run, stop: progress.Stop) -> None:
+        """The previous run ended, and its catalog could not record that (a full disk): its
+        progress file kept the end, recorded now."""
+        assert stop.end is not None
+        at = utc_now(stop.ended) if stop.ended else None
+        self.repo.catalog.end_run(prev.id, stop.end, stop.step, at)
+        prev.end_kind, prev.ended = stop.end, at or utc_now()
+        if stop.step is not None:
+            prev.last_step = stop.step
+        log.info("The previous run (%s) ended %s, %s; its catalog could not record that then, "
+                 "its progress file kept it: recorded now", prev.id,
+                 runs.stopped_where(prev.last_step, exact=True),
+                 runs.describe_end(prev).removeprefix("it "))
 
     def _supervisor_said(self, prev: Run, steps: list[int | None]) -> bool:
         """Under ``ciuic run``, after a restart: record why the previous start stopped (the
@@ -195,7 +216,7 @@ class RunSession:
 
     def _warn_if_taken_over(self) -> None:
         prev, lease = self.previous_run, self.lease
-        if prev is not None and lease is not None and runs.may_still_run(prev):
+        if prev is not None and lease is not None and _still_running(prev):
             log.warning(
                 "job %s/%s may still be running in another process (pid %s on %s, run %s, last "
                 "seen %s). This process takes the job over (lease %d): the other one can no "
@@ -242,13 +263,14 @@ class RunSession:
         if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
                 ).heartbeat_interval_s:
             self._last_heartbeat = now
-            quietly("record progress", self.repo.catalog.heartbeat, self.run_id, step)
+            self._record(f"the run's progress (step {step})", self.repo.catalog.heartbeat,
+                         self.run_id, step)
             if self._reporter is not None:
                 self._reporter.report(self.run_id)
 
     def event(self, kind: str, step: int, snapshot_id: str) -> None:
         if self.coll.coordinator:
-            quietly(f"record the {kind} event", self.repo.catalog.event, self.run_id,
+            self._record(f"the {kind} event of step {step}", self.repo.catalog.event, self.run_id,
                     self.project, self.job, kind, step, snapshot_id)
             if self._reporter is not None:
                 self._reporter.report(self.run_id)
@@ -272,23 +294,59 @@ class RunSession:
             log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
                       result.deleted_chunks, result.skipped)
 
+    def _record(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Write ``what`` to the catalog (rank 0). A failure is logged and training goes on; a
+        catalog that cannot be written at all (its disk full) is said once, in ciuic's words,
+        until a write succeeds again."""
+        try:
+            fn(*args)
+        except Exception as e:
+            failure = self.repo.catalog.write_failure(e)
+            if failure is None:
+                log.warning("could not record %s (training and snapshots go on): %s", what, e)
+            elif not self._unwritable:
+                self._unwritable = True
+                log.warning("%s. %s is not recorded there, nor what follows until it can be "
+                            "written; training and snapshots go on. %s.", failure[0],
+                            what[:1].upper() + what[1:], failure[1])
+            return
+        self._unwritable = False
+
     def record_end(self, kind: str) -> None:
         """How the run ended (``clean``, ``exit``, ``exit:STATUS``, ``exception:T``,
         ``signal:NAME``), at its last step(); the first record wins."""
         _untrack(self)
-        if self._progress is not None:  # kept after a crash: the next run reads it
-            self._progress.close(remove=kind in ("clean", "exit"))
-            self._progress = None
         if self.supervised is not None and kind == "clean":
             self.supervised.beacon.detach()  # done training: no longer watched for a hang
-        if not self.coll.coordinator:
+        if self._ended is not None:
             return
-        try:
-            self.repo.catalog.end_run(self.run_id, kind, self.last_step)
-        except Exception as e:  # the catalog may be gone at interpreter exit
-            log.debug("could not record the end of run %s: %s", self.run_id, e)
+        self._ended = kind
+        recorded = not self.coll.coordinator or self._record_end(kind)
+        if self._progress is not None:  # kept after a crash, or an end not recorded: the next
+            self._progress.close(remove=recorded and kind in ("clean", "exit"))  # run reads it
+            self._progress = None
         if self._reporter is not None:
             self._reporter.report_now(self.run_id)
+
+    def _record_end(self, kind: str) -> bool:
+        """Record the end in the catalog; where that fails, keep it in the progress file for
+        the next run of the job on this machine. Whether the catalog has it."""
+        try:
+            self.repo.catalog.end_run(self.run_id, kind, self.last_step)
+            return True
+        except Exception as e:
+            kept = self._progress.ended(kind) if self._progress is not None else None
+            failure = self.repo.catalog.write_failure(e)
+            if failure is None:  # the catalog may be gone at interpreter exit
+                log.debug("could not record the end of run %s: %s", self.run_id, e)
+                return False
+            log.warning("%s. The end of run %s (%s, %s) is not recorded there; %s. %s.",
+                        failure[0], self.run_id, kind,
+                        runs.stopped_where(self.last_step, exact=True),
+                        f"it is kept in {kept} for the next run of this job on this machine to "
+                        "record" if kept is not None else "`ciuic log` will say that how the "
+                        "run ended is not known", failure[1])
+            return False
 
     def close(self) -> None:
         if self.supervised is not None:
@@ -327,6 +385,14 @@ def _track(session: RunSession) -> None:
 
 def _untrack(session: RunSession) -> None:
     _live.discard(session)
+
+
+def _still_running(run: Run) -> bool:
+    """Whether a run that recorded no end may still be running: in another process
+    (``runs.may_still_run``), or in this one (its manager not closed yet)."""
+    if run.end_kind is None and run.host == socket.gethostname() and run.pid == os.getpid():
+        return any(s.run_id == run.id for s in _live)
+    return runs.may_still_run(run)
 
 
 __all__ = ["RunSession", "ensure_log_handler", "quiet_other_ranks", "quietly", "warn_once"]
