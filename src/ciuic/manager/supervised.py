@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ciuic.supervisor.beat import Beacon
-from ciuic.supervisor.channel import Link
+from ciuic.supervisor.channel import CAUSE_ENV, PIDS_ENV, RESTART_ENV, STOPPED_AT_ENV, Link
 from ciuic.supervisor.hostcopy import HostTier
 
 log = logging.getLogger("ciuic")
@@ -33,14 +33,14 @@ class Restart:
     def from_env() -> Restart | None:
         env = os.environ
         try:
-            number = int(env.get("CIUIC_RUN_RESTART", "0") or 0)
+            number = int(env.get(RESTART_ENV, "0") or 0)
         except ValueError:
             return None
         if number <= 0:
             return None
-        stopped = env.get("CIUIC_RUN_STOPPED_AT")
-        pids = frozenset(int(p) for p in env.get("CIUIC_RUN_PIDS", "").split(",") if p.isdigit())
-        return Restart(number, env.get("CIUIC_RUN_CAUSE") or None,
+        stopped = env.get(STOPPED_AT_ENV)
+        pids = frozenset(int(p) for p in env.get(PIDS_ENV, "").split(",") if p.isdigit())
+        return Restart(number, env.get(CAUSE_ENV) or None,
                        int(stopped) if stopped and stopped.lstrip("-").isdigit() else None, pids)
 
 

@@ -37,7 +37,14 @@ from types import FrameType
 
 from ciuic.supervisor import beat
 from ciuic.supervisor.causes import Cause, OomWatch, classify, signal_name
-from ciuic.supervisor.channel import ENV, Holder
+from ciuic.supervisor.channel import (
+    CAUSE_ENV,
+    ENV,
+    PIDS_ENV,
+    RESTART_ENV,
+    STOPPED_AT_ENV,
+    Holder,
+)
 
 log = logging.getLogger("ciuic.run")
 TAIL_LINES = 60
@@ -172,15 +179,15 @@ class Supervisor:
         assert self.holder is not None
         env = dict(os.environ)
         env[ENV] = self.holder.name
-        env["CIUIC_RUN_RESTART"] = str(len(self.starts) - 1)
-        for k in ("CIUIC_RUN_CAUSE", "CIUIC_RUN_STOPPED_AT", "CIUIC_RUN_PIDS"):
+        env[RESTART_ENV] = str(len(self.starts) - 1)
+        for k in (CAUSE_ENV, STOPPED_AT_ENV, PIDS_ENV):
             env.pop(k, None)
         if len(self.starts) > 1:
             prev = self.starts[-2]
-            env["CIUIC_RUN_CAUSE"] = str(prev.cause)
+            env[CAUSE_ENV] = str(prev.cause)
             if prev.step is not None:
-                env["CIUIC_RUN_STOPPED_AT"] = str(prev.step)
-            env["CIUIC_RUN_PIDS"] = ",".join(map(str, sorted(prev.pids)))
+                env[STOPPED_AT_ENV] = str(prev.step)
+            env[PIDS_ENV] = ",".join(map(str, sorted(prev.pids)))
         return env
 
     def _run_once(self, holder: Holder, start: Start) -> int:

@@ -33,6 +33,13 @@ from ciuic.supervisor import beat
 
 log = logging.getLogger("ciuic")
 ENV = "CIUIC_SUPERVISOR"
+#: what ``ciuic run`` tells each restarted job of the start before it, through the job's
+#: environment (set by the agent, read by ``manager/supervised.Restart``): the restart's
+#: number, the cause's line, the last step() seen, the processes that stopped
+RESTART_ENV = "CIUIC_RUN_RESTART"
+CAUSE_ENV = "CIUIC_RUN_CAUSE"
+STOPPED_AT_ENV = "CIUIC_RUN_STOPPED_AT"
+PIDS_ENV = "CIUIC_RUN_PIDS"
 _MAX_MESSAGE = 1 << 16
 FDS_PER_MESSAGE = 200  # SCM_RIGHTS takes at most 253
 
