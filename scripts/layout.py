@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "src"
 LIMIT = 600
 SKIP = ("migrations",)  # Alembic's generated scripts are not part of the design
-FOUNDATION = ("ciuic.errors", "ciuic.knobs", "ciuic.faults", "ciuic.threads", "ciuic.version")
+FOUNDATION = ("ciuic.errors", "ciuic.knobs", "ciuic.faults", "ciuic.threads", "ciuic.version",
+              "ciuic.words")
 LEVELS: dict[str, int] = {
     **dict.fromkeys(FOUNDATION, 0),
     "ciuic.format": 1,

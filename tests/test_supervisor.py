@@ -89,7 +89,7 @@ def test_a_kill_then_a_hang_are_restarted_and_the_job_ends_bit_exact(tmp_path: P
     assert re.search(r"Found snapshot at step 10.*\n\[INFO\] Loading snapshot from host memory",
                      err), err[-4000:]
     assert re.search(r"Read 0\.\d\d MiB from host memory and 0\.0\d MiB from the store", err)
-    assert "the job finished (exit 0) after 2 restart(s)" in err
+    assert "the job finished (exit 0) after 2 restarts" in err
     causes = runs_of(tmp_path)
     assert [c[1] for c in causes] == [None, 1, 2]
     assert causes[0][0] == "signal: SIGKILL (killed)"
@@ -110,7 +110,7 @@ def test_a_job_that_fails_at_start_up_stops_after_the_limit_and_says_why(tmp_pat
     err = run.stderr
     assert run.returncode == 1, err[-3000:]
     assert len(re.findall(r"^Traceback", err, re.M)) == 3  # three starts, no fourth
-    assert ("ciuic run: giving up: it failed 3 time(s) in a row without committing a new "
+    assert ("ciuic run: giving up: it failed 3 times in a row without committing a new "
             "snapshot. The last failure, before its first step(): exception: RuntimeError: the "
             "data set is not mounted (injected start-up failure)") in err
     assert "Restart 1 of at most 10 in 0.1 s" in err and "Restart 2 of at most 10 in 0.2 s" in err
@@ -337,7 +337,7 @@ def test_over_its_budget_the_host_copy_is_released_and_training_goes_on(tmp_path
     assert "host-memory copy released: the host copy would hold" in run.stderr
     assert "over its budget of" in run.stderr and "Loading snapshot from host memory" not in (
         run.stderr)
-    assert "the job finished (exit 0) after 1 restart(s)" in run.stderr
+    assert "the job finished (exit 0) after 1 restart" in run.stderr
 
 
 def test_ciuic_run_needs_a_command() -> None:
@@ -359,7 +359,7 @@ def test_under_torchrun_one_rank_killed_then_hung_restarts_the_whole_job(tmp_pat
     assert re.search(r"ciuic run: the job stopped at step \d+: signal: rank 1: SIGKILL", err), (
         err[-5000:])
     assert re.search(r"hang: no step\(\) for 3 s \(rank 1, pid \d+\)", err)
-    assert "the job finished (exit 0) after 2 restart(s)" in err
+    assert "the job finished (exit 0) after 2 restarts" in err
     repo = Repository.open(tmp_path / "store")
     try:  # every rank resumed from the same snapshot: one restore event per start, rank 0's
         events = [e for e in repo.catalog.events("sup", "default", limit=1000)

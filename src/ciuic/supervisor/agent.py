@@ -45,6 +45,7 @@ from ciuic.supervisor.channel import (
     STOPPED_AT_ENV,
     Holder,
 )
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic.run")
 TAIL_LINES = 60
@@ -147,7 +148,7 @@ class Supervisor:
                 return _code(rc)
             if rc == 0 and start.cause is None:
                 log.info("ciuic run: the job finished (exit 0)%s",
-                         f" after {start.number} restart(s)" if start.number else "")
+                         f" after {counted(start.number, 'restart')}" if start.number else "")
                 return 0
             progress = start.committed is not None and (best_commit is None
                                                         or start.committed > best_commit)
@@ -160,9 +161,10 @@ class Supervisor:
             if stalls >= o.max_stalls or start.number >= o.max_restarts:
                 new = ("a new snapshot" if best_commit is None
                        else f"a snapshot past step {best_commit}")
-                why = (f"it failed {stalls} time(s) in a row without committing {new}"
+                why = (f"it failed {counted(stalls, 'time')} in a row without committing {new}"
                        if stalls >= o.max_stalls else
-                       f"it was restarted {start.number} time(s), the limit (--max-restarts)")
+                       f"it was restarted {counted(start.number, 'time')}, the limit "
+                       "(--max-restarts)")
                 log.error("ciuic run: giving up: %s. The last failure, %s: %s%s", why, where,
                           start.cause, _tail_text(self._tail))
                 return _code(rc) or 1
