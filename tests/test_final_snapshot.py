@@ -85,3 +85,39 @@ def test_the_framework_decides_with_step_snapshot(store_dir: Path) -> None:
         m.step(17, model, opt, snapshot=False)
     with SnapshotManager("p", job="j", store=store_dir) as again:
         assert [s.step for s in again.repo.catalog.snapshots("p", "j")] == [3, 7, 15, 16, 17]
+
+
+SCRIPT = """
+import sys
+import torch
+from torch import nn
+from ciuic import SnapshotManager
+
+torch.manual_seed(0)
+model = nn.Linear(512, 512)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+m = SnapshotManager("p", job="noclose", store=sys.argv[1], save_interval=5)
+for step in range(6):  # step 5's snapshot is still being written when the script ends
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    m.step(step, model, opt)
+"""
+
+
+def test_a_script_that_never_closes_still_commits_the_snapshot_in_flight(
+        store_dir: Path, tmp_path: Path) -> None:
+    """As the seed's example does: no close(), no with block. The write in flight at exit
+    failed ('cannot schedule new futures after interpreter shutdown')."""
+    import subprocess
+    import sys
+
+    from ciuic.chain.repo import Repository
+
+    script = tmp_path / "noclose.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(store_dir)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "failed" not in run.stderr, run.stderr
+    with Repository.open(store_dir) as repo:
+        assert [s.step for s in repo.catalog.snapshots("p", "noclose")] == [0, 5]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class Pipeline:
         #: id(optimizer) -> (the optimizer, weakly; its step pre-hook's handle)
         self._hooks: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._warned_budget = False
+        _finish_at_exit(self)
 
     # -- what the two pipelines do differently ---------------------------------------------
 
@@ -313,6 +315,39 @@ class Pipeline:
             handle.remove()
         self._hooks.clear()
         self.staging.release()
+
+
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+_hooked = False
+
+
+def _finish_at_exit(pipeline: Pipeline) -> None:
+    """A script that ends without ``close()`` still commits the snapshot it has in flight.
+
+    At interpreter exit, ``threading._shutdown`` runs its own exit hooks before it joins the
+    threads, newest first: concurrent.futures' (registered when it was imported, before any
+    pipeline existed) stops every pool from taking work, and a write still in flight, which
+    hands its chunks to pools of its own, then failed ("cannot schedule new futures after
+    interpreter shutdown"). This hook, registered later, runs first and waits for the writes.
+    """
+    global _hooked
+    _live.add(pipeline)
+    if _hooked:
+        return
+    _hooked = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is already shutting down
+        register(_wait_for_writes)
+
+
+def _wait_for_writes() -> None:
+    for pipeline in list(_live):
+        try:
+            pipeline.wait()
+        except Exception as e:  # the process is ending: say so, never raise from here
+            log.warning("could not finish the snapshot in flight at exit: %s", e)
 
 
 class LocalPipeline(Pipeline):
