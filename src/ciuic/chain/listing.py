@@ -6,7 +6,8 @@ command line that starts at once may (0.3 s, #19). The commands first make the c
 the store (:meth:`~ciuic.chain.repo.Repository.sync_job`: a row for every manifest, "pruned"
 for a committed snapshot whose body is gone), then read it. When there is nothing to sync, this
 module reads the same rows with the same queries (those of ``Catalog.jobs``, ``snapshots``,
-``runs`` and ``events``), read-only, and never writes the file. It answers None, and the
+``runs`` and ``events``; tests/test_listing.py checks on drawn catalogs that both return the
+same rows), read-only, and never writes the file. It answers None, and the
 command takes the repository's way, wherever it cannot be sure of that: a store that is not a
 local folder, a read-only or mirrored one, a catalog elsewhere (``$CIUIC_CATALOG``) or absent,
 damaged, or at another schema than :data:`ciuic.version.CATALOG_HEAD`; a store that lists a

@@ -321,18 +321,13 @@ class Repository:
                 found[sid] = self.read_manifest(project, job, sid)
             except (UnreadableObject, ObjectNotFound):
                 continue  # damaged manifests are reported by `ciuic verify`
-        for sid in commit_order(found):
-            m = found[sid]
-            status = ("committed" if self.store.has(layout.body_key(project, job, m.body))
-                      else "pruned")
-            self.catalog.add_snapshot(m, sid, status)
+        self._add_rows(found, lambda sid: self.store)
         return len(found)
 
     def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
         """Rebuild the catalog's snapshot rows from the store alone (and from the store of
         every project a server keeps in it)."""
         counts = {"snapshots": 0, "pruned": 0, "damaged": 0, "removed": 0}
-        seen: set[str] = set()
         found: dict[str, mf.Manifest] = {}
         where: dict[str, Repository] = {}
         for repo in self.namespaces():
@@ -347,18 +342,26 @@ class Repository:
                     where[mk.snapshot_id] = repo
                 except (UnreadableObject, ObjectNotFound):
                     counts["damaged"] += 1
-        for sid in commit_order(found):
-            m = found[sid]
-            status = ("committed" if where[sid].store.has(layout.body_key(m.project, m.job,
-                                                                           m.body))
-                      else "pruned")
-            self.catalog.add_snapshot(m, sid, status)
-            seen.add(sid)
+        for status in self._add_rows(found, lambda sid: where[sid].store):
             counts["pruned" if status == "pruned" else "snapshots"] += 1
-        for stale in self.catalog.all_snapshot_ids() - seen:
+        for stale in self.catalog.all_snapshot_ids() - set(found):
             self.catalog.remove_snapshot(stale)
             counts["removed"] += 1
         return counts
+
+    def _add_rows(self, found: dict[str, mf.Manifest], store_of: Callable[[str], Store]
+                  ) -> list[str]:
+        """Add (or update) the catalog's row of each manifest of ``found`` (by its snapshot ID),
+        parents first (:func:`commit_order`): "committed" where its body is in ``store_of(ID)``,
+        else "pruned". Returns the statuses, in that order."""
+        statuses = []
+        for sid in commit_order(found):
+            m = found[sid]
+            status = ("committed" if store_of(sid).has(layout.body_key(m.project, m.job, m.body))
+                      else "pruned")
+            self.catalog.add_snapshot(m, sid, status)
+            statuses.append(status)
+        return statuses
 
     # -- references --------------------------------------------------------------------------
 
