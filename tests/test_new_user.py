@@ -22,7 +22,7 @@ from ciuic import SnapshotManager, StateHolder
 from ciuic.chain.repo import Repository
 from ciuic.chain.retention import prune_one
 from ciuic.errors import AmbiguousReference, CaptureError, ConfigurationError
-from ciuic.manager.config import ManagerConfig
+from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
 from tests.conftest import run_train
@@ -249,7 +249,7 @@ def test_a_wait_is_worth_a_warning_only_when_it_matters(caplog: pytest.LogCaptur
     from ciuic.distributed.collective import Collective
 
     stats = ManagerStats()
-    policy = SavePolicy(ManagerConfig.build("p"), Collective(False), stats)
+    policy = SavePolicy(ManagerOptions("p").check(), Collective(False), stats)
     assert not waits_for_the_first(policy, caplog)  # it pays once for buffers: no warning
     stats.snapshots = 1  # the waits below are for later snapshots
 

@@ -40,6 +40,7 @@ class SavePolicy:
         self._agreement: Callable[[], list[int]] | None = None
         self._step_calls = 0
         self._steps_disagree = False
+        self._last_exit: float | None = None  # when the last step() returned (for the tuner)
         if coll.enabled and config.on_busy == "skip" and coll.coordinator:
             log.warning("on_busy='skip' is not used under torchrun: skipping would have to "
                         "be agreed by every rank, so a due snapshot waits for the previous "
@@ -62,6 +63,32 @@ class SavePolicy:
         """Let ``tuner`` choose the time between snapshots; it counts from now."""
         self.tuner = tuner
         self.last_save_time = time.monotonic()
+        self._show_interval()
+
+    def timed(self, step: Callable[[], bool], busy: Callable[[], bool], background: bool) -> bool:
+        """Run one ``step()`` call (``step``: whether it took a snapshot). With an automatic
+        interval, the tuner learns the training time since the previous call returned
+        (``busy``: whether a snapshot was being written meanwhile) and a snapshot's stall."""
+        tuner = self.tuner
+        if tuner is None:
+            return step()
+        t0 = time.monotonic()
+        if self._last_exit is not None:  # the training time since the last step() returned
+            tuner.training_step(t0 - self._last_exit, busy())
+        took = step()
+        self._last_exit = time.monotonic()
+        if took:
+            tuner.snapshot_started(self._last_exit - t0, background=background)
+        self._show_interval()
+        return took
+
+    def _show_interval(self) -> None:
+        tuner = self.tuner
+        if tuner is not None:
+            self.stats.interval_s = tuner.interval_s
+            self.stats.interval_reason = tuner.reason
+            self.stats.snapshot_cost_s = tuner.cost_s
+            self.stats.mtbf_s = tuner.mtbf_s
 
     def taken(self, step: int) -> None:
         """A snapshot of ``step`` was started (or restored): the intervals count from here."""

@@ -268,6 +268,24 @@ class RunSession:
             if self._reporter is not None:
                 self._reporter.report(self.run_id)
 
+    def warn_if_not_resuming(self, step: int) -> None:
+        """At the first ``step()`` of a run that did not call ``restore()``: warn when the job
+        already has snapshots (this run is not resuming from them)."""
+        latest = self.repo.catalog.latest(self.project, self.job)
+        if latest is None:
+            return
+        prev = self.previous_run
+        how = ("the previous run was interrupted: " + runs.describe_end(prev, self.previous_known)
+               if self.interrupted and prev is not None else "")
+        log.warning(
+            "!!! job %s/%s already has snapshots (latest at step %d, %s) but this run did not "
+            "call restore(): it is NOT resuming. It trains from step %d and its snapshots start "
+            "a new lineage; the old ones are kept. %s To resume, call "
+            "manager.restore(model, optimizer) before the loop.",
+            self.project, self.job, latest.step, latest.created[:19] + "Z", step,
+            (how + ".") if how else "",
+        )
+
     def event(self, kind: str, step: int, snapshot_id: str) -> None:
         if self.coll.coordinator:
             self._record(f"the {kind} event of step {step}", self.repo.catalog.event, self.run_id,
@@ -327,6 +345,15 @@ class RunSession:
             self._progress = None
         if self._reporter is not None:
             self._reporter.report_now(self.run_id)
+
+    def record_exit(self, tp: type[BaseException] | None, value: BaseException | None) -> None:
+        """A ``with`` block left by an exception, or by ``sys.exit(N)`` with N other than 0,
+        records that end (anything else ends at ``close()``)."""
+        if tp is not None and not issubclass(tp, SystemExit):
+            self.record_end(f"exception:{tp.__name__}")
+        elif isinstance(value, SystemExit) and value.code not in (None, 0):
+            # sys.exit(3): the one non-zero exit a process sees (atexit is not told the status)
+            self.record_end(f"exit:{value.code if isinstance(value.code, int) else 1}")
 
     def _record_end(self, kind: str) -> bool:
         """Record the end in the catalog; where that fails, keep it in the progress file for
