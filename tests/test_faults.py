@@ -1,4 +1,5 @@
-"""Storage faults and hostile input: transient errors, a full disk, a hanging store, tampering."""
+"""Storage faults and hostile input: transient errors, a full disk, a hanging store, tampering,
+a chunk a restore found damaged (written again, not reused)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from ciuic import RestoreError, SnapshotManager, knobs
+from ciuic import RestoreError, SnapshotManager, StateHolder, knobs
+from ciuic.chain.read import read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.format import layout
+from ciuic.format.layout import chunk_key
 from ciuic.store import MemoryStore, Store
 from ciuic.store.base import Data
 
@@ -329,3 +333,30 @@ def test_small_chunks_are_asked_about_and_written_in_batches() -> None:
                 p.zero_()
         m.restore(model)
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("same_manager", [False, True])
+def test_a_chunk_a_restore_found_damaged_is_written_again_not_reused(
+        store_dir: Path, same_manager: bool) -> None:
+    """The latest snapshot's chunk was damaged on disk; the restore fell back to the one
+    before, and training redid the step with the same bytes: that snapshot reused the damaged
+    chunk as already stored, so it was damaged too, and so was every later one. In the manager
+    that wrote it (a rollback mid-run) its chunk cache also said the chunk was stored."""
+    kw: dict[str, Any] = {"store": store_dir, "compression": "off"}
+    values = {1: torch.full((8192,), 1.0), 2: torch.full((8192,), 2.0)}
+    first = SnapshotManager("p", job="dmg", **kw)
+    for step, v in values.items():
+        info = first.save(step, s=StateHolder({"x": v.clone()}))
+    (d, n), = read_body(first.repo, info)[1]["s"]["x"]["$tensor"]["chunks"]
+    path = store_dir / "objects" / chunk_key(d)
+    path.write_bytes(path.read_bytes()[:-100])  # truncated
+    if not same_manager:
+        first.close()
+    with first if same_manager else SnapshotManager("p", job="dmg", **kw) as m:
+        assert m.restore(s=StateHolder()) == 1  # the damaged step 2 is skipped
+        again = m.save(2, s=StateHolder({"x": values[2].clone()}))
+        assert again.new_bytes == n  # written again, over the damaged copy
+        for snap in (info, again):  # the old step-2 snapshot is whole again too
+            h = StateHolder()
+            m.restore(s=h, snapshot=snap.id)
+            assert torch.equal(h.state["x"], values[2])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,3 +89,36 @@ def test_without_an_optimizer_or_after_close_nothing_is_hooked(store_dir: Path) 
         assert m.step(2, model, opt)
         assert len(opt._optimizer_step_pre_hooks) == 1
     assert not opt._optimizer_step_pre_hooks  # close() removed the hook
+
+
+def test_a_new_optimizer_that_reuses_an_id_still_waits_for_the_overlapped_copy(
+        store_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    with SnapshotManager("p", job="ov", store=store_dir, save_interval=1, overlap=True,
+                         compression="off") as m:
+        old = torch.optim.SGD(model.parameters(), lr=1.0)
+        m.step(1, model, old)
+        m.wait()
+        old_id = id(old)
+        del old  # a new training phase, say
+        opt = None
+        for _ in range(1000):  # CPython soon gives a new object the freed one's address
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            if id(opt) == old_id:
+                break
+            opt = None
+        if opt is None:
+            pytest.skip("no new optimizer got the old one's id")
+        faults.reload("stage.copy=sleep:0.5")  # a slow background copy
+        try:
+            m.step(2, model, opt)
+            expected = model.weight.detach().clone()
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.step()  # must wait for the copy of step 2's values
+            m.wait()
+        finally:
+            faults.reload("")
+        fresh = nn.Linear(256, 256)
+        assert m.restore(fresh) == 2
+    assert torch.equal(fresh.weight, expected)

@@ -69,3 +69,10 @@ def test_the_speed_probe_reports_its_fastest_stretch() -> None:
     assert _fastest(times, block) == pytest.approx(per * block / (0.01 * per))
     assert _fastest([0.1] * per * 2, block) == pytest.approx(block / 0.1)
     assert _fastest([0.2, 0.1], block) == pytest.approx(2 * block / 0.3)  # shorter than one
+
+
+def test_young_temporaries_survive_gc(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "o")
+    (tmp_path / "o" / ".tmp-young").write_bytes(b"a writer is using me")
+    assert store.remove_temporaries(older_than_s=3600) == 0
+    assert store.remove_temporaries(older_than_s=0) == 1
