@@ -17,6 +17,7 @@ from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key
+from tests.models import model_opt
 
 
 def ciuic(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -34,9 +35,7 @@ def ciuic(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 
 @pytest.fixture
 def populated(store_dir: Path) -> dict[str, object]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 10))
-    opt = torch.optim.Adam(model.parameters())
+    model, opt = model_opt(300, 300, 10, optimizer=torch.optim.Adam)
     infos = []
     with SnapshotManager("proj", job="job1", store=store_dir) as m:
         for step in (9900, 10000, 10100):

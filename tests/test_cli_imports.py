@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import click
-import torch
-from torch import nn
 
 from ciuic import SnapshotManager
 from ciuic.format import layout
 from tests.conftest import run_train
+from tests.models import model_opt
 
 PROBE = """
 import atexit, sys
@@ -75,8 +74,7 @@ def test_import_ciuic_imports_no_torch_and_no_framework() -> None:
 
 def test_commands_that_read_the_chain_do_not_import_torch(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    model = nn.Linear(64, 64)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = model_opt(64, 64, seed=None)
     # raw chunks: a compressed one needs NumPy to be decoded (verify --deep would import it)
     with SnapshotManager("p", job="j", store=store, save_interval=1, compression="off") as m:
         m.step(0, model, opt)
@@ -109,8 +107,7 @@ def test_ls_and_log_read_an_up_to_date_catalog_as_the_repository_does(tmp_path: 
     assert run_train(store, *train, "--kill-at", "13").rc == -9
     assert run_train(store, *train).rc == 0  # resumes the killed run
     assert run_train(store, *train, "--no-restore").rc == 0  # a second lineage
-    model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = model_opt(8, 8, seed=None)
     with SnapshotManager("p", job="sick", store=store, save_interval=1) as m:
         for step, loss in enumerate((1.0, float("nan"), 0.5, 0.25)):
             m.step(step, model, opt, loss=loss)
@@ -139,8 +136,7 @@ def test_ls_and_log_list_what_the_catalog_lacks(tmp_path: Path) -> None:
     committed while the catalog was elsewhere, a body deleted behind its back. `ls` and `log`
     then sync the catalog through the repository (SQLAlchemy) and show the store as it is."""
     store = tmp_path / "store"
-    model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = model_opt(8, 8, seed=None)
 
     def save(m: SnapshotManager, step: int) -> None:
         model.weight.data.add_(1.0)  # a body of its own (bodies are content-addressed)

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from ciuic import SnapshotManager
 from ciuic.chain.repo import Repository
 from ciuic.restore.diff import diff
+from tests.models import linear
 from tests.test_cli import ciuic
 
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+model = partial(linear, 64, 64, 4)
 
 
 def test_changed_unchanged_nan_values_and_metrics(store_dir: Path) -> None:

@@ -19,6 +19,7 @@ from ciuic.engine import staging
 from ciuic.format import chunks as ck
 from ciuic.store import LocalStore
 from ciuic.store import direct as dio
+from tests.models import model_opt
 
 pytestmark = pytest.mark.skipif(not dio.FLAG, reason="no O_DIRECT on this platform")
 
@@ -148,9 +149,7 @@ def test_a_refused_alignment_writes_the_object_buffered(disk: Path) -> None:
 
 
 def test_a_snapshot_of_staged_tensors_goes_direct_and_restores_bit_exact(disk: Path) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 700))
-    opt = torch.optim.Adam(model.parameters())
+    model, opt = model_opt(1024, 1024, 700, optimizer=torch.optim.Adam)
     model(torch.randn(8, 1024)).sum().backward()
     opt.step()
     want = {k: v.clone() for k, v in model.state_dict().items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.format.crypto import generate_key_text, parse_key_text
 from ciuic.format.layout import chunk_key
+from tests import models
 
 
 @pytest.fixture
@@ -27,10 +29,7 @@ def key(monkeypatch: pytest.MonkeyPatch) -> str:
     return text
 
 
-def model_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Linear(256, 256)
-    return model, torch.optim.Adam(model.parameters())
+model_opt = partial(models.model_opt, 256, 256, optimizer=torch.optim.Adam)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:

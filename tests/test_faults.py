@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ciuic.format import layout
 from ciuic.format.layout import chunk_key
 from ciuic.store import MemoryStore, Store
 from ciuic.store.base import Data
+from tests import models
 
 
 class FaultyStore(Store):
@@ -66,10 +68,7 @@ class FaultyStore(Store):
         self.inner.delete(key)
 
 
-def model_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Linear(300, 300)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+model_opt = partial(models.model_opt, 300, 300)
 
 
 def bump(model: nn.Module) -> None:

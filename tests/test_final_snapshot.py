@@ -4,6 +4,7 @@ by an exception does not."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager
+from tests.models import model_opt
 
 
 def train(m: SnapshotManager, steps: range, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -21,10 +23,7 @@ def train(m: SnapshotManager, steps: range, model: nn.Module, opt: torch.optim.O
         m.step(step, model, opt)
 
 
-def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+parts = partial(model_opt, 4, 2)
 
 
 def test_a_clean_end_snapshots_the_last_step(store_dir: Path) -> None:

@@ -24,6 +24,7 @@ from ciuic.format.shards import assemble
 from ciuic.format.tree import Leaf, walk_leaves
 from ciuic.restore import inspect
 from ciuic.restore.diff import diff
+from tests.models import model_opt
 from tests.test_cli import ciuic
 
 
@@ -112,9 +113,7 @@ def test_sharded_descriptors_combine_their_shards_statistics() -> None:
 
 def _train_to_nan(store_dir: Path, keep_last: int | None = None) -> nn.Module:
     """Ten snapshots; from step 60 on, one weight holds NaN (a loss explosion)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net, opt = model_opt(8, 16, 1, lr=0.01)
     with SnapshotManager("p", job="j", store=store_dir, save_interval=10, keep_last=keep_last,
                          handle_signals=False) as m:
         for step in range(1, 101):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from ciuic import AutoInterval, SnapshotManager, faults, knobs
 from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError
 from ciuic.manager.interval import IntervalTuner, young_daly
+from tests.models import model_opt
 
 
 class SimClock:
@@ -114,9 +114,7 @@ def test_the_slowdown_of_a_background_write_counts_in_the_cost() -> None:
 
 
 def _train(store: Path, job: str, seconds: float, auto: AutoInterval) -> SnapshotManager:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    net, opt = model_opt(256, 256, 256, lr=1e-3)
     m = SnapshotManager("p", job=job, store=store, save_interval=auto, asynchronous=False,
                         handle_signals=False, compression="off", health=False)
     end = time.monotonic() + seconds
@@ -170,9 +168,7 @@ def test_the_interval_grows_with_a_slower_store_and_shrinks_with_failures(
 def test_the_first_automatic_snapshot_is_taken_at_the_first_step(store_dir: Path) -> None:
     """A crash in the job's first minute still has a snapshot to resume from: the first one is
     the measurement of the cost, at the first step()."""
-    torch.manual_seed(0)
-    net = nn.Linear(16, 16)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    net, opt = model_opt(16, 16, lr=1e-3)
     with SnapshotManager("p", job="early", store=store_dir, save_interval="auto",
                          handle_signals=False) as m:
         assert "first step()" in (m.stats.interval_reason or "")

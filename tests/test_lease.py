@@ -9,19 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from ciuic import SnapshotManager
 from ciuic.errors import FencedOut
 from ciuic.store import LocalStore
+from tests.models import model_opt
 
 
 def test_a_taken_over_writer_can_never_commit(store_dir: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(16, 16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = model_opt(16, 16)
     old = SnapshotManager("p", job="two", store=store_dir, save_interval=1)
     assert old.step(0, model, opt)
     old.wait()

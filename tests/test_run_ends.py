@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,9 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.runs import history
 from ciuic.supervisor import beat
 from tests.conftest import run_train
+from tests.models import model_opt
 
-
-def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+model_and_opt = partial(model_opt, 4, 2)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
