@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, faults
+from tests.models import linear
 
 
 def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -93,8 +94,7 @@ def test_without_an_optimizer_or_after_close_nothing_is_hooked(store_dir: Path) 
 
 def test_a_new_optimizer_that_reuses_an_id_still_waits_for_the_overlapped_copy(
         store_dir: Path) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(256, 256)
+    model = linear(256, 256)
     with SnapshotManager("p", job="ov", store=store_dir, save_interval=1, overlap=True,
                          compression="off") as m:
         old = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -15,13 +15,13 @@ from ciuic.catalog import Catalog
 from ciuic.catalog.keys import audit_log, authenticate, create_key, revoke_key
 from ciuic.format.manifest import Manifest, utc_now
 from ciuic.server import create_app
+from tests.models import linear
 
 
 def test_a_job_saves_and_resumes_with_its_catalog_on_postgres(
         tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CIUIC_CATALOG", pg_url)
-    torch.manual_seed(0)
-    model = nn.Linear(32, 8)
+    model = linear(32, 8)
     with SnapshotManager("p", store=tmp_path / "s", save_interval=2,
                          handle_signals=False) as m:
         for step in range(5):

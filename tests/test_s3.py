@@ -19,6 +19,7 @@ from ciuic.errors import (
 from ciuic.store import open_store
 from ciuic.store.retry import RetryingStore
 from ciuic.store.s3 import S3Store
+from tests.models import linear
 from tests.s3server import client
 
 
@@ -160,8 +161,7 @@ def test_encrypted_snapshots_on_s3_hold_no_plaintext(s3_url: str, s3_endpoint: s
     from ciuic.format.crypto import generate_key_text
 
     monkeypatch.setenv("CIUIC_ENCRYPTION_KEY", generate_key_text())
-    torch.manual_seed(0)
-    model = nn.Linear(300, 200)
+    model = linear(300, 200)
     with SnapshotManager("p", encryption=True, store=s3_url, handle_signals=False) as m:
         m.save(7, model)
     fresh = nn.Linear(300, 200)

@@ -8,6 +8,7 @@ import re
 import shutil
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,14 +25,11 @@ from ciuic.format.layout import chunk_key
 from ciuic.store import MemoryStore, open_store
 from ciuic.store.base import Data
 from ciuic.store.mirror import MirrorStore
+from tests import models
 from tests.s3server import client
 from tests.test_cli import ciuic
 
-
-def model_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(200, 300), nn.Linear(300, 10))
-    return model, torch.optim.Adam(model.parameters())
+model_opt = partial(models.model_opt, 200, 300, 10, optimizer=torch.optim.Adam)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:

@@ -19,6 +19,7 @@ from ciuic import SnapshotManager, StateHolder, faults, knobs
 from ciuic.engine import unchanged
 from ciuic.format import chunks as ck
 from ciuic.format.crypto import ObjectCodec, generate_key_text
+from tests.models import linear
 
 CHUNK = 64 * 1024
 N = 16 * CHUNK // 4  # float32 values: 16 chunks a tensor
@@ -105,8 +106,7 @@ def test_a_restore_of_older_bytes_is_snapshotted_as_those_bytes(store_dir: Path)
     the staging buffers still hold the newer bytes with their digests: the next snapshot
     compares the model with them byte for byte, and must store the older values, not reuse
     the newer digests."""
-    torch.manual_seed(0)
-    model = nn.Linear(256, 256)
+    model = linear(256, 256)
     first = {k: v.clone() for k, v in model.state_dict().items()}
     with knobs.override(chunk_bytes=CHUNK), SnapshotManager(
             "p", job="back", store=store_dir, compression="off") as m:
