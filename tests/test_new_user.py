@@ -26,13 +26,12 @@ from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
 from tests.conftest import run_train
+from tests.models import model_opt
 from tests.serverutil import cli, new_key, serve
 
 
 def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = model_opt(4, 2)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     return model, opt
