@@ -437,3 +437,21 @@ def test_server_cli_helper_still_finds_the_key(tmp_path: Path) -> None:
     key = new_key(store, "p", "writer")
     listed = cli(store, "apikey", "list")
     assert key.split("_")[1] in listed.stdout
+
+
+def test_output_to_a_pipe_follows_columns_set_after_import(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The CLI's console is made at import: a width read then (a test setting COLUMNS later,
+    or a script) wrapped tables at 100 columns whatever COLUMNS said when printing."""
+    from ciuic.cli.app import PIPE_COLUMNS, _console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = _console()
+    if console.is_terminal:
+        pytest.skip("standard output is a terminal here")
+    assert console.width == PIPE_COLUMNS
+    monkeypatch.setenv("COLUMNS", "200")
+    assert console.width == 200
+    with console.capture() as out:
+        console.print("x" * 150, soft_wrap=False)
+    assert max(map(len, out.get().splitlines())) == 150  # one line: 200 wide

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 from ciuic.errors import CiuicError
 
@@ -122,6 +122,21 @@ def app(store: str | None) -> None:
 PIPE_COLUMNS = 100
 
 
+class _PipeConsole(Console):
+    """Output to a pipe or a file: ``$COLUMNS`` wide as it is when printing (Rich reads it
+    once, when the console is made at import), else :data:`PIPE_COLUMNS`."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        columns = os.environ.get("COLUMNS", "")
+        return ConsoleDimensions(int(columns) if columns.isdigit() and int(columns) > 0
+                                 else PIPE_COLUMNS, 25)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        raise AttributeError("the width of output to a pipe follows $COLUMNS")
+
+
 def _console(stderr: bool = False) -> Console:
     """Rich output that fits the terminal; to a pipe or a file (a log, ``make demo > file``),
     tables and rules fit 100 columns (or ``$COLUMNS``) and a printed line is never wrapped:
@@ -130,8 +145,7 @@ def _console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
         return Console(stderr=stderr)
-    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "0")) or PIPE_COLUMNS,
-                   soft_wrap=True)
+    return _PipeConsole(stderr=stderr, soft_wrap=True)
 
 
 console = _console()
