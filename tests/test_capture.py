@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ciuic import SnapshotManager, StateMismatch
-from ciuic.state.capture import capture, match_model_state
+from ciuic.restore.match import match_model_state
+from ciuic.state.capture import capture
 
 
 def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object, torch.amp.GradScaler]:

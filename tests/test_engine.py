@@ -251,7 +251,7 @@ def _buffer_ptrs(m: SnapshotManager) -> dict[str, int]:
 
 def test_restore_reads_the_model_into_its_own_tensors_not_the_staging_buffers(
         store_dir: Path) -> None:
-    """A model on the CPU takes the snapshot's bytes in its own memory (manager/inplace.py):
+    """A model on the CPU takes the snapshot's bytes in its own memory (restore/inplace.py):
     no staging buffer is lent to the restore, and nothing restored aliases one, so the next
     snapshot (which stages into them) changes no restored value."""
     model, opt = setup()

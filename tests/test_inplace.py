@@ -1,4 +1,4 @@
-"""Restore reads straight into the live tensors (manager/inplace.py): the model's and the
+"""Restore reads straight into the live tensors (restore/inplace.py): the model's and the
 optimizer's tensors keep their memory and receive the snapshot's bytes; a snapshot that does not
 fit is refused before anything is read; a damaged one falls back to the previous one, which is
 read into the same tensors; what cannot take the bytes as they are is read into fresh memory."""

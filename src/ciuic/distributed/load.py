@@ -13,9 +13,8 @@ saved (docs/architecture.md, "Multi-rank").
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,13 +29,9 @@ from ciuic.format.tree import (
     flat_tensors,
     walk_leaves,
 )
+from ciuic.restore.match import Prepared, check_loadable, load_object, mismatch_message
 from ciuic.restore.reader import load_trees
-from ciuic.state.capture import (
-    _mismatch_message,
-    check_loadable,
-    load_object,
-    set_rng_state,
-)
+from ciuic.state.capture import set_rng_state
 
 log = logging.getLogger("ciuic")
 
@@ -44,14 +39,6 @@ log = logging.getLogger("ciuic")
 def is_distributed(states: Mapping[str, Any]) -> bool:
     """Whether a body's states are a multi-rank snapshot's."""
     return "dist" in states and "ranks" in states
-
-
-@dataclass
-class Prepared:
-    """A restore read and checked on this rank, not yet applied."""
-
-    apply: Callable[[], None]
-    values: dict[str, Any]  # per-rank values not loaded into an object (restored_values)
 
 
 def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
@@ -152,7 +139,7 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
             changed.append(f"{path}: snapshot {d.get('dtype')} {d.get('shape')}, live "
                            f"{dtype_name(t.dtype)} {list(t.shape)}")
     if missing or unexpected or changed:
-        raise StateMismatch(_mismatch_message("model and optimizer", missing, unexpected,
+        raise StateMismatch(mismatch_message("model and optimizer", missing, unexpected,
                                               changed))
     boxes: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \

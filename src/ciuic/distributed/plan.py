@@ -27,8 +27,8 @@ from ciuic.format.tree import (
 )
 from ciuic.state.capture import (
     Captured,
-    _normalize,
     capture,
+    normalize_key,
 )
 
 log = logging.getLogger("ciuic")
@@ -133,9 +133,9 @@ def capture_dist(model: Any, optimizer: Any, extras: Mapping[str, Any]) -> DistC
     spread: set[str] = set()
     if msd is not None:
         states["model"] = encode(msd, "model", leaves)
-        params = {_normalize(n) for n, _ in model.named_parameters()} if isinstance(
+        params = {normalize_key(n) for n, _ in model.named_parameters()} if isinstance(
             model, torch.nn.Module) else set()
-        spread = {join("model", k) for k in msd if _normalize(k) in params}
+        spread = {join("model", k) for k in msd if normalize_key(k) in params}
     if osd is not None:
         states["optimizer"] = encode(osd, "optimizer", leaves)
         spread |= {leaf.path for leaf in leaves if leaf.path.startswith("optimizer/")}

@@ -35,13 +35,12 @@ from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.session import RunSession, quietly
 from ciuic.manager.stats import ManagerStats
-from ciuic.restore.leaves import Resident
+from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging
 from ciuic.state.capture import Captured, capture
 from ciuic.threads import lower_priority
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
-BufferFor = Callable[[str, int], "torch.Tensor | None"]
 
 
 class Pipeline:
@@ -267,32 +266,13 @@ class Pipeline:
     # -- restore support -------------------------------------------------------------------
 
     def lend_buffers(self, model: Any) -> BufferFor | None:
-        """Lend the staging buffers to the model's tensors for a restore: ``load_state_dict``
-        copies out of them, and the first snapshot after the resume stages into them without
-        allocating. Only the model's: an optimizer's ``load_state_dict`` keeps the tensors it
-        is given."""
-        if model is None or not self.config.asynchronous:
-            return None
-        fn = getattr(model, "state_dict", None)
-        live = fn() if callable(fn) else None
-        values = live.values() if isinstance(live, dict) else ()
-        pin = next((t.device.index or 0 for t in values
-                    if isinstance(t, torch.Tensor) and t.is_cuda), None)
-
-        def buffer_for(path: str, nbytes: int) -> torch.Tensor | None:
-            if not path.startswith("model/"):
-                return None
-            return self.staging.lend(path, nbytes, pin)
-
-        return buffer_for
+        """The staging buffers, lent to the model's tensors for a restore (``lend_staging``)."""
+        return lend_staging(self.staging, model) if self.config.asynchronous else None
 
     def host_copy(self) -> Resident | None:
         """The snapshot a previous process of this job left in host memory (``ciuic run``),
         as the buffers this process adopted, or None."""
-        tier = self.tier
-        if tier is None or tier.snapshot is None or not tier.adopted:
-            return None
-        return Resident(tier.snapshot, dict(tier.adopted), self.codec.name_key)
+        return host_copy(self.tier, self.codec.name_key)
 
     def tier_invalidate(self) -> None:
         if self.tier is not None:

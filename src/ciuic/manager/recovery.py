@@ -1,8 +1,8 @@
 """Recovery: find the snapshots to try, then for each one *prepare* (check it against the live
 objects from its body alone, then read and verify every byte, straight into the live tensors
-that can take it: manager/inplace.py), *agree* (multi-rank: the worst outcome of any rank, for
-every rank) and *apply* (load the objects). One path for a single process and for every rank of
-a torchrun job; a single process is a world of one.
+that can take it: :mod:`ciuic.restore.local`), *agree* (multi-rank: the worst outcome of any
+rank, for every rank) and *apply* (load the objects). One path for a single process and for
+every rank of a torchrun job; a single process is a world of one.
 
 A damaged snapshot is skipped for the previous one, with a warning; one that does not fit the
 live objects stops the restore (an older snapshot would not fit either); if snapshots exist but
@@ -23,7 +23,7 @@ from ciuic.chain import runs
 from ciuic.chain.read import read_body
 from ciuic.chain.repo import list_jobs
 from ciuic.distributed.collective import Collective
-from ciuic.distributed.load import Prepared, is_distributed, prepare
+from ciuic.distributed.load import is_distributed, prepare
 from ciuic.errors import (
     ConfigurationError,
     CorruptObject,
@@ -35,20 +35,12 @@ from ciuic.errors import (
 )
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
-from ciuic.manager.inplace import Targets, live_targets
 from ciuic.manager.session import RunSession
-from ciuic.restore.leaves import Resident
-from ciuic.restore.reader import load_trees
-from ciuic.state.capture import (
-    check_loadable,
-    check_optimizer_state,
-    load_object,
-    match_model_state,
-    set_rng_state,
-)
+from ciuic.restore.local import prepare_local
+from ciuic.restore.match import Prepared
+from ciuic.restore.sources import BufferFor, Resident
 
 log = logging.getLogger("ciuic")
-BufferFor = Callable[[str, int], Any]
 
 
 @dataclass
@@ -204,28 +196,18 @@ class Recovery:
     def prepare(self, info: SnapshotInfo, model: Any, optimizer: Any, extras: dict[str, Any],
                 buffer_for: BufferFor | None, resident: Resident | None = None) -> Prepared:
         """Check a snapshot against the live objects (a snapshot that does not fit touches
-        nothing), then read and verify it: into the model's and optimizer's tensors where they
-        can take the bytes as they are (``live_targets``), else into fresh or lent memory that
-        the result's ``apply()`` loads."""
+        nothing), then read and verify it (``prepare_local``, or this rank's part of a
+        multi-rank snapshot); the result's ``apply()`` loads the objects."""
         _, trees = read_body(self.repo, info)
         if is_distributed(trees):
             return prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
                            self.coll.world_size)
-        skip = {n for n, obj in (("model", model), ("optimizer", optimizer)) if obj is None}
-        wanted = {k: v for k, v in trees.items() if k not in skip}
-        _check_names(info, wanted, model, optimizer, extras)
-        into = live_targets(wanted, model, optimizer)  # StateMismatch here touches nothing
 
-        def lend(path: str, nbytes: int) -> Any:
-            flat = into.into.get(path)
-            if flat is not None:
-                return flat
-            return buffer_for(path, nbytes) if buffer_for is not None else None
-
-        if into.into:
+        def reading_into() -> None:
             self.read_into = info.short_id
-        states = load_trees(self.repo, wanted, lend, resident=resident)
-        return _prepare_local(info, states, model, optimizer, extras, into)
+
+        return prepare_local(self.repo, info, trees, model, optimizer, extras, buffer_for,
+                             resident, reading_into)
 
     def agree(self, outcome: str, detail: str) -> tuple[str, str]:
         """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
@@ -260,50 +242,3 @@ def _where(session: RunSession, found: list[SnapshotInfo]) -> str:
     steps = [x for x in (prev.last_step if prev else None, *(i.step for i in found[:1]))
              if x is not None]
     return runs.stopped_where(max(steps) if steps else None, exact=False)
-
-
-def _check_names(info: SnapshotInfo, trees: dict[str, Any], model: Any, optimizer: Any,
-                 extras: dict[str, Any]) -> None:
-    """Before anything is read: the snapshot holds a state for every object given, and every
-    extra can take one."""
-    if model is not None and "model" not in trees:
-        raise StateMismatch(f"snapshot {info.short_id} holds no model state")
-    if optimizer is not None and "optimizer" not in trees:
-        raise StateMismatch(f"snapshot {info.short_id} holds no optimizer state")
-    missing = [n for n in extras if n not in trees]
-    if missing:
-        have = ", ".join(sorted(trees)) or "nothing"
-        raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
-                            f"(it has: {have}); pass only objects that were saved")
-    for name, obj in extras.items():
-        check_loadable(name, obj)
-
-
-def _prepare_local(info: SnapshotInfo, states: dict[str, Any], model: Any, optimizer: Any,
-                   extras: dict[str, Any], targets: Targets) -> Prepared:
-    """Check a single-process snapshot's states against the live objects (their names were
-    checked before reading: ``_check_names``), and return how to load them."""
-    model_state = None
-    if model is not None:
-        model_state = match_model_state(states["model"], model.state_dict())
-    if optimizer is not None:
-        check_optimizer_state(states["optimizer"], optimizer)
-
-    def apply() -> None:
-        # extras first: their load_state_dict may still reject the state (a sampler over a
-        # dataset of another length), and then the model and optimizer are untouched
-        for name, obj in extras.items():
-            load_object(name, obj, states[name])
-        if model is not None:
-            log.info("Loading model state...")
-            model.load_state_dict(model_state)
-        if optimizer is not None:
-            log.info("Loading optimizer state...")
-            targets.keep_held(states["optimizer"])
-            optimizer.load_state_dict(states["optimizer"])
-        if "rng" in states:
-            set_rng_state(states["rng"])
-
-    values = {k: v for k, v in states.items()
-              if k not in ("model", "optimizer", "rng") and k not in extras}
-    return Prepared(apply, values)

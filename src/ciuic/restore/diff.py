@@ -25,7 +25,7 @@ from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
 from ciuic.restore.boxread import read_box
 from ciuic.restore.leaves import leaf_buffer, materialize
-from ciuic.state.capture import _normalize
+from ciuic.state.capture import normalize_key
 
 #: states whose values change at every step by design, compared last and not as "values"
 _NOISY = ("rng",)
@@ -76,7 +76,7 @@ class SnapshotDiff:
 def _leaves(states: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
     out: dict[str, tuple[str, dict[str, Any]]] = {}
     for path, kind, desc in walk_leaves({k: v for k, v in states.items() if k != "dist"}):
-        key = _normalize(path[len("model/"):]) if path.startswith("model/") else None
+        key = normalize_key(path[len("model/"):]) if path.startswith("model/") else None
         out["model/" + key if key is not None else path] = (kind, desc)
     return out
 

@@ -1,22 +1,21 @@
 """Tensor leaves of a body: their descriptors checked, their buffers allocated (or lent) and
-filled by verified chunk reads, and their bytes viewed as the tensor or array they hold."""
+filled by verified chunk reads (from the sources of :mod:`ciuic.restore.sources`), and their
+bytes viewed as the tensor or array they hold."""
 
 from __future__ import annotations
 
 import base64
 import math
-import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from ciuic.chain.read import read_chunk, take_chunk
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
 from ciuic.format.tree import torch_dtype
+from ciuic.restore.sources import BufferFor, Resident, read_from
 
 
 def uninitialized(nbytes: int) -> torch.Tensor:
@@ -48,46 +47,6 @@ def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, 
     return refs
 
 
-BufferFor = Callable[[str, int], "torch.Tensor | None"]
-
-
-class Resident:
-    """A snapshot's leaf bytes already in host memory (``ciuic run``'s host-memory tier): a
-    restore takes each chunk from here after checking it against its digest, and reads a chunk
-    that differs from the store."""
-
-    def __init__(self, snapshot: str, buffers: dict[str, torch.Tensor],
-                 name_key: bytes | None) -> None:
-        self.snapshot = snapshot
-        self.buffers = buffers
-        self.name_key = name_key
-        self.from_memory = 0  # bytes
-        self.from_store = 0
-        self._lock = threading.Lock()
-
-    def get(self, path: str, nbytes: int) -> torch.Tensor | None:
-        buf = self.buffers.get(path)
-        return buf if buf is not None and buf.numel() == nbytes else None
-
-    def count(self, n: int, memory: bool) -> None:
-        with self._lock:
-            if memory:
-                self.from_memory += n
-            else:
-                self.from_store += n
-
-
-def _take(repo: Repository, resident: Resident, d: str, n: int, dest: memoryview,
-          src: memoryview | None) -> None:
-    resident.count(n, take_chunk(repo, d, n, dest, src, resident.name_key))
-
-
-def _read(repo: Repository, resident: Resident | None, d: str, n: int, dest: memoryview) -> None:
-    read_chunk(repo, d, n, dest)
-    if resident is not None:
-        resident.count(n, memory=False)
-
-
 def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
                  pool: ThreadPoolExecutor, buffer_for: BufferFor | None,
                  resident: Resident | None = None) -> tuple[torch.Tensor, list[Future[None]]]:
@@ -107,10 +66,10 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     off = 0
     for d, n in refs:
         if src is not None and resident is not None:
-            futures.append(pool.submit(_take, repo, resident, d, n, view[off:off + n],
+            futures.append(pool.submit(resident.take, repo, d, n, view[off:off + n],
                                        None if src_view is None else src_view[off:off + n]))
         else:
-            futures.append(pool.submit(_read, repo, resident, d, n, view[off:off + n]))
+            futures.append(pool.submit(read_from, repo, resident, d, n, view[off:off + n]))
         off += n
     return out, futures
 

@@ -19,7 +19,8 @@ from ciuic.format import manifest as mf
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
 from ciuic.restore.boxread import read_box
-from ciuic.restore.leaves import BufferFor, Resident, leaf_buffer, materialize
+from ciuic.restore.leaves import leaf_buffer, materialize
+from ciuic.restore.sources import BufferFor, Resident
 
 
 def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = (),

@@ -30,7 +30,7 @@ import torch
 
 from ciuic.format.tree import decode
 from ciuic.restore.leaves import leaf_layout
-from ciuic.state.capture import check_optimizer_state, match_model_state
+from ciuic.restore.match import check_optimizer_state, match_model_state
 
 
 class _Placeholders:
