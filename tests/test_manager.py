@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -320,6 +323,27 @@ def test_bad_arguments_are_explained(store_dir: Path, kwargs: dict[str, object],
                                      message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         SnapshotManager(store=store_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_signature_is_the_declared_options_and_help_documents_each() -> None:
+    """SnapshotManager's spelled-out signature is ManagerOptions' (where each option is declared
+    and documented): the same names in the same order, kinds, defaults and types; an option
+    added to one side only fails here. help() lists every option with its documentation."""
+    from ciuic.manager.config import ManagerOptions
+
+    ours = inspect.signature(SnapshotManager).parameters
+    declared = inspect.signature(ManagerOptions).parameters
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in declared.values()]
+    assert list(ours)[:4] == ["project_id", "api_key", "save_interval", "encryption"]
+    hints, types = typing.get_type_hints(SnapshotManager.__init__), typing.get_type_hints(
+        ManagerOptions)
+    assert {n: hints[n] for n in ours} == {n: types[n] for n in declared}
+    assert hints["return"] is type(None)
+    doc = SnapshotManager.__doc__ or ""
+    for f in dataclasses.fields(ManagerOptions):
+        first = " ".join(f.metadata["doc"].split())[:30]
+        assert first and f"\n        {f.name}: {first}" in doc, f.name
 
 
 def test_missing_extra_and_reserved_names(store_dir: Path) -> None:
