@@ -56,6 +56,12 @@ class ChunkCache:
     #: bytes did not change is not reduced again. Replaced by each snapshot's own.
     stats: dict[tuple[str, str], st.Stats] = field(default_factory=dict)
 
+    def distrust(self, digest: str) -> None:
+        """A chunk a restore found damaged: the next snapshot holding its bytes writes it again
+        (else every later snapshot would reuse the damaged copy as already stored)."""
+        self.suspect.add(digest)
+        self.digests.discard(digest)  # "known to be stored" no longer holds
+
     def sync(self, epoch: int) -> None:
         if epoch != self.epoch or epoch < 0:
             self.digests.clear()

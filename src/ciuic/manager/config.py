@@ -181,11 +181,6 @@ class ManagerConfig(ManagerOptions):
     #: ``save_interval="auto"`` (or ``time_interval_s="auto"``): the interval sets itself
     auto_interval: AutoInterval | None = None
 
-    @classmethod
-    def build(cls, project_id: str, job: str | None = None, **options: Any) -> ManagerConfig:
-        """``ManagerOptions(project_id, job=job, **options).check()``."""
-        return ManagerOptions(project_id, job=job, **options).check()
-
     @property
     def retains(self) -> bool:
         """Whether snapshots are pruned after each commit (``keep_last`` / ``keep_every``)."""

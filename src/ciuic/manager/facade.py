@@ -34,7 +34,7 @@ from ciuic.distributed.collective import Collective
 from ciuic.errors import CaptureError, CiuicError, ConfigurationError
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.info import SnapshotInfo
-from ciuic.manager.config import ManagerConfig, check_state_args, check_step
+from ciuic.manager.config import ManagerOptions, check_state_args, check_step, options_doc
 from ciuic.manager.interval import AutoInterval, IntervalTuner
 from ciuic.manager.pipeline import LocalPipeline, Pipeline
 from ciuic.manager.policy import SavePolicy
@@ -57,63 +57,8 @@ log = logging.getLogger("ciuic")
 class SnapshotManager:
     """Snapshots a training job as it runs and restores it after an interruption.
 
-    Args:
-        project_id: the project (a name: letters, digits, ``.``, ``_``, ``-``).
-        api_key: the key for a ciuic server (or ``CIUIC_API_KEY``); unused with the embedded
-            store.
-        save_interval: snapshot when ``step % save_interval == 0`` (None or 0: never by steps).
-            ``"auto"``: the interval sets itself, in time, from the measured cost of a
-            snapshot (stall plus in-run slowdown) and the job's observed failure rate, by
-            Young/Daly's rule ``sqrt(2 * cost * MTBF)``, within 1 % overhead and an hour between
-            snapshots (:class:`~ciuic.AutoInterval` for other bounds); ``stats.interval_s``
-            shows the current choice and ``stats.interval_reason`` why.
-        encryption: seal every object with AES-256-GCM on the client, with the key from
-            ``CIUIC_ENCRYPTION_KEY`` or ``CIUIC_ENCRYPTION_KEY_FILE`` (``ciuic keygen``).
-        job: the job within the project (default ``"default"``). The same project and job
-            restarted means the same chain.
-        store: a directory, a URL or a :class:`~ciuic.store.Store`; default ``$CIUIC_HOME``,
-            else ``./.ciuic``.
-        time_interval_s: also snapshot when this many seconds passed since the last one
-            (``"auto"``: the same as ``save_interval="auto"``; the step trigger is then off).
-        keep_last: keep only the N snapshots with the highest steps (plus ``keep_every``).
-        keep_every: also keep every snapshot whose step is a multiple of K.
-        handle_signals: on SIGTERM/SIGINT, snapshot at the next ``step()`` and exit.
-        asynchronous: ``step()`` blocks only while the state is copied into reused host
-            buffers; chunking, hashing, writing and the commit run in a background thread.
-            With False, ``step()`` returns once the snapshot is committed.
-        on_busy: what ``step()`` does when a snapshot is due while the previous one is still
-            being written: ``"wait"`` for it (the default, like Orbax: every due snapshot is
-            taken; the wait is logged once) or ``"skip"`` the new one (counted in
-            ``stats.skipped``; training never waits).
-        staging_budget_bytes: the most host memory the staging buffers may take (default: the
-            state's size). A state over the budget is written synchronously, with a warning.
-        mirror: a second, durable tier (e.g. ``"s3://bucket/prefix"``; or ``$CIUIC_MIRROR``)
-            that every object is mirrored to; restores fall back to it when the store has lost
-            or damaged an object.
-        durability: with a mirror, when a snapshot counts as committed: ``"local"`` (the
-            default; uploaded in the background, in write order) or ``"remote"`` (once the
-            mirror holds it).
-        overlap: (opt-in, asynchronous only) copy the parameters and optimizer state while the
-            next forward/backward runs instead of inside ``step()``; the optimizer's next
-            ``step()`` waits for the copy to finish (a step pre-hook). Only the optimizer may
-            change parameters or optimizer state between ``manager.step()`` and the next
-            ``optimizer.step()``; buffers, RNG and extras are still copied inside ``step()``.
-        endpoint: a ciuic server (``ciuic serve``), e.g. ``"https://ciuic.example.com"``; or
-            ``CIUIC_ENDPOINT``. The project's snapshots then live on the server; everything
-            else (encryption, incremental uploads, restore) works as with a local store.
-        distributed: under ``torchrun`` (an initialized process group of two or more ranks)
-            snapshots are multi-rank and every rank must build its manager at the same point
-            (default: detected). ``False``: this process snapshots alone, as if it were the only
-            one (e.g. a manager built on rank 0 only, for rank 0's own state).
-        compression: lossless float compression of chunks (byte planes, ``ciuic.floatcodec``):
-            ``"auto"`` (compress a float kind when the store is slow enough for it to pay, see
-            ``ciuic.engine.compression``), ``"on"`` or ``"off"``.
-        health: compute every float tensor's statistics (NaN/Inf counts, min, max, mean, L2
-            norm) while the snapshot is hashed, and mark a snapshot unhealthy when a tensor holds
-            NaN or Inf, the loss is not finite or spikes, or a weight's norm jumps
-            (``ciuic log`` shows it; ``JOB@healthy`` and ``restore(snapshot="healthy")`` skip
-            it). True (the default), False, or a :class:`~ciuic.HealthPolicy` for other
-            thresholds.
+    The arguments are the options of :class:`~ciuic.manager.config.ManagerOptions`, each
+    documented once there; the list below is built from that documentation.
     """
 
     def __init__(self, project_id: str, api_key: str | None = None,
@@ -129,19 +74,20 @@ class SnapshotManager:
                  compression: str = "auto", overlap: bool = False,
                  endpoint: str | None = None, distributed: bool | None = None,
                  health: bool | HealthPolicy = True) -> None:
-        self.config = c = ManagerConfig.build(
-            project_id, job, api_key=api_key, save_interval=save_interval,
-            encryption=encryption, store=store, time_interval_s=time_interval_s,
-            keep_last=keep_last, keep_every=keep_every, handle_signals=handle_signals,
-            asynchronous=asynchronous, on_busy=on_busy,
-            staging_budget_bytes=staging_budget_bytes, mirror=mirror, durability=durability,
-            compression=compression, overlap=overlap, endpoint=endpoint,
-            distributed=distributed, health=health)
+        """The signature is ``ManagerOptions``' own, spelled out so that ``help()``, IDEs and
+        mypy show every argument with its type and default: ``**options: Unpack[TypedDict]``
+        would hide the defaults and could not keep the first four positional, and a generated
+        ``__init__`` (``dataclass_transform``) would make every option an attribute of the
+        manager. ``tests/test_manager.py`` fails when the two differ in a name, order, kind,
+        default or type."""
+        given = dict(locals())  # exactly the options: the signature is ManagerOptions'
+        del given["self"]
+        self.config = c = ManagerOptions(**given).check()
         self.project, self.job = c.project, c.job
         ensure_log_handler()
         # ciuic's own gloo groups under torchrun (every rank builds its manager); trivial in a
         # single process or with distributed=False
-        self.coll = Collective(None if distributed is None else bool(distributed))
+        self.coll = Collective(None if c.distributed is None else bool(c.distributed))
         if self.coll.enabled:
             quiet_other_ranks(self.coll.rank)
         self._session = RunSession(c, self.coll)
@@ -155,16 +101,14 @@ class SnapshotManager:
         self._session.start()
         self.stats = ManagerStats()
         self._policy = SavePolicy(c, self.coll, self.stats)
-        self._last_exit: float | None = None  # when the last step() returned
         if c.auto_interval is not None:
             failures, seen = (runs.failure_history(
                 self.repo.catalog.runs(self.project, self.job), self.run_id)
                 if self.coll.coordinator else (0, 0.0))
             self._policy.auto(IntervalTuner(c.auto_interval, failures, seen))
-            self._show_interval()
-        self._pipeline: Pipeline = (RankedPipeline if self.coll.enabled else LocalPipeline)(
+        self._pipeline: Pipeline[Any] = (RankedPipeline if self.coll.enabled else LocalPipeline)(
             c, self._session, self.coll, self.stats, codec)
-        self._recovery = Recovery(self._session, self.coll, self._pipeline.suspect)
+        self._recovery = Recovery(self._session, self.coll, self._pipeline)
         self.restored: SnapshotInfo | None = None
         self.restored_values: dict[str, Any] = {}
         self._restore_called = False
@@ -222,26 +166,8 @@ class SnapshotManager:
         stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
         latest.
         """
-        tuner = self._policy.tuner
-        if tuner is None:
-            return self._step(step, model, optimizer, snapshot, extras)
-        t0 = time.monotonic()
-        if self._last_exit is not None:  # the training time since the last step() returned
-            tuner.training_step(t0 - self._last_exit, self._pipeline.busy())
-        took = self._step(step, model, optimizer, snapshot, extras)
-        self._last_exit = time.monotonic()
-        if took:
-            tuner.snapshot_started(self._last_exit - t0, background=self.config.asynchronous)
-        self._show_interval()
-        return took
-
-    def _show_interval(self) -> None:
-        tuner = self._policy.tuner
-        if tuner is not None:
-            self.stats.interval_s = tuner.interval_s
-            self.stats.interval_reason = tuner.reason
-            self.stats.snapshot_cost_s = tuner.cost_s
-            self.stats.mtbf_s = tuner.mtbf_s
+        return self._policy.timed(lambda: self._step(step, model, optimizer, snapshot, extras),
+                                  self._pipeline.busy, background=self.config.asynchronous)
 
     def _step(self, step: int, model: Any, optimizer: Any, snapshot: bool | None,
               extras: dict[str, Any]) -> bool:
@@ -254,7 +180,8 @@ class SnapshotManager:
             self._last_state = (step, model, optimizer, extras)
         if not self._first_step_checked:
             self._first_step_checked = True
-            self._warn_if_not_resuming(step)
+            if not self._restore_called:
+                self._session.warn_if_not_resuming(step)
         now = time.monotonic()
         if self.coll.enabled:
             try:
@@ -371,17 +298,11 @@ class SnapshotManager:
                  snapshot: str | None) -> int | None:
         self.wait()
         self._restore_called = True
-        host = self._pipeline.host_copy()
-        done = self._recovery.restore(model, optimizer, extras, snapshot,
-                                      self._pipeline.lend_buffers(model), host)
-        if host is not None and (done is None or done.info.id != host.snapshot):
-            self._pipeline.tier_invalidate()  # the restore read another snapshot into them
+        done = self._recovery.restore(model, optimizer, extras, snapshot)
         if done is None:
             return None
         info = done.info
         self.restored, self.restored_values = info, done.values
-        self._pipeline.restored(info, same_job=(info.project, info.job) == (self.project,
-                                                                             self.job))
         self._policy.taken(info.step)
         self._session.event("restore", info.step, info.id)
         log.info("Resuming training at step %d", info.step + 1)
@@ -389,46 +310,36 @@ class SnapshotManager:
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
 
-    def _warn_if_not_resuming(self, step: int) -> None:
-        if self._restore_called:
-            return
-        latest = self.repo.catalog.latest(self.project, self.job)
-        if latest is None:
-            return
-        prev = self._session.previous_run
-        how = ("the previous run was interrupted: "
-               + runs.describe_end(prev, self._session.previous_known)
-               if self.interrupted and prev is not None else "")
-        log.warning(
-            "!!! job %s/%s already has snapshots (latest at step %d, %s) but this run did not "
-            "call restore(): it is NOT resuming. It trains from step %d and its snapshots start "
-            "a new lineage; the old ones are kept. %s To resume, call "
-            "manager.restore(model, optimizer) before the loop.",
-            self.project, self.job, latest.step, latest.created[:19] + "Z", step,
-            (how + ".") if how else "",
-        )
-
     def _emergency(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
         """A signal was received: snapshot this step (unless it is the latest) and exit."""
         with busy(self._session.supervised, "emergency"):
-            self._emergency_snapshot(step, model, optimizer, extras)
+            name, code = self._signals.name, 128 + (self._signals.pending or 0)
+            self.wait()
+            if model is not None or optimizer is not None:
+                self._save_last(step, model, optimizer, extras, emergency=True)
+            self._session.record_end(f"signal:{name}")  # at this step(): heartbeat() recorded it
+            self.close(final=False)
+            raise SystemExit(code)
 
-    def _emergency_snapshot(self, step: int, model: Any, optimizer: Any,
-                            extras: dict[str, Any]) -> None:
-        name = self._signals.name
-        code = 128 + (self._signals.pending or 0)
-        self.wait()
-        if (step != self._pipeline.last_committed_step
-                and (model is not None or optimizer is not None)):
-            try:
-                info = self.save(step, model, optimizer, **extras)
-                log.warning("Emergency snapshot at step %d saved (%s); exiting", step,
-                            info.short_id)
-            except (CiuicError, OSError) as e:
+    def _save_last(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],
+                   emergency: bool = False) -> None:
+        """The emergency or the final snapshot: of ``step`` unless the latest holds it already;
+        a failure is logged, not raised. After :meth:`wait`."""
+        if step == self._pipeline.last_committed_step:
+            return
+        try:
+            info = self.save(step, model, optimizer, **extras)
+        except (CiuicError, OSError) as e:  # counted and logged by the pipeline already
+            if emergency:
                 log.error("Emergency snapshot at step %d failed: %s", step, e)
-        self._session.record_end(f"signal:{name}")  # at this step(): heartbeat() recorded it
-        self.close(final=False)
-        raise SystemExit(code)
+            else:
+                log.error("the final snapshot at step %d failed (%s); the latest snapshot is "
+                          "step %s", step, e, self._pipeline.last_committed_step)
+            return
+        if emergency:
+            log.warning("Emergency snapshot at step %d saved (%s); exiting", step, info.short_id)
+        else:
+            log.info("Final snapshot at step %d saved (%s)", step, info.short_id)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -460,11 +371,7 @@ class SnapshotManager:
 
     def __exit__(self, tp: type[BaseException] | None, value: BaseException | None,
                  tb: Any) -> None:
-        if tp is not None and not issubclass(tp, SystemExit):
-            self._session.record_end(f"exception:{tp.__name__}")
-        elif isinstance(value, SystemExit) and value.code not in (None, 0):
-            # sys.exit(3): the one non-zero exit a process sees (atexit is not told the status)
-            self._session.record_end(f"exit:{value.code if isinstance(value.code, int) else 1}")
+        self._session.record_exit(tp, value)
         self.close(final=tp is None)
 
     def finish(self) -> SnapshotInfo | None:
@@ -478,18 +385,12 @@ class SnapshotManager:
         return self.latest()
 
     def _final_snapshot(self) -> None:
-        if self._last_state is None:
-            return
-        step, model, optimizer, extras = self._last_state
-        self._last_state = None  # the objects are the caller's: not kept past the close
-        self.wait()
-        if step == self._pipeline.last_committed_step:
-            return
-        try:
-            info = self.save(step, model, optimizer, **extras)
-            log.info("Final snapshot at step %d saved (%s)", step, info.short_id)
-        except (CiuicError, OSError) as e:  # counted and logged by the pipeline already
-            log.error("the final snapshot at step %d failed (%s); the latest snapshot is "
-                      "step %s", step, e, self._pipeline.last_committed_step)
+        if self._last_state is not None:
+            step, model, optimizer, extras = self._last_state
+            self._last_state = None  # the objects are the caller's: not kept past the close
+            self.wait()
+            self._save_last(step, model, optimizer, extras)
 
 
+if SnapshotManager.__doc__ is not None:  # None under python -OO
+    SnapshotManager.__doc__ += "\n" + options_doc()

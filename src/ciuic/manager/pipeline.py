@@ -1,12 +1,14 @@
 """The snapshot pipeline: capture -> stage (the only stall) -> write in the background ->
-commit -> bookkeeping. One interface, two implementations chosen once when the manager is
-built: :class:`LocalPipeline` for a process that snapshots alone, and
-:class:`~ciuic.manager.ranked.RankedPipeline` under torchrun (replica ownership and the
-two-phase commit). One snapshot is in flight at a time: the staging buffers are reused.
+commit -> bookkeeping. One interface (:class:`Pipeline`, an ABC generic in the captured state
+it writes), two implementations chosen once when the manager is built: :class:`LocalPipeline`
+for a process that snapshots alone, and :class:`~ciuic.manager.ranked.RankedPipeline` under
+torchrun (replica ownership and the two-phase commit). One snapshot is in flight at a time: the
+staging buffers are reused.
 """
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import contextlib
 import logging
@@ -15,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -35,17 +37,33 @@ from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.session import RunSession, quietly
 from ciuic.manager.stats import ManagerStats
-from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging
 from ciuic.state.capture import Captured, capture
 from ciuic.threads import lower_priority
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
+#: the captured state a pipeline writes
+C = TypeVar("C", bound=Captured)
 
 
-class Pipeline:
-    """What both pipelines share: staging, the writer thread, the snapshot in flight, the chunk
-    cache, the codec and the compression policy, the parent link and the stats."""
+class Pipeline(abc.ABC, Generic[C]):
+    """Takes one snapshot at a time: :meth:`submit` runs the shared path, which calls the
+    methods a pipeline implements (the abstract ones), in this order:
+
+    1) :meth:`capture`, on the training thread: the state to snapshot, as a ``C`` whose leaves
+       reference the live tensors.
+    2) :meth:`to_stage` (asynchronous snapshots only): the leaves this process copies into its
+       staging buffers; the copy is the only part that stalls training.
+    3) :meth:`capture_failed`, only when 1) or 2) raised: raise the error, or return a ``C``
+       that carries it into the write (under torchrun every rank takes part in every
+       snapshot's collectives, and every rank fails it together).
+    4) :meth:`write`, on the writer thread (or on the training thread before ``submit``
+       returns, when inline or nothing could be staged): chunks, body and commit.
+    5) :meth:`written`, after 4) returned (``ok``) or raised.
+
+    What both pipelines share: staging, the writer thread, the snapshot in flight, the chunk
+    cache, the codec and the compression policy, the parent link and the stats.
+    """
 
     def __init__(self, config: ManagerConfig, session: RunSession, coll: Collective,
                  stats: ManagerStats, codec: ObjectCodec) -> None:
@@ -86,26 +104,28 @@ class Pipeline:
         self._warned_budget = False
         _finish_at_exit(self)
 
-    # -- what the two pipelines do differently ---------------------------------------------
+    # -- the protocol: what the two pipelines do differently ------------------------------
 
-    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> C:
+        """The state to snapshot (references to live tensors; no copies, no I/O)."""
 
-    def to_stage(self, captured: Captured) -> list[Leaf]:
-        """The leaves this process copies into staging buffers."""
-        return captured.leaves
+    @abc.abstractmethod
+    def to_stage(self, captured: C) -> list[Leaf]:
+        """The leaves of ``captured`` this process copies into staging buffers."""
 
-    def capture_failed(self, e: Exception) -> Captured:
-        """Capturing or staging raised: raise it (a single process), or carry it into the
-        snapshot's collectives (multi-rank)."""
-        raise e
+    @abc.abstractmethod
+    def capture_failed(self, e: Exception) -> C:
+        """Capturing or staging raised ``e``: raise it, or return a state that carries it into
+        :meth:`write`."""
 
-    def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
+    @abc.abstractmethod
+    def write(self, step: int, captured: C) -> tuple[mf.Manifest, str, int]:
         """Chunks, body and commit; the manifest, the snapshot ID and the bytes written."""
-        raise NotImplementedError
 
-    def written(self, captured: Captured, ok: bool) -> None:
-        """After a write, committed (``ok``) or not."""
+    @abc.abstractmethod
+    def written(self, captured: C, ok: bool) -> None:
+        """After :meth:`write`, committed (``ok``) or not."""
 
     # -- the shared path -------------------------------------------------------------------
 
@@ -209,7 +229,7 @@ class Pipeline:
                 pending.wait()
             self.stats.overlap_wait_s += time.perf_counter() - t0
 
-    def _write(self, step: int, captured: Captured, t0: float,
+    def _write(self, step: int, captured: C, t0: float,
                pending: PendingCopy | None = None) -> SnapshotInfo:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         began = time.perf_counter()
@@ -263,28 +283,9 @@ class Pipeline:
                 "snapshot is still %s (%s in a row)", step, str(e) or type(e).__name__,
                 latest, counted(s.consecutive_failures, "failure"))
 
-    # -- restore support -------------------------------------------------------------------
-
-    def lend_buffers(self, model: Any) -> BufferFor | None:
-        """The staging buffers, lent to the model's tensors for a restore (``lend_staging``)."""
-        return lend_staging(self.staging, model) if self.config.asynchronous else None
-
-    def host_copy(self) -> Resident | None:
-        """The snapshot a previous process of this job left in host memory (``ciuic run``),
-        as the buffers this process adopted, or None."""
-        return host_copy(self.tier, self.codec.name_key)
-
-    def tier_invalidate(self) -> None:
-        if self.tier is not None:
-            self.tier.invalidate()
-
-    def suspect(self, digest: str) -> None:
-        """A chunk a restore found damaged: the next snapshot holding its bytes writes it again
-        (else every later snapshot would reuse the damaged copy as already stored)."""
-        self.cache.suspect.add(digest)
-        self.cache.digests.discard(digest)  # "known to be stored" no longer holds
-
-    def restored(self, info: SnapshotInfo, same_job: bool) -> None:
+    def continue_from(self, info: SnapshotInfo, same_job: bool) -> None:
+        """The next snapshot follows ``info`` (restored): it links to it when it is this
+        job's (a snapshot of another job starts a new chain)."""
         self.parent = info.id if same_job else ""
         self.last_committed_step = info.step
 
@@ -297,11 +298,11 @@ class Pipeline:
         self.staging.release()
 
 
-_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+_live: weakref.WeakSet[Pipeline[Any]] = weakref.WeakSet()
 _hooked = False
 
 
-def _finish_at_exit(pipeline: Pipeline) -> None:
+def _finish_at_exit(pipeline: Pipeline[Any]) -> None:
     """A script that ends without ``close()`` still commits the snapshot it has in flight.
 
     At interpreter exit, ``threading._shutdown`` runs its own exit hooks before it joins the
@@ -330,7 +331,7 @@ def _wait_for_writes() -> None:
             log.warning("could not finish the snapshot in flight at exit: %s", e)
 
 
-class LocalPipeline(Pipeline):
+class LocalPipeline(Pipeline[Captured]):
     """A process that snapshots alone. A model holding DTensors (FSDP2 on a world of one) takes
     the sharded layout, written as a world of one."""
 
@@ -338,6 +339,12 @@ class LocalPipeline(Pipeline):
         if sharded(model):
             return capture_dist(model, optimizer, extras)
         return capture(model, optimizer, extras)
+
+    def to_stage(self, captured: Captured) -> list[Leaf]:
+        return captured.leaves  # a process alone writes every leaf
+
+    def capture_failed(self, e: Exception) -> Captured:
+        raise e  # no other rank waits in this snapshot's collectives
 
     def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
         c = self.config
@@ -349,6 +356,9 @@ class LocalPipeline(Pipeline):
                                 self.cache, lease=self.session.lease, codec=self.codec,
                                 compression=self.compression, health=self.health)
         return m, sid, m.new_bytes
+
+    def written(self, captured: Captured, ok: bool) -> None:
+        pass  # nothing to learn from a write
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:

@@ -26,10 +26,9 @@ from ciuic.format import manifest as mf
 from ciuic.format.shards import Meta
 from ciuic.format.tree import Leaf
 from ciuic.manager.pipeline import Pipeline
-from ciuic.state.capture import Captured
 
 
-class RankedPipeline(Pipeline):
+class RankedPipeline(Pipeline[DistCaptured]):
     """Every rank of a torchrun job (see the module's docstring)."""
 
     #: (this rank's layout signature, the pieces it wrote) of the last committed snapshot
@@ -37,11 +36,10 @@ class RankedPipeline(Pipeline):
     _predict = True  # off for the snapshot after a failed one
     _seq = 0  # snapshots attempted: every rank counts the same
 
-    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
+    def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> DistCaptured:
         return capture_dist(model, optimizer, extras)
 
-    def to_stage(self, captured: Captured) -> list[Leaf]:
-        assert isinstance(captured, DistCaptured)
+    def to_stage(self, captured: DistCaptured) -> list[Leaf]:
         world = self.coll.world_size
         captured.signature = layout_signature(captured, world)
         if self._owned is not None and self._owned[0] == captured.signature:
@@ -55,25 +53,23 @@ class RankedPipeline(Pipeline):
         captured.unstaged = {leaf_key(leaf) for leaf in captured.global_leaves} - owned
         return captured.to_stage()
 
-    def capture_failed(self, e: Exception) -> Captured:
+    def capture_failed(self, e: Exception) -> DistCaptured:
         # every rank must still take part in this snapshot's collectives; the failure travels
         # in the plan, and every rank fails the snapshot together
         return DistCaptured(states={}, leaves=[], error=f"{type(e).__name__}: {e}")
 
-    def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
-        assert isinstance(captured, DistCaptured)
+    def write(self, step: int, captured: DistCaptured) -> tuple[mf.Manifest, str, int]:
         self._seq += 1
         c = self.config
         return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent, captured,
                           self.cache, lease=self.session.lease, codec=self.codec,
                           compression=self.compression, seq=self._seq, health=self.health)
 
-    def written(self, captured: Captured, ok: bool) -> None:
+    def written(self, captured: DistCaptured, ok: bool) -> None:
         if not ok:
             self._owned = None  # the next snapshot copies everything
             self._predict = False
             return
-        assert isinstance(captured, DistCaptured)
         self._owned = (None if captured.signature is None
                        else (captured.signature, captured.owned))
         self._predict = True

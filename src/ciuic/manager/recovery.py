@@ -15,7 +15,6 @@ from __future__ import annotations
 import difflib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,10 +34,11 @@ from ciuic.errors import (
 )
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
+from ciuic.manager.pipeline import Pipeline
 from ciuic.manager.session import RunSession
 from ciuic.restore.local import prepare_local
 from ciuic.restore.match import Prepared
-from ciuic.restore.sources import BufferFor, Resident
+from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging
 
 log = logging.getLogger("ciuic")
 
@@ -54,20 +54,38 @@ class Restored:
 class Recovery:
     """Restores a job's latest complete snapshot (or a named one) into live objects."""
 
-    def __init__(self, session: RunSession, coll: Collective,
-                 suspect: Callable[[str], None]) -> None:
+    def __init__(self, session: RunSession, coll: Collective, pipeline: Pipeline[Any]) -> None:
         self.session = session
         self.coll = coll
         self.repo = session.repo
-        self._suspect = suspect
+        #: the write path a restore reads into (its staging buffers, its host-memory copy),
+        #: tells of damaged chunks, and tells what the next snapshot follows
+        self._pipeline = pipeline
         #: the snapshot whose bytes were last read straight into live tensors (None: none were)
         self.read_into: str | None = None
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
-                snapshot: str | None, buffer_for: BufferFor | None,
-                host: Resident | None = None) -> Restored | None:
-        """``host``: a snapshot's bytes in host memory (``ciuic run``), used only when it is the
-        snapshot being restored, never in place of a newer one."""
+                snapshot: str | None) -> Restored | None:
+        """The model's bytes are read into the pipeline's staging buffers (the next snapshot
+        stages into them without allocating); a snapshot ``ciuic run`` holds in host memory is
+        read from there, when it is the snapshot being restored (never in place of a newer
+        one). The next snapshot follows the one restored."""
+        p = self._pipeline
+        host = host_copy(p.tier, p.codec.name_key)
+        lent = lend_staging(p.staging, model) if p.config.asynchronous else None
+        done = self._restore(model, optimizer, extras, snapshot, lent, host)
+        if p.tier is not None and host is not None and (done is None
+                                                        or done.info.id != host.snapshot):
+            p.tier.invalidate()  # the restore read another snapshot into its buffers
+        if done is not None:
+            info = done.info
+            p.continue_from(info, same_job=(info.project, info.job) == (self.session.project,
+                                                                         self.session.job))
+        return done
+
+    def _restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
+                 snapshot: str | None, buffer_for: BufferFor | None,
+                 host: Resident | None) -> Restored | None:
         project, job = self.session.project, self.session.job
         self.read_into = None
         candidates = self.candidates(snapshot)
@@ -96,7 +114,7 @@ class Recovery:
             except (IntegrityError, ObjectNotFound) as e:
                 outcome, detail = "damaged", str(e)
                 if isinstance(e, CorruptObject) and (d := layout.chunk_digest(e.key)):
-                    self._suspect(d)
+                    self._pipeline.cache.distrust(d)
                     log.warning("%s will be written again by the next snapshot that holds its "
                                 "bytes", e.key)
             except (StateMismatch, ConfigurationError) as e:
