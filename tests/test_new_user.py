@@ -170,15 +170,22 @@ def test_storage_faults_are_still_logged_and_training_goes_on(store_dir: Path) -
 
 # -- 3. a typo in the job name -----------------------------------------------------------------
 
-def test_a_typo_in_the_job_name_warns_with_the_nearest_jobs(
-        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def _start_beside(store: Path, caplog: pytest.LogCaptureFixture, project: str, existing: str,
+                  job: str) -> list[logging.LogRecord]:
+    """Snapshot job ``existing``, then start ``job`` of the same project from scratch: the
+    records that say it has no snapshot."""
     model, opt = model_and_opt()
-    with SnapshotManager("qs", job="killed", store=store_dir, save_interval=1) as m:
+    with SnapshotManager(project, job=existing, store=store, save_interval=1) as m:
         m.step(0, model, opt)
     with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
-            "qs", job="kiled", store=store_dir) as m:
+            project, job=job, store=store) as m:
         assert m.restore(model, opt) is None
-    lines = [r for r in caplog.records if "No snapshot of qs/kiled" in r.getMessage()]
+    return [r for r in caplog.records if f"No snapshot of {project}/{job}" in r.getMessage()]
+
+
+def test_a_typo_in_the_job_name_warns_with_the_nearest_jobs(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lines = _start_beside(store_dir, caplog, "qs", "killed", "kiled")
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     text = lines[0].getMessage()
     assert f"No snapshot of qs/kiled in {store_dir}: starting from scratch" in text
@@ -189,13 +196,7 @@ def test_a_typo_in_the_job_name_warns_with_the_nearest_jobs(
 def test_a_new_job_beside_jobs_of_other_names_starts_quietly(
         store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`job="hang"` beside a job "exc" is no typo: no advice to pass job='exc'."""
-    model, opt = model_and_opt()
-    with SnapshotManager("runproj", job="exc", store=store_dir, save_interval=1) as m:
-        m.step(0, model, opt)
-    with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
-            "runproj", job="hang", store=store_dir) as m:
-        assert m.restore(model, opt) is None
-    [line] = [r for r in caplog.records if "No snapshot of runproj/hang" in r.getMessage()]
+    [line] = _start_beside(store_dir, caplog, "runproj", "exc", "hang")
     assert line.levelno == logging.INFO and "job=" not in line.getMessage()
 
 
