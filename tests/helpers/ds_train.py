@@ -124,6 +124,10 @@ def main() -> int:
         save_file(tensors, str(out / f"final-{a.mode}.safetensors"))
         print(f"GLOBAL_STEP {engine.global_steps} SAMPLES {engine.global_samples}")
     dist.barrier()
+    # tear the process group down before the interpreter does: left to exit, gloo's threads
+    # were once destroyed while joinable on a loaded CI machine ("terminate called without an
+    # active exception", SIGABRT in rank 1 after a finished run)
+    dist.destroy_process_group()
     return 0
 
 
