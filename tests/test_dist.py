@@ -196,7 +196,7 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
         sharded = repo.resolve("tests/dist@latest")
         result = diff(repo, sharded, repo, repo.resolve("tests/flat@8"))
         _, states = read_body(repo, sharded)
-    assert sharded.healthy is True and float(sharded.health["norms"]["model"]) > 0  # type: ignore[index]
+    assert sharded.healthy is True and sharded.health.norm("model") > 0  # type: ignore[union-attr,operator]
     compared = [t for t in result.tensors if t.path.startswith("model/")]
     assert len(compared) == len(weights)
     assert all(t.status == "unchanged" and t.read for t in compared), compared

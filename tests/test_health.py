@@ -135,8 +135,8 @@ def test_a_job_whose_weights_turn_nan(store_dir: Path, capsys: pytest.CaptureFix
         snaps = repo.catalog.snapshots("p", "j")
         assert [s.healthy for s in snaps] == [True] * 5 + [False] * 5
         sick = snaps[5]
-        assert "model/1.weight: 16 NaN of 16 elements" in sick.health["reasons"]  # type: ignore[index]
-        assert sick.health["nonfinite"] >= 1  # type: ignore[index]
+        assert "model/1.weight: 16 NaN of 16 elements" in sick.health.reasons  # type: ignore[union-attr]
+        assert sick.health.nonfinite >= 1  # type: ignore[union-attr,operator]
         assert repo.resolve("p/j@healthy").step == 50
         m = repo.read_manifest("p", "j", sick.id)
         assert m.format == mf.HEALTH_FORMAT and m.healthy is False
@@ -187,7 +187,7 @@ def test_a_loss_spike_marks_a_snapshot_and_the_threshold_is_the_users(store_dir:
         strict = repo.catalog.snapshots("p", "default")
         lax = repo.catalog.snapshots("p", "lax")
     assert [s.step for s in strict if not s.healthy] == [8]
-    assert "spikes: robust z-score" in strict[8].health["reasons"][0]  # type: ignore[index]
+    assert "spikes: robust z-score" in strict[8].health.reasons[0]  # type: ignore[union-attr]
     assert all(s.healthy for s in lax)
     with pytest.raises(ConfigurationError, match="loss_zscore"):
         HealthPolicy(loss_zscore=0)
@@ -198,16 +198,16 @@ def test_a_loss_spike_marks_a_snapshot_and_the_threshold_is_the_users(store_dir:
 def test_a_norm_jump_and_a_non_finite_loss_mark_a_snapshot() -> None:
     w = st.compute(torch.ones(100))
     ok = judge({"model/w": w}, {"loss": 1.0}, [1.0] * 10, {"model/w": 10.0}, HealthPolicy())
-    assert ok["healthy"] and ok["norms"] == {"model": "10.0"}
+    assert ok.healthy and ok.norms == {"model": "10.0"}
     big = st.compute(torch.full((100,), 30.0))  # norm 300: 30x
     jump = judge({"model/w": big, "optimizer/state/0/exp_avg_sq": big}, {}, [],
                  {"model/w": 10.0, "optimizer/state/0/exp_avg_sq": 10.0}, HealthPolicy())
-    assert not jump["healthy"] and len(jump["reasons"]) == 1  # the optimizer's is not watched
-    assert "model/w: norm jumped 30.0x" in jump["reasons"][0]
+    assert not jump.healthy and len(jump.reasons) == 1  # the optimizer's is not watched
+    assert "model/w: norm jumped 30.0x" in jump.reasons[0]
     assert judge({"model/w": big}, {}, [], {"model/w": 10.0},
-                 HealthPolicy(norm_jump=None))["healthy"]
+                 HealthPolicy(norm_jump=None)).healthy
     nan_loss = judge({}, {"loss": math.nan}, [], None, HealthPolicy())
-    assert nan_loss["reasons"] == ["loss is nan"]
+    assert nan_loss.reasons == ("loss is nan",)
     assert robust_z(5.0, [1.0, 1.0, 1.0]) == pytest.approx(400.0)  # a flat history judges
     assert robust_z(1.01, [1.0] * 10) == pytest.approx(1.0)  # a 1 % rise is no spike
 
@@ -283,7 +283,7 @@ def test_chain_series_gives_loss_and_norms_along_the_chain(store_dir: Path) -> N
 def test_manifest_health_is_checked_when_read() -> None:
     m = mf.Manifest(project="p", job="j", step=1, parent="", created=mf.utc_now(),
                     body="0" * 64, body_bytes=1, total_bytes=1, new_bytes=1, tensors=1,
-                    health={"healthy": False, "reasons": ["x"], "nonfinite": 1, "norms": {}})
+                    health=mf.HealthVerdict(False, ("x",), nonfinite=1, norms={}))
     data = m.encode()
     assert b'"format":2' in data and b'"health":{"healthy":false' in data
     back = mf.Manifest.decode(data)
@@ -292,6 +292,15 @@ def test_manifest_health_is_checked_when_read() -> None:
         mf.Manifest.decode(data.replace(b'"healthy":false', b'"healthy":"no"'))
     with pytest.raises(Exception, match="canonical"):  # format 1 holds no health
         mf.Manifest.decode(data.replace(b'"format":2', b'"format":1'))
+    # a field a later ciuic adds to the verdict is kept: the manifest re-encodes to its bytes
+    later = data.replace(b'"healthy":false', b'"drift":{"score":"0.5"},"healthy":false')
+    kept = mf.Manifest.decode(later)
+    assert kept.encode() == later and kept.health == mf.HealthVerdict(
+        False, ("x",), nonfinite=1, norms={}, extra={"drift": {"score": "0.5"}})
+    # an old verdict without counts or norms reads as such, and re-encodes without them
+    bare = data.replace(b',"nonfinite":1,"norms":{}', b"")
+    assert bare != data and mf.Manifest.decode(bare).health == mf.HealthVerdict(False, ("x",))
+    assert mf.Manifest.decode(bare).encode() == bare
 
 
 def test_a_divergence_that_persists_stays_unhealthy(store_dir: Path) -> None:
@@ -464,7 +473,7 @@ def test_the_optimizers_step_counters_are_left_out_of_its_norm(store_dir: Path) 
     count = st.compute(torch.tensor([300.0]).reshape(-1))
     before = {"optimizer/state/0/step": 1.0}
     watch = HealthPolicy(norm_states=("model", "optimizer"))
-    assert judge({"optimizer/state/0/step": count}, {}, [], before, watch)["healthy"]
+    assert judge({"optimizer/state/0/step": count}, {}, [], before, watch).healthy
     nan = st.compute(torch.tensor([math.nan]))
-    assert judge({"optimizer/state/0/step": nan}, {}, [], before, watch)["reasons"] == [
-        "optimizer/state/0/step: 1 NaN of 1 element"]
+    assert judge({"optimizer/state/0/step": nan}, {}, [], before, watch).reasons == (
+        "optimizer/state/0/step: 1 NaN of 1 element",)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ciuic.catalog import Catalog
 from ciuic.chain.listing import EVENTS, RunRow, read_jobs, read_log
 from ciuic.format import layout
-from ciuic.format.manifest import Manifest
+from ciuic.format.manifest import HealthVerdict, Manifest
 from ciuic.store.local import LocalStore
 
 PROJECTS = ("p", "q", "vision")
@@ -48,7 +48,7 @@ health = st.none() | st.fixed_dictionaries({
     "healthy": st.booleans(),
     "reasons": st.lists(st.sampled_from(["nan in loss", "loss spike", "inf in weights"]),
                         max_size=2),
-    "nonfinite": st.integers(0, 3)})
+    "nonfinite": st.integers(0, 3)}).map(HealthVerdict.from_json)
 
 
 @st.composite

@@ -28,7 +28,7 @@ from ciuic.catalog.models import SCHEMA_VERSION, Job, Meta, Project, Run, RunEve
 from ciuic.catalog.schema import bring_to_head
 from ciuic.errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
 from ciuic.format.info import SnapshotInfo
-from ciuic.format.manifest import Manifest, utc_now
+from ciuic.format.manifest import HealthVerdict, Manifest, utc_now
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -236,7 +236,8 @@ class Catalog:
                     body=m.body, total_bytes=m.total_bytes, new_bytes=m.new_bytes,
                     tensors=m.tensors, world_size=m.world_size,
                     metrics=_json_metrics(m.metrics), status=status,
-                    health=None if m.health is None else json.dumps(m.health, sort_keys=True),
+                    health=(None if m.health is None
+                            else json.dumps(m.health.to_json(), sort_keys=True)),
                 ))
             else:
                 row.status = status
@@ -257,7 +258,7 @@ class Catalog:
             created=row.created, total_bytes=row.total_bytes, new_bytes=row.new_bytes,
             tensors=row.tensors, world_size=row.world_size, body=row.body,
             metrics=json.loads(row.metrics), status=row.status, seq=row.seq,
-            health=None if row.health is None else json.loads(row.health),
+            health=None if row.health is None else HealthVerdict.from_json(json.loads(row.health)),
         )
 
     def _select(self) -> Any:

@@ -34,6 +34,7 @@ from ciuic.chain.repo import Repository
 from ciuic.errors import CiuicError, ConfigurationError
 from ciuic.format import stats as st
 from ciuic.format.info import SnapshotInfo
+from ciuic.format.manifest import HealthVerdict
 from ciuic.format.tree import walk_leaves
 from ciuic.words import counted
 
@@ -143,7 +144,7 @@ class Problem:
 
 
 def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[float],
-          parent_norms: dict[str, float] | None, policy: HealthPolicy) -> dict[str, Any]:
+          parent_norms: dict[str, float] | None, policy: HealthPolicy) -> HealthVerdict:
     """The health record of a snapshot (the manifest's ``health``): ``healthy``, the
     ``reasons`` it is not, the count of NaN/Inf elements and each state's L2 norm (counters
     left out: :func:`is_counter`)."""
@@ -152,7 +153,7 @@ def judge(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[floa
 
 def assess(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[float],
            parent_norms: dict[str, float] | None, policy: HealthPolicy
-           ) -> tuple[dict[str, Any], list[Problem]]:
+           ) -> tuple[HealthVerdict, list[Problem]]:
     """:func:`judge`'s record, and every problem found (the record lists the first
     ``MAX_REASONS`` of each kind and counts the rest)."""
     bad = [(p, s) for p, s in stats.items() if s.nonfinite
@@ -198,9 +199,10 @@ def assess(stats: dict[str, st.Stats], metrics: dict[str, Any], losses: list[flo
             sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + s.sumsq
     for p, s in bad:  # its finite elements' norm would look healthy: the state's is NaN or Inf
         sumsq[_state_of(p)] = sumsq.get(_state_of(p), 0.0) + (math.nan if s.nan else math.inf)
-    record = {"healthy": not reasons, "reasons": reasons,
-              "nonfinite": sum(s.nonfinite for s in stats.values()),
-              "norms": {k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())}}
+    record = HealthVerdict(
+        healthy=not reasons, reasons=tuple(reasons),
+        nonfinite=sum(s.nonfinite for s in stats.values()),
+        norms={k: float.__repr__(math.sqrt(v)) for k, v in sorted(sumsq.items())})
     return record, nonfinite + of_loss + jumps
 
 
@@ -291,7 +293,7 @@ class HealthTracker:
     _problems: list[Problem] = field(default_factory=list)
 
     def judge(self, repo: Repository, project: str, job: str, parent: str,
-              states: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+              states: dict[str, Any], metrics: dict[str, Any]) -> HealthVerdict:
         if parent != self.last_id or not parent:
             self._rebuild(repo, project, job, parent)
         stats = tensor_stats(states)

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 from ciuic.chain import home
 from ciuic.format import layout
+from ciuic.format.manifest import HealthVerdict
 from ciuic.store.local import LocalStore
 from ciuic.version import CATALOG_HEAD, CATALOG_SCHEMA_VERSION
 
@@ -220,7 +221,8 @@ class _Reader:
         for row in rows:
             fields = dict(zip(_INFO, row, strict=True))
             fields["metrics"] = json.loads(fields["metrics"])
-            fields["health"] = None if fields["health"] is None else json.loads(fields["health"])
+            fields["health"] = (None if fields["health"] is None
+                                else HealthVerdict.from_json(json.loads(fields["health"])))
             out.append(SnapshotInfo(project=project, job=job, **fields))
         return out
 

@@ -396,7 +396,7 @@ class Repository:
         if every and not found:
             sick = [s for s in every if s.healthy is False]
             why = (f"the newest unhealthy one, step {sick[0].step}: "
-                   + "; ".join((sick[0].health or {}).get("reasons", [])) if sick else "")
+                   + "; ".join(sick[0].health.reasons if sick[0].health else ()) if sick else "")
             raise SnapshotNotFound(
                 f"job {project}/{job} has no snapshot known to be healthy: {len(sick)} of its "
                 f"{len(every)} snapshots are unhealthy, {len(every) - len(sick)} were not "

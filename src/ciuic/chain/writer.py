@@ -431,7 +431,7 @@ def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent:
                 key, store.get(key))[0] != data:
             raise StoreError(f"{store.location(key)} exists with other content")
     if health is not None and verdict is not None:
-        health.committed(sid, metrics, bool(verdict["healthy"]))
+        health.committed(sid, metrics, verdict.healthy)
         health.warn(project, job, step)
     failpoint("catalog.insert")
     repo.catalog.add_snapshot(m, sid)

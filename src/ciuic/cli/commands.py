@@ -127,7 +127,7 @@ def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[st
                         for k, v in s.metrics.items())
         if s.status != "committed":
             text = f"{s.status} {text}".strip()
-        reasons = (s.health or {}).get("reasons", []) if s.healthy is False else []
+        reasons = list(s.health.reasons) if s.health is not None and not s.health.healthy else []
         if len(reasons) > 2:  # `ciuic inspect` lists them all
             reasons = [*reasons[:2], f"{len(reasons) - 2} more reasons: ciuic inspect "
                                      f"{s.short_id}"]
@@ -171,7 +171,7 @@ def show(snap: str, as_json: bool) -> None:
                          ("tensors", m.tensors), ("ranks", m.world_size),
                          ("status", info.status), ("metrics", m.metrics or "-"),
                          ("health", "not recorded" if m.health is None else "healthy"
-                          if m.healthy else "unhealthy: " + "; ".join(m.health["reasons"]))):
+                          if m.health.healthy else "unhealthy: " + "; ".join(m.health.reasons))):
         console.print(f"  {label:8} {value}", highlight=False)
     if info.status != "committed":
         return

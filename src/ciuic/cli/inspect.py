@@ -89,7 +89,8 @@ def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute
         return
     rows = inspect.tensors(repo, info, compute=compute)
     if as_json:
-        console.print_json(json.dumps({"id": info.id, "ref": info.ref, "health": info.health,
+        console.print_json(json.dumps({"id": info.id, "ref": info.ref,
+                                       "health": info.to_json()["health"],
                                        "tensors": [r.to_json() for r in rows]}))
         return
     _print_health(info)
@@ -101,7 +102,7 @@ def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute
 
 def _print_health(info: Any) -> None:
     console.print(f"[bold]{info.ref}[/bold] ({info.short_id}): {health_text(info)}")
-    for reason in (info.health or {}).get("reasons", []):
+    for reason in info.health.reasons if info.health is not None else ():
         console.print(f"  - {reason}", highlight=False)
 
 

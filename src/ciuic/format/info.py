@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ciuic.format.manifest import Manifest, parse_time
+from ciuic.format.manifest import HealthVerdict, Manifest, parse_time
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,14 @@ class SnapshotInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     status: str = "committed"  # committed | pruned (body deleted, manifest kept)
     seq: int = 0  # commit order in the catalog (0 when not from the catalog)
-    #: the manifest's health verdict ({"healthy", "reasons", ...}); None when never judged
-    health: dict[str, Any] | None = None
+    #: the manifest's health verdict; None when never judged
+    health: HealthVerdict | None = None
 
     @property
     def healthy(self) -> bool | None:
         """True or False as judged at the commit; None for a snapshot written before ciuic
         judged health."""
-        return None if self.health is None else bool(self.health.get("healthy"))
+        return None if self.health is None else self.health.healthy
 
     @property
     def short_id(self) -> str:
@@ -45,6 +45,12 @@ class SnapshotInfo:
     @property
     def ref(self) -> str:
         return f"{self.project}/{self.job}@{self.step}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (the server's and ``--json``'s shape)."""
+        return {f.name: (getattr(self, f.name).to_json() if f.name == "health"
+                         and self.health is not None else getattr(self, f.name))
+                for f in fields(self)}
 
     @classmethod
     def from_manifest(cls, m: Manifest, snapshot_id: str,

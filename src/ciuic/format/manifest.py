@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,56 @@ def parse_time(text: str) -> dt.datetime:
 
 
 @dataclass(frozen=True)
+class HealthVerdict:
+    """A snapshot's health, judged at its commit (chain/health.py) and recorded in its manifest
+    (format 2, ``"health"``; docs/format.md, "Health").
+
+    ``reasons`` says why it is unhealthy (empty when healthy); ``nonfinite`` counts its NaN and
+    Inf elements and ``norms`` holds each state's L2 norm as Python's round-trip ``repr`` text
+    (``"nan"`` and ``"inf"`` included); both are None in a verdict that does not record them.
+    Fields a later ciuic adds are kept in ``extra``, so that the manifest re-encodes to the
+    same bytes."""
+
+    healthy: bool
+    reasons: tuple[str, ...] = ()
+    nonfinite: int | None = None
+    norms: Mapping[str, str] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.extra, "healthy": self.healthy,
+                               "reasons": list(self.reasons)}
+        if self.nonfinite is not None:
+            out["nonfinite"] = self.nonfinite
+        if self.norms is not None:
+            out["norms"] = dict(self.norms)
+        return out
+
+    @classmethod
+    def from_json(cls, h: Any) -> HealthVerdict:
+        """The verdict of a manifest's ``health`` object; TypeError when it is malformed."""
+        if not (isinstance(h, dict) and isinstance(h.get("healthy"), bool)
+                and isinstance(h.get("reasons"), list)
+                and all(isinstance(r, str) for r in h["reasons"])):
+            raise TypeError(f"field 'health' should hold 'healthy' and 'reasons', got {h!r}")
+        nonfinite, norms = h.get("nonfinite"), h.get("norms")
+        if nonfinite is not None and (not isinstance(nonfinite, int)
+                                      or isinstance(nonfinite, bool)):
+            raise TypeError(f"health's 'nonfinite' should be an int, got {nonfinite!r}")
+        if norms is not None and not (isinstance(norms, dict) and all(
+                isinstance(v, str) for v in norms.values())):
+            raise TypeError(f"health's 'norms' should map states to numbers, got {norms!r}")
+        known = ("healthy", "reasons", "nonfinite", "norms")
+        return cls(healthy=h["healthy"], reasons=tuple(h["reasons"]), nonfinite=nonfinite,
+                   norms=norms, extra={k: v for k, v in h.items() if k not in known})
+
+    def norm(self, state: str) -> float | None:
+        """The L2 norm recorded for ``state`` ("model", "optimizer", ...), or None."""
+        text = None if self.norms is None else self.norms.get(state)
+        return None if text is None else float(text)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The committed description of one snapshot; its digest is the snapshot ID."""
 
@@ -61,9 +112,8 @@ class Manifest:
     tensors: int
     world_size: int = 1
     metrics: dict[str, Any] = field(default_factory=dict)
-    #: the health verdict (format 2): {"healthy", "reasons", "nonfinite", "norms"}; None in
-    #: snapshots written before ciuic judged health
-    health: dict[str, Any] | None = None
+    #: the health verdict (format 2); None in snapshots written before ciuic judged health
+    health: HealthVerdict | None = None
     format: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -73,7 +123,7 @@ class Manifest:
     @property
     def healthy(self) -> bool | None:
         """Whether the snapshot was judged healthy; None when it was not judged."""
-        return None if self.health is None else bool(self.health.get("healthy"))
+        return None if self.health is None else self.health.healthy
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -93,7 +143,7 @@ class Manifest:
             "world_size": self.world_size,
         }
         if self.health is not None:
-            out["health"] = self.health
+            out["health"] = self.health.to_json()
         return out
 
     def encode(self) -> bytes:
@@ -125,7 +175,8 @@ class Manifest:
                 tensors=_typed(obj, "tensors", int),
                 world_size=_typed(obj, "world_size", int),
                 metrics=tree.decode(obj.get("metrics", {}), "metrics", _no_leaf),
-                health=_health(obj) if obj["format"] == HEALTH_FORMAT else None,
+                health=(HealthVerdict.from_json(obj["health"]) if obj["format"] == HEALTH_FORMAT
+                        else None),
                 format=obj["format"],
             )
             parse_time(m.created)
@@ -160,15 +211,6 @@ def _typed(obj: dict[str, Any], name: str, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"field {name!r} should be {kind.__name__}, got {value!r}")
     return value
-
-
-def _health(obj: dict[str, Any]) -> dict[str, Any]:
-    h = obj["health"]
-    if not (isinstance(h, dict) and isinstance(h.get("healthy"), bool)
-            and isinstance(h.get("reasons"), list)
-            and all(isinstance(r, str) for r in h["reasons"])):
-        raise TypeError(f"field 'health' should hold 'healthy' and 'reasons', got {h!r}")
-    return h
 
 
 def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:

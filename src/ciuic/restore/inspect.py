@@ -132,13 +132,12 @@ def chain_series(repo: Repository, project: str, job: str, metric: str = "loss"
     out = []
     for s in repo.catalog.snapshots(project, job, status=None):
         value = s.metrics.get(metric)
-        norms = (s.health or {}).get("norms", {})
+        norms = (s.health.norms if s.health is not None else None) or {}
         out.append({
             "id": s.id, "step": s.step, "created": s.created, "status": s.status,
             metric: value if isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) else None,
-            "healthy": s.healthy, "reasons": (s.health or {}).get("reasons", []),
-            "norms": {k: _finite(_float(v)) for k, v in norms.items()}
-            if isinstance(norms, dict) else {},
+            "healthy": s.healthy, "reasons": list(s.health.reasons) if s.health else [],
+            "norms": {k: _finite(_float(v)) for k, v in norms.items()},
         })
     return out

@@ -11,7 +11,6 @@ each committed manifest it can read, and records who saved, read and deleted wha
 
 import logging
 import re
-from dataclasses import asdict
 from importlib import resources
 from typing import Annotated, Any
 
@@ -204,7 +203,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         # where runs were interrupted after each snapshot and why, and who resumed from it
         notes = history(catalog.runs(project, job), catalog.events(project, job, limit=100_000))
         return {"total": len(found), "offset": offset, "limit": limit,
-                "snapshots": [{**asdict(s), "notes": notes.get(s.id, [])}
+                "snapshots": [{**s.to_json(), "notes": notes.get(s.id, [])}
                               for s in found[offset:offset + limit]]}
 
     @app.put("/v1/projects/{project}/jobs/{job}/runs/{run_id}", tags=["snapshots"])
@@ -227,13 +226,14 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         found = catalog.latest(project, job)
         if found is None:
             raise ApiError(404, "not_found", f"job {project}/{job} has no snapshot")
-        return asdict(found)
+        return found.to_json()
 
     @app.get("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
     def snapshot(info: Caller, project: str, snapshot_id: str
                  ) -> dict[str, Any]:
         allow(info, project, "reader")
-        return asdict(_resolve(project, snapshot_id))
+        found: SnapshotInfo = _resolve(project, snapshot_id)
+        return found.to_json()
 
     @app.delete("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
     def delete_snapshot(info: Caller, project: str, snapshot_id: str,

@@ -30,7 +30,7 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
     recorded them (nothing read), else computed for up to ``STATS_MAX_BYTES``."""
     with _ONE_AT_A_TIME:
         rows = look.tensors(repo, info, compute=True, compute_max_bytes=STATS_MAX_BYTES)
-    return {"id": info.id, "step": info.step, "health": info.health,
+    return {"id": info.id, "step": info.step, "health": info.to_json()["health"],
             "tensors": [r.to_json() for r in rows],
             "stats": all(r.stats is not None or not look.is_float_dtype(r.dtype) for r in rows),
             "computed": any(r.computed for r in rows), "stats_limit_bytes": STATS_MAX_BYTES}
