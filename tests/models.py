@@ -34,3 +34,14 @@ def model_opt(*widths: int, seed: int | None = 0,
     if optimizer is torch.optim.SGD:
         options.setdefault("lr", 0.1)
     return model, optimizer(model.parameters(), **options)
+
+
+def model_opt_stepped(*widths: int, batch: int, seed: int | None = 0,
+                      optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
+                      **options: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model_opt(...)`` after one step, so that the optimizer has state: the sum of the
+    model's output for ``torch.randn(batch, widths[0])``, backward, ``optimizer.step()``."""
+    model, opt = model_opt(*widths, seed=seed, optimizer=optimizer, **options)
+    model(torch.randn(batch, widths[0])).sum().backward()
+    opt.step()
+    return model, opt

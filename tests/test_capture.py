@@ -15,6 +15,7 @@ from ciuic.restore.match import match_model_state
 from ciuic.state.capture import capture
 
 
+# not tests/models.py's: a BatchNorm's buffers, a scheduler and a GradScaler are captured too
 def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object, torch.amp.GradScaler]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))

@@ -20,6 +20,7 @@ from ciuic.format.crypto import ObjectCodec
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+# not tests/models.py's: on the GPU, with a GELU and Adam that may be capturable
 def setup(width: int = 1024, capturable: bool = False
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from ciuic.engine.own_thread import OwnThread
 from ciuic.state.capture import capture
 from ciuic.store.local import LocalStore
 from ciuic.threads import lower_priority
+from tests.models import model_opt_stepped
 
 
 def rss_bytes() -> int:
@@ -27,13 +28,7 @@ def rss_bytes() -> int:
 
 
 def setup(width: int = 256) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    loss = model(torch.randn(2, width)).sum()
-    loss.backward()
-    opt.step()
-    return model, opt
+    return model_opt_stepped(width, width, 4, batch=2, optimizer=torch.optim.Adam, lr=0.01)
 
 
 def test_snapshot_holds_the_values_of_the_call_not_later_ones(store_dir: Path) -> None:

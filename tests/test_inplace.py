@@ -16,6 +16,7 @@ from ciuic.chain.read import chunk_refs, read_body
 from ciuic.format.layout import chunk_key
 
 
+# not tests/models.py's: a ReLU between the layers (keys 0.* and 2.*, as ``other`` below)
 def trained(seed: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 64))

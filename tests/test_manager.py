@@ -7,6 +7,7 @@ import inspect
 import logging
 import time
 import typing
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,9 @@ from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key
+from tests import models
 
-
-def model_and_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model_and_opt = partial(models.model_opt, 32, 64, 8, momentum=0.9)
 
 
 def one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:

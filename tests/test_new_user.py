@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -26,15 +27,10 @@ from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
 from tests.conftest import run_train
-from tests.models import model_opt
+from tests.models import model_opt_stepped
 from tests.serverutil import cli, new_key, serve
 
-
-def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
-    model, opt = model_opt(4, 2)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return model, opt
+model_and_opt = partial(model_opt_stepped, 4, 2, batch=3)
 
 
 def ciuic_cli(store: Path, *args: str, columns: int = 200, **env: str

@@ -13,6 +13,7 @@ from ciuic import SnapshotManager, faults
 from tests.models import linear
 
 
+# not tests/models.py's: a BatchNorm, whose buffers the overlapped copy holds as well
 def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Linear(512, 8))

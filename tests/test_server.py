@@ -53,6 +53,7 @@ def test_apikey_cli_shows_the_key_once_and_stores_only_its_hash(tmp_path: Path) 
     assert actions == ["apikey.revoke", "apikey.create"]
 
 
+# not tests/models.py's: a ReLU between the layers (the tests name model[2])
 def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))

@@ -134,14 +134,14 @@ def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) ->
     from torch.distributed.fsdp import fully_shard
 
     from ciuic import SnapshotManager
+    from tests.models import linear
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29733")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(8, 5), nn.Linear(5, 3))
+            model = linear(8, 5, 3)
             fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
             return model, torch.optim.Adam(model.parameters(), lr=0.1)
 

@@ -116,6 +116,7 @@ class Counter:
         self.step = int(state["step"])
 
 
+# not tests/models.py's: torchtitan's optimizer, scheduler and loader around a Dropout model
 def parts(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
