@@ -152,11 +152,9 @@ class _Reader:
         served = self.store.children(layout.PROJECTS)  # a server's storage: its projects
         if job is None:
             where = [(self.store, layout.jobs_prefix(), served),
-                     *((LocalStore(self.store.root / layout.PROJECTS / p), layout.jobs_prefix(p),
-                        []) for p in served)]
+                     *((self._served(p), layout.jobs_prefix(p), []) for p in served)]
         elif job[0] in served:
-            where = [(LocalStore(self.store.root / layout.PROJECTS / job[0]),
-                      layout.job_prefix(*job), [])]
+            where = [(self._served(job[0]), layout.job_prefix(*job), [])]
         else:
             where = [(self.store, layout.job_prefix(*job), [])]
         listed: dict[tuple[str, str], set[str]] = {}
@@ -180,6 +178,10 @@ class _Reader:
             if not listed.get(name, set()) <= known:
                 return False  # sync_job adds it
         return True
+
+    def _served(self, project: str) -> LocalStore:
+        """The store a server keeps ``project`` in: ``projects/<project>/`` of this one."""
+        return LocalStore(self.store.root / layout.PROJECTS / project)
 
     def jobs(self) -> list[dict[str, Any]]:
         """As ``Catalog.jobs``."""
