@@ -20,7 +20,8 @@ from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError, SnapshotNotFound
 from ciuic.format import manifest as mf
 from ciuic.format import stats as st
-from ciuic.format.shards import assemble
+from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.shards import Written, assemble
 from ciuic.format.tree import Leaf, walk_leaves
 from ciuic.restore import inspect
 from ciuic.restore.diff import diff
@@ -103,9 +104,9 @@ def test_sharded_descriptors_combine_their_shards_statistics() -> None:
     written = []
     for off, part in ((0, whole[:6]), (6, whole[6:])):
         s = st.compute(part.reshape(-1))
-        written.append({"path": "model/w", "offsets": [off, 0], "desc": {
-            "dtype": "float32", "shape": list(part.shape), "nbytes": part.numel() * 4,
-            "inline": "", "stats": s.to_json()}})
+        written.append(Written("model/w", [off, 0], TensorDescriptor(
+            dtype="float32", shape=tuple(part.shape), nbytes=part.numel() * 4, inline="",
+            stats=s.to_json())))
     assemble([leaf], written)
     assert all("stats" in s for s in leaf.descriptor["shards"])  # type: ignore[union-attr]
     _check(st.of_descriptor(leaf.descriptor), whole)

@@ -15,7 +15,7 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.writer import ChunkCache, write_leaves
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format.crypto import ObjectCodec
-from ciuic.format.shards import assemble, meta_of, plan
+from ciuic.format.shards import Written, assemble, meta_of, plan
 from ciuic.format.tree import Leaf
 from ciuic.restore.boxread import read_box
 
@@ -39,7 +39,7 @@ def sharded_leaf(repo: Repository, full: torch.Tensor, grid: list[int]) -> Leaf:
         pieces.append(Leaf("model/w", local, {}, (shape, off)))
     write_leaves(repo, pieces, ChunkCache(), ObjectCodec())
     glob = Leaf("model/w", torch.empty(0), {}, (shape, [0] * len(shape)))
-    assemble([glob], [{"path": "model/w", "offsets": p.shard[1], "desc": dict(p.descriptor)}
+    assemble([glob], [Written("model/w", p.shard[1], p.described)  # type: ignore[arg-type]
                       for p in pieces if p.shard is not None])
     return glob
 
@@ -53,10 +53,10 @@ def test_any_box_of_a_sharded_tensor_reads_back_exactly(tmp_path: Path,
         leaf = sharded_leaf(repo, full, [3, 2])
     assert len(leaf.descriptor["shards"]) == 6
     with ThreadPoolExecutor(4) as pool:
-        assert torch.equal(read_box(repo, "model/w", leaf.descriptor, None, None, pool), full)
+        assert torch.equal(read_box(repo, "model/w", leaf.described, None, None, pool), full)  # type: ignore[arg-type]
         for grid in ([3, 2], [2, 1], [4, 1], [1, 3], [5, 4], [37, 1]):  # same and other layouts
             for off, size in boxes([37, 23], grid):
-                got = read_box(repo, "model/w", leaf.descriptor, off, size, pool)
+                got = read_box(repo, "model/w", leaf.described, off, size, pool)  # type: ignore[arg-type]
                 want = full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
                 assert torch.equal(got, want), (grid, off, size)
     repo.close()
@@ -76,7 +76,7 @@ def test_a_box_reads_only_the_chunks_that_hold_it(tmp_path: Path) -> None:
 
     repo.store.get_into = counting  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:
-        got = read_box(repo, "model/w", leaf.descriptor, [8, 0], [8, 16], pool)
+        got = read_box(repo, "model/w", leaf.described, [8, 0], [8, 16], pool)  # type: ignore[arg-type]
     assert torch.equal(got, full[8:16])
     assert len(reads) == 2  # rows 8-15: chunks 2 and 3 of 16
     repo.close()
@@ -89,8 +89,7 @@ def test_shards_that_do_not_tile_the_tensor_are_refused(tmp_path: Path) -> None:
     write_leaves(repo, pieces, ChunkCache(), ObjectCodec())
     glob = Leaf("model/w", torch.empty(0), {}, ([8, 4], [0, 0]))
     with pytest.raises(IntegrityError, match="cover 16 of 32"):
-        assemble([glob], [{"path": "model/w", "offsets": [0, 0],
-                           "desc": dict(pieces[0].descriptor)}])
+        assemble([glob], [Written("model/w", [0, 0], pieces[0].described)])  # type: ignore[arg-type]
     repo.close()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ciuic.chain.health import HealthTracker
 from ciuic.chain.repo import Repository, cached_catalog_url
-from ciuic.chain.writer import ChunkCache, write_snapshot
+from ciuic.chain.writer import ChunkCache, SnapshotWrite, write_snapshot
 from ciuic.engine.compression import CompressionPolicy
 from ciuic.errors import ConfigurationError, SnapshotNotFound
 from ciuic.format.crypto import ObjectCodec
@@ -83,11 +83,11 @@ class CiuicClient:
         states = {str(k): encode(v, str(k), leaves) for k, v in data.items()}
         metrics = {str(k): v for k, v in data.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        m, sid = write_snapshot(self._repo, self.project, self.job, step,
-                                latest.id if latest is not None else "",
-                                Captured(states=states, leaves=leaves, metrics=metrics),
-                                self._cache, codec=self._codec, compression=self._compression,
-                                health=self._health)
+        m, sid = write_snapshot(
+            SnapshotWrite(self._repo, self.project, self.job, step,
+                          latest.id if latest is not None else "", self._cache,
+                          codec=self._codec, compression=self._compression, health=self._health),
+            Captured(states=states, leaves=leaves, metrics=metrics))
         return {"id": sid, "step": m.step, "created": m.created}
 
     def get_latest_snapshot(self) -> dict[str, Any]:

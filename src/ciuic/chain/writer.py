@@ -17,7 +17,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format import stats as st
 from ciuic.format.crypto import ObjectCodec
+from ciuic.format.descriptor import ChunkRef, TensorDescriptor
 from ciuic.format.layout import commit_lock_name
 from ciuic.format.tree import Leaf, dtype_name
 from ciuic.state.capture import Captured
@@ -88,19 +89,6 @@ def _raw(flat: torch.Tensor | np.ndarray) -> memoryview:
             return memoryview(b"")
         return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
-
-
-def leaf_bytes(leaf: Leaf) -> memoryview:
-    """The raw little-endian bytes of a leaf, without copying when already contiguous on CPU."""
-    return _raw(_flat(leaf))
-
-
-def _describe(leaf: Leaf) -> dict[str, Any]:
-    v = leaf.value
-    if isinstance(v, torch.Tensor):
-        return {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
-    dt = v.dtype.newbyteorder("<") if v.dtype.byteorder == ">" else v.dtype
-    return {"dtype": dt.str, "shape": list(v.shape)}
 
 
 class _ChunkWriter:
@@ -267,172 +255,247 @@ def _itemsize(flat: torch.Tensor | np.ndarray) -> int:
     return flat.element_size() if isinstance(flat, torch.Tensor) else int(flat.itemsize)
 
 
+class _Described:
+    """One chunked leaf being written: its bytes, cut into pieces, and what its descriptor
+    gathers as the pieces are named (their chunk references and, for a float leaf, their
+    statistics)."""
+
+    def __init__(self, leaf: Leaf, flat: torch.Tensor | np.ndarray, data: memoryview,
+                 floats: bool, chunk_bytes: int) -> None:
+        self.leaf = leaf
+        self.flat = flat
+        self.data = data
+        size = _itemsize(flat)
+        #: a float leaf's statistics reduced piece by piece (a piece holds whole elements),
+        #: else over the whole leaf once its pieces are queued
+        self.by_piece = floats and chunk_bytes % size == 0
+        self.whole = floats and not self.by_piece
+        self.refs: list[ChunkRef] = []
+        self.stats: list[st.Stats | None] = []
+        self.whole_stats: st.Stats | None = None
+        split = ck.split(len(data), chunk_bytes)
+        hints = (leaf.digests[1] if leaf.digests is not None and leaf.digests[0] == chunk_bytes
+                 and len(leaf.digests[1]) == len(split) else [None] * len(split))
+        kind = float_kind(leaf.value)
+        self.pieces = [_Piece(data[off:off + n], kind, hint, self,
+                              flat[off // size:(off + n) // size] if self.by_piece else None)
+                       for (off, n), hint in zip(split, hints, strict=True)]
+
+    def named(self, ref: ChunkRef, stats: st.Stats | None) -> None:
+        """A piece was named (in order): its chunk and its statistics."""
+        self.refs.append(ref)
+        self.stats.append(stats)
+
+    def descriptor(self) -> TensorDescriptor:
+        """The leaf's descriptor, once every piece is named."""
+        stats = st.combine(self.stats) if self.by_piece else self.whole_stats
+        return TensorDescriptor(**_layout(self.leaf), nbytes=len(self.data),
+                                chunks=tuple(self.refs),
+                                stats=None if stats is None else stats.to_json())
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One chunk's worth of a leaf's bytes: the unit the writer names and writes."""
+
+    data: memoryview
+    #: the float codec's kind (format/chunks: compressible floats), or None
+    kind: tuple[str, int] | None
+    #: its digest, where staging found these bytes unchanged since the last snapshot
+    known: str | None
+    owner: _Described
+    #: its elements, when the owner's statistics are reduced piece by piece
+    span: torch.Tensor | np.ndarray | None
+
+
+class _Namer:
+    """Names a batch of pieces (and queues the writes of those the store lacks) on a naming
+    thread, and reduces each float piece's statistics, unless the last snapshot already
+    reduced the same bytes (same digest, same dtype)."""
+
+    def __init__(self, writer: _ChunkWriter, seen: dict[tuple[str, str], st.Stats]) -> None:
+        self.writer = writer
+        self.seen = seen
+        self.reduced: dict[tuple[str, str], st.Stats] = {}  # this snapshot's, for the next
+
+    def __call__(self, batch: list[_Piece]) -> list[tuple[ChunkRef, int, st.Stats | None]]:
+        out: list[tuple[ChunkRef, int, st.Stats | None]] = []
+        named = self.writer([(p.data, p.kind, p.known) for p in batch])
+        for piece, (d, wrote) in zip(batch, named, strict=True):
+            ref = ChunkRef(d, len(piece.data))
+            if piece.span is None:
+                out.append((ref, wrote, None))
+                continue
+            key = (d, str(piece.span.dtype))
+            got = self.seen.get(key) or self.reduced.get(key)
+            if got is None:
+                got = st.compute(piece.span)
+            self.reduced[key] = got
+            out.append((ref, wrote, got))
+        return out
+
+
+def _layout(leaf: Leaf) -> dict[str, Any]:
+    """A leaf's dtype (the format's name, little-endian) and shape."""
+    v = leaf.value
+    if isinstance(v, torch.Tensor):
+        return {"dtype": dtype_name(v.dtype), "shape": tuple(v.shape)}
+    dt = v.dtype.newbyteorder("<") if v.dtype.byteorder == ">" else v.dtype
+    return {"dtype": dt.str, "shape": tuple(v.shape)}
+
+
+class Written(NamedTuple):
+    """What :func:`write_leaves` wrote: the state's bytes, those of its new chunks, and what
+    the new chunks take in the store (compressed)."""
+
+    total: int
+    new: int
+    stored: int
+
+
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
                  codec: ObjectCodec, compression: CompressionPolicy | None = None,
-                 stats: bool = True) -> tuple[int, int, int]:
-    """Store every leaf's chunks the store lacks; fill descriptors. Returns the bytes of the
-    state, of its new chunks, and what those new chunks take in the store (compressed).
+                 stats: bool = True) -> Written:
+    """Store every leaf's chunks the store lacks and set each leaf's descriptor.
 
-    A leaf's chunks whose digests staging found unchanged (``Leaf.digests``) are not hashed
-    again. With ``stats``, every float leaf's descriptor gets its statistics
-    (:mod:`ciuic.format.stats`), reduced piece by piece on the threads that hash the pieces; a
-    piece the last snapshot already reduced (same digest, same dtype) is not reduced again."""
+    A small leaf is inlined; a larger one is cut into pieces (:class:`_Piece`) that are named
+    and written in batches on the naming threads. A leaf's chunks whose digests staging found
+    unchanged (``Leaf.digests``) are not hashed again. With ``stats``, every float leaf's
+    descriptor gets its statistics (:mod:`ciuic.format.stats`), reduced piece by piece on the
+    threads that hash the pieces; a piece the last snapshot already reduced (same digest, same
+    dtype) is not reduced again."""
     k = knobs.get()
-    total = new = 0
     compression = compression or CompressionPolicy("off")
     compression.start_snapshot()
-    pieces: list[memoryview] = []
-    kinds: list[tuple[str, int] | None] = []
-    known: list[str | None] = []  # each piece's digest where staging found it unchanged
-    owners: list[dict[str, Any]] = []
-    spans: list[torch.Tensor | np.ndarray | None] = []  # each piece's elements, when float
-    chunked: list[tuple[Leaf, dict[str, Any], bool]] = []  # (leaf, desc, stats by piece)
-    whole: list[tuple[dict[str, Any], torch.Tensor | np.ndarray]] = []  # reduced in one go
+    total = new = 0
+    chunked: list[_Described] = []
     for leaf in leaves:
         flat = _flat(leaf)
         data = _raw(flat)
-        desc = leaf.descriptor  # filled in place: the state tree holds this dict
-        desc.clear()
-        desc.update(_describe(leaf))
-        desc["nbytes"] = len(data)
         total += len(data)
         floats = stats and st.is_float(flat)
-        size = _itemsize(flat)
         if len(data) <= k.inline_max_bytes:
-            desc["inline"] = base64.b64encode(data).decode("ascii")
-            if floats:
-                desc["stats"] = st.compute(flat).to_json()
+            leaf.describe(TensorDescriptor(
+                **_layout(leaf), nbytes=len(data),
+                inline=base64.b64encode(data).decode("ascii"),
+                stats=st.compute(flat).to_json() if floats else None))
         else:
-            desc["chunks"] = []
-            by_piece = floats and k.chunk_bytes % size == 0
-            chunked.append((leaf, desc, by_piece))
-            if floats and not by_piece:
-                whole.append((desc, flat))
-            kind = float_kind(leaf.value)
-            split = ck.split(len(data), k.chunk_bytes)
-            hints = (leaf.digests[1] if leaf.digests is not None
-                     and leaf.digests[0] == k.chunk_bytes and len(leaf.digests[1]) == len(split)
-                     else [None] * len(split))
-            for (off, n), hint in zip(split, hints, strict=True):
-                pieces.append(data[off:off + n])
-                kinds.append(kind)
-                known.append(hint)
-                owners.append(desc)
-                spans.append(flat[off // size:(off + n) // size] if by_piece else None)
-        leaf.digests = None  # set again below, once every chunk is named
-    seen = cache.stats
-    reduced: dict[tuple[str, str], st.Stats] = {}
-
-    def write(batch: list[int]) -> list[tuple[str, int, st.Stats | None]]:
-        out: list[tuple[str, int, st.Stats | None]] = []
-        for i, (d, wrote) in zip(batch, writer([(pieces[i], kinds[i], known[i]) for i in batch]),
-                                 strict=True):
-            span = spans[i]
-            if span is None:
-                out.append((d, wrote, None))
-                continue
-            key = (d, str(span.dtype))
-            got = seen.get(key) or reduced.get(key)
-            if got is None:
-                got = reduced[key] = st.compute(span)
-            else:
-                reduced[key] = got
-            out.append((d, wrote, got))
-        return out
-
-    by_desc: dict[int, list[st.Stats | None]] = {}
+            chunked.append(_Described(leaf, flat, data, floats, k.chunk_bytes))
+        leaf.digests = None  # set again below, once every chunk is named (read above)
+    pieces = [p for d in chunked for p in d.pieces]
     # new threads inherit the caller's priority: lowered under an asynchronous snapshot's
-    # writer, normal under a synchronous one (engine/background.py)
+    # writer, normal under a synchronous one (manager/pipeline.py)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-write") as io, \
             ThreadPoolExecutor(naming_threads(), thread_name_prefix="ciuic-chunk") as pool:
         writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads)
         if repo.store.batch_missing and pieces:
-            writer.ask_in_one_batch(pieces, known, pool)
-        batches = _batches([len(p) for p in pieces])
-        for batch, named in zip(batches, pool.map(write, batches), strict=True):
-            for i, (d, wrote, piece_stats) in zip(batch, named, strict=True):
-                desc = owners[i]
-                desc["chunks"].append([d, len(pieces[i])])
-                by_desc.setdefault(id(desc), []).append(piece_stats)
+            writer.ask_in_one_batch([p.data for p in pieces], [p.known for p in pieces], pool)
+        namer = _Namer(writer, cache.stats)
+        batches = [[pieces[i] for i in b] for b in _batches([len(p.data) for p in pieces])]
+        for batch, named in zip(batches, pool.map(namer, batches), strict=True):
+            for piece, (ref, wrote, piece_stats) in zip(batch, named, strict=True):
+                piece.owner.named(ref, piece_stats)
                 new += wrote
-        for desc, flat in whole:
-            desc["stats"] = st.compute(flat).to_json()
+        for d in chunked:  # while the last writes run
+            if d.whole:
+                d.whole_stats = st.compute(d.flat)
         writer.drain()  # (on an error above, leaving the pools waits for the queued writes)
-    cache.stats = reduced
-    for leaf, desc, by_piece in chunked:
-        leaf.digests = (k.chunk_bytes, [d for d, _ in desc["chunks"]])
-        combined = st.combine(by_desc[id(desc)]) if by_piece else None
-        if combined is not None:
-            desc["stats"] = combined.to_json()
-    return total, new, writer.stored_bytes
+    cache.stats = namer.reduced
+    for d in chunked:
+        d.leaf.describe(d.descriptor())
+        d.leaf.digests = (k.chunk_bytes, [r.digest for r in d.refs])
+    return Written(total, new, writer.stored_bytes)
 
 
-def write_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
-                   captured: Captured, cache: ChunkCache, world_size: int = 1,
-                   lease: Lease | None = None, codec: ObjectCodec | None = None,
-                   compression: CompressionPolicy | None = None,
-                   health: HealthTracker | None = None) -> tuple[mf.Manifest, str]:
-    """Persist ``captured`` as a snapshot of ``project/job`` and commit it. With ``health``,
-    its tensors' statistics are computed and its health judged (chain/health.py).
+@dataclass(frozen=True)
+class SnapshotWrite:
+    """Where one snapshot goes and how it is written: what the writer and the commit need
+    besides the state. Each pipeline (manager/pipeline.py, manager/ranked.py) builds one per
+    snapshot; ``ciuic_client`` builds its own."""
 
-    Returns (manifest, snapshot ID).
-    """
-    store = repo.store
-    with InflightSave(store) as inflight:
-        cache.sync(inflight.epoch)
-        codec = codec or ObjectCodec()
-        total, new, _stored = write_leaves(repo, captured.leaves, cache, codec, compression,
-                                           stats=health is not None)
+    repo: Repository
+    project: str
+    job: str
+    step: int
+    #: the snapshot this one links to; "" for the first of a lineage
+    parent: str
+    cache: ChunkCache
+    codec: ObjectCodec = field(default_factory=ObjectCodec)
+    compression: CompressionPolicy | None = None
+    #: with a tracker, the tensors' statistics are computed and the snapshot's health judged
+    health: HealthTracker | None = None
+    #: the job's lease: a process that was taken over never commits
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotContent:
+    """What a commit records besides the chunks: the body's state trees (their descriptors
+    set), the metrics, and the counts the manifest carries."""
+
+    states: dict[str, Any]
+    metrics: dict[str, Any]
+    tensors: int
+    total_bytes: int
+    new_bytes: int
+    world_size: int = 1
+    #: a multi-rank body (format 2: sharded descriptors, per-rank states)
+    distributed: bool = False
+
+
+def write_snapshot(w: SnapshotWrite, captured: Captured) -> tuple[mf.Manifest, str]:
+    """Persist ``captured`` as a snapshot and commit it. Returns (manifest, snapshot ID)."""
+    with InflightSave(w.repo.store) as inflight:
+        w.cache.sync(inflight.epoch)
+        written = write_leaves(w.repo, captured.leaves, w.cache, w.codec, w.compression,
+                               stats=w.health is not None)
         failpoint("chunks.sync")
-        store.sync()  # every chunk durable before anything refers to it
-        return commit_snapshot(repo, project, job, step, parent, captured.states,
-                               captured.metrics, len(captured.leaves), total, new,
-                               world_size=world_size, lease=lease, codec=codec, health=health)
+        w.repo.store.sync()  # every chunk durable before anything refers to it
+        return commit_snapshot(w, SnapshotContent(
+            captured.states, captured.metrics, len(captured.leaves), written.total,
+            written.new))
 
 
-def commit_snapshot(repo: Repository, project: str, job: str, step: int, parent: str,
-                    states: dict[str, Any], metrics: dict[str, Any], tensors: int, total: int,
-                    new: int, *, world_size: int = 1, lease: Lease | None = None,
-                    codec: ObjectCodec | None = None, distributed: bool = False,
-                    health: HealthTracker | None = None) -> tuple[mf.Manifest, str]:
+def commit_snapshot(w: SnapshotWrite, content: SnapshotContent) -> tuple[mf.Manifest, str]:
     """Write the body, then the manifest (the commit point), then the catalog row. Every chunk
-    the states reference must already be durable. With ``health``, the manifest records the
+    the states reference must already be durable. With ``w.health``, the manifest records the
     snapshot's health, judged against the recent chain."""
-    store = repo.store
-    codec = codec or ObjectCodec()
+    repo, store, codec, health = w.repo, w.repo.store, w.codec, w.health
     verdict = None
     if health is not None:
         try:
-            verdict = health.judge(repo, project, job, parent, states, metrics)
+            verdict = health.judge(repo, w.project, w.job, w.parent, content.states,
+                                   content.metrics)
         except Exception:  # advisory: a defect in judging never loses the snapshot
             log.exception("snapshot health could not be judged; the snapshot is written "
                           "without a verdict (please report this)")
-    body = mf.encode_body(states, distributed=distributed)
+    body = mf.encode_body(content.states, distributed=content.distributed)
     body_digest = codec.name(body)
     failpoint("body.put")
-    bkey = layout.body_key(project, job, body_digest)
+    bkey = layout.body_key(w.project, w.job, body_digest)
     store.put(bkey, codec.meta(bkey, body))
     m = mf.Manifest(
-        project=project, job=job, step=step, parent=parent, created=mf.utc_now(),
-        body=body_digest, body_bytes=len(body), total_bytes=total, new_bytes=new,
-        tensors=tensors, world_size=world_size, metrics=metrics, health=verdict,
+        project=w.project, job=w.job, step=w.step, parent=w.parent, created=mf.utc_now(),
+        body=body_digest, body_bytes=len(body), total_bytes=content.total_bytes,
+        new_bytes=content.new_bytes, tensors=content.tensors, world_size=content.world_size,
+        metrics=content.metrics, health=verdict,
     )
     data = m.encode()
     sid = codec.name(data)
     # commit only after every chunk and the body are durable
     failpoint("manifest.create")
-    key = layout.manifest_key(project, job, sid)
-    with store.lock(commit_lock_name(project, job)):
-        if lease is not None:
-            check_lease(store, lease)  # a process that was taken over never commits
+    key = layout.manifest_key(w.project, w.job, sid)
+    with store.lock(commit_lock_name(w.project, w.job)):
+        if w.lease is not None:
+            check_lease(store, w.lease)  # a process that was taken over never commits
         # An existing manifest with our exact bytes (salted body, microsecond time) can
         # only be ours: a create that succeeded but whose reply was lost, then retried.
         if not store.create(key, codec.meta(key, data)) and repo.open_meta(
                 key, store.get(key))[0] != data:
             raise StoreError(f"{store.location(key)} exists with other content")
     if health is not None and verdict is not None:
-        health.committed(sid, metrics, verdict.healthy)
-        health.warn(project, job, step)
+        health.committed(sid, content.metrics, verdict.healthy)
+        health.warn(w.project, w.job, w.step)
     failpoint("catalog.insert")
     repo.catalog.add_snapshot(m, sid)
     return m, sid

@@ -22,6 +22,7 @@ import torch
 from ciuic.chain.read import READ_THREADS
 from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError, StateMismatch
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.tree import (
     decode,
     dtensor_shard,
@@ -147,10 +148,11 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
         def one(path: str) -> torch.Tensor:
             t = live[path]
             shard = dtensor_shard(t, path)  # this rank's box of a DTensor; else the whole
+            desc = TensorDescriptor.from_json(saved[path], path)
             if shard is None:
-                return read_box(repo, path, saved[path], None, None, pool)
+                return read_box(repo, path, desc, None, None, pool)
             local = list(t.to_local().shape)  # type: ignore[attr-defined]
-            return read_box(repo, path, saved[path], shard[1], local, pool)
+            return read_box(repo, path, desc, shard[1], local, pool)
 
         futures = {p: tensors.submit(one, p) for p in sorted(live)}
         for p, fut in futures.items():

@@ -22,20 +22,18 @@ import logging
 from typing import Any
 
 from ciuic.chain.gc import InflightSave
-from ciuic.chain.health import HealthTracker
-from ciuic.chain.lease import Lease
-from ciuic.chain.repo import Repository
-from ciuic.chain.writer import ChunkCache, commit_snapshot, write_leaves
+from ciuic.chain.writer import SnapshotContent, SnapshotWrite, commit_snapshot, write_leaves
 from ciuic.distributed.collective import Collective
+from ciuic.distributed.messages import Outcome, Plan, Report
 from ciuic.distributed.plan import GLOBAL, LAYOUT, DistCaptured, leaf_key, plan_metas
-from ciuic.engine.compression import CompressionPolicy
 from ciuic.errors import CaptureError, ConfigurationError, RankError
 from ciuic.faults import failpoint
 from ciuic.format import canonical, layout
 from ciuic.format import manifest as mf
-from ciuic.format.crypto import ObjectCodec
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.digest import digest
-from ciuic.format.shards import assemble, plan
+from ciuic.format.shards import Written, assemble, plan
+from ciuic.format.tree import Leaf
 from ciuic.store import Store
 
 log = logging.getLogger("ciuic")
@@ -45,47 +43,44 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def write_dist(coll: Collective, repo: Repository, project: str, job: str, step: int,
-               parent: str, captured: DistCaptured, cache: ChunkCache, *,
-               lease: Lease | None, codec: ObjectCodec,
-               compression: CompressionPolicy, seq: int = 0,
-               health: HealthTracker | None = None) -> tuple[mf.Manifest, str, int]:
+def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: int = 0
+               ) -> tuple[mf.Manifest, str, int]:
     """The two-phase commit of one multi-rank snapshot (every rank calls it, same order).
     Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote."""
+    step, repo, cache = w.step, w.repo, w.cache
     what = f"snapshot at step {step}"
     # 1. plan (every rank comes here for every agreed snapshot, even one that already failed
     # locally: it then reports its error instead of its metas)
-    mine: dict[str, Any] = {"error": captured.error, "step": step, "seq": seq}
+    mine = Plan(step, seq, error=captured.error)
     if captured.error is None:
         try:
             names = [n for n in GLOBAL if n in captured.states]
             shape = canonical.dumps({n: captured.states[n] for n in names})
-            mine |= {"metas": plan_metas(captured),
-                     "skeleton": digest(shape)}
+            mine = Plan(step, seq, metas=plan_metas(captured), skeleton=digest(shape))
         except Exception as e:
-            mine["error"] = _error(e)
-    everyone = coll.all_gather(mine, data=True)
-    failures = {r: str(x["error"]) for r, x in enumerate(everyone) if x["error"]}
+            mine = Plan(step, seq, error=_error(e))
+    everyone = [Plan.from_json(x) for x in coll.all_gather(mine.to_json(), data=True)]
+    failures = {r: x.error for r, x in enumerate(everyone) if x.error}
     if failures:
         raise RankError(what, failures)
-    if len({(x["seq"], x["step"]) for x in everyone}) > 1:  # a safety net: never mix steps
+    if len({(x.seq, x.step) for x in everyone}) > 1:  # a safety net: never mix steps
         raise RankError(f"{what}: the ranks are out of step", {
-            r: f"at snapshot #{x['seq']}, step {x['step']}" for r, x in enumerate(everyone)})
-    odd = [r for r, x in enumerate(everyone) if x["skeleton"] != everyone[0]["skeleton"]]
+            r: f"at snapshot #{x.seq}, step {x.step}" for r, x in enumerate(everyone)})
+    odd = [r for r, x in enumerate(everyone) if x.skeleton != everyone[0].skeleton]
     if odd:
         raise CaptureError(
             f"the model/optimizer state of rank(s) {odd} differs from rank 0's in structure or "
             "in a non-tensor value (parameter names, optimizer settings such as lr): ciuic "
             "supports replicated (DDP) and DTensor-sharded (FSDP2, tensor parallel) state; "
             "save state that only some ranks hold (pipeline stages) as a per-rank extra")
-    owners = plan([x["metas"] for x in everyone])
+    owners = plan([x.metas for x in everyone])
 
     store = repo.store
     inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided
     entered = False
     try:
         # 2. write: our pieces and our per-rank states, durable
-        report: dict[str, Any]
+        report: Report
         new = 0
         try:
             inflight.__enter__()
@@ -103,59 +98,59 @@ def write_dist(coll: Collective, repo: Repository, project: str, job: str, step:
                     "this rank's layout did not. This snapshot fails on every rank; the next "
                     "one copies everything")
             own = [leaf for leaf in captured.leaves if id(leaf) not in glob]
-            _, new, _ = write_leaves(repo, owned + own, cache, codec, compression,
-                                     stats=health is not None)
+            new = write_leaves(repo, owned + own, cache, w.codec, w.compression,
+                               stats=w.health is not None).new
             failpoint("chunks.sync")
             store.sync()
             failpoint("dist.written")
-            report = {
-                "error": None, "new": new, "tensors": len(own),
-                "own_bytes": sum(leaf.nbytes for leaf in own),
-                "written": [{"path": leaf.path, "offsets": leaf.shard[1] if leaf.shard else None,
-                             "desc": leaf.descriptor} for leaf in owned],
-                "states": {n: captured.states[n] for n in captured.rank_names},
-            }
+            report = Report(
+                new=new, tensors=len(own), own_bytes=sum(leaf.nbytes for leaf in own),
+                written=[Written(leaf.path, leaf.shard[1] if leaf.shard else None,
+                                 _described(leaf)) for leaf in owned],
+                states={n: captured.states[n] for n in captured.rank_names})
         except Exception as e:
-            report = {"error": _error(e)}
-        reports = coll.gather(report, data=True)
+            report = Report(error=_error(e))
+        reports = coll.gather(report.to_json(), data=True)
         # 3. commit (coordinator), then everyone learns the outcome
-        outcome: dict[str, Any] | None = None
+        decided: dict[str, Any] | None = None
         if reports is not None:
-            outcome = _commit(repo, project, job, step, parent, captured, reports,
-                              coll.world_size, lease, codec, health)
-        outcome = coll.broadcast(outcome, data=True)
+            decided = _commit(w, captured, [Report.from_json(r) for r in reports],
+                              coll.world_size).to_json()
+        outcome = Outcome.from_json(coll.broadcast(decided, data=True))
     finally:
         if entered:
             inflight.__exit__(None, None, None)
-    assert outcome is not None
-    if outcome["failures"]:
-        raise RankError(what, {int(r): str(msg) for r, msg in outcome["failures"].items()})
-    m = mf.Manifest.decode(str(outcome["manifest"]).encode())
-    return m, str(outcome["sid"]), new
+    if outcome.failures:
+        raise RankError(what, outcome.failures)
+    m = mf.Manifest.decode(outcome.manifest.encode())
+    return m, outcome.sid, new
 
 
-def _commit(repo: Repository, project: str, job: str, step: int, parent: str,
-            captured: DistCaptured, reports: list[dict[str, Any]], world_size: int,
-            lease: Lease | None, codec: ObjectCodec,
-            health: HealthTracker | None = None) -> dict[str, Any]:
-    failures = {str(r): str(rep["error"]) for r, rep in enumerate(reports) if rep["error"]}
+def _described(leaf: Leaf) -> TensorDescriptor:
+    if leaf.described is None:  # a programming error: write_leaves describes every leaf
+        raise AssertionError(f"{leaf.path} was written but not described")
+    return leaf.described
+
+
+def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
+            world_size: int) -> Outcome:
+    failures = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if failures:
-        return {"failures": failures}
+        return Outcome(failures)
     try:
-        assemble(captured.global_leaves, [w for rep in reports for w in rep["written"]])
+        assemble(captured.global_leaves, [piece for rep in reports for piece in rep.written])
         states: dict[str, Any] = {n: captured.states[n] for n in GLOBAL if n in captured.states}
-        states["ranks"] = [rep["states"] for rep in reports]
+        states["ranks"] = [rep.states for rep in reports]
         states["dist"] = {"layout": LAYOUT, "world_size": world_size}
-        total = sum(int(leaf.descriptor["nbytes"]) for leaf in captured.global_leaves)
-        total += sum(int(rep["own_bytes"]) for rep in reports)
-        tensors = len(captured.global_leaves) + sum(int(rep["tensors"]) for rep in reports)
-        m, sid = commit_snapshot(repo, project, job, step, parent, states, captured.metrics,
-                                 tensors, total, sum(int(rep["new"]) for rep in reports),
-                                 world_size=world_size, lease=lease, codec=codec,
-                                 distributed=True, health=health)
+        total = sum(_described(leaf).nbytes for leaf in captured.global_leaves)
+        total += sum(rep.own_bytes for rep in reports)
+        tensors = len(captured.global_leaves) + sum(rep.tensors for rep in reports)
+        m, sid = commit_snapshot(w, SnapshotContent(
+            states, captured.metrics, tensors, total, sum(rep.new for rep in reports),
+            world_size=world_size, distributed=True))
     except Exception as e:
-        return {"failures": {"0": _error(e)}}
-    return {"failures": {}, "sid": sid, "manifest": m.encode().decode()}
+        return Outcome({0: _error(e)})
+    return Outcome(sid=sid, manifest=m.encode().decode())
 
 
 # -- restore ---------------------------------------------------------------------------------

@@ -21,12 +21,15 @@ global tensor exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ciuic.errors import CaptureError, IntegrityError
+from ciuic.format.descriptor import Shard, TensorDescriptor
 from ciuic.format.stats import of_descriptor
 from ciuic.format.tree import Leaf, dtype_name, torch_dtype
 
@@ -89,24 +92,32 @@ def plan(metas: list[list[Meta]]) -> dict[str, int]:
     return owners
 
 
-def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
-    """Fill the coordinator's global-state descriptors (in place) from every owner's.
+@dataclass(frozen=True)
+class Written:
+    """One global piece as its owner wrote it: the tensor's path, the box's offsets (None for
+    a plain tensor) and its descriptor (dtype, local shape, nbytes, chunks or inline)."""
 
-    ``leaves``: the coordinator's leaves of the global states (their descriptors are the tree's);
-    ``written``: one ``{"path", "offsets", "desc"}`` per piece, ``desc`` as its owner wrote it
-    (dtype, local shape, nbytes, chunks or inline).
+    path: str
+    offsets: list[int] | None
+    desc: TensorDescriptor
+
+
+def assemble(leaves: list[Leaf], written: list[Written]) -> None:
+    """Set the coordinator's global-state descriptors from every owner's pieces.
+
+    ``leaves``: the coordinator's leaves of the global states (their descriptors are the
+    tree's); ``written``: every owner's pieces.
     """
-    plain: dict[str, dict[str, Any]] = {}
-    sharded: dict[str, list[dict[str, Any]]] = {}
+    plain: dict[str, TensorDescriptor] = {}
+    sharded: dict[str, list[tuple[str, Shard]]] = {}  # (dtype, shard)
     for w in written:
-        if w["offsets"] is None:
-            plain[w["path"]] = dict(w["desc"])  # a copy: it may be the leaf's own descriptor
+        if w.offsets is None:
+            plain[w.path] = w.desc
         else:
-            d = w["desc"]
-            shard = {k: v for k, v in d.items()
-                     if k in ("nbytes", "chunks", "inline", "stats")}
-            sharded.setdefault(w["path"], []).append(
-                {"offsets": w["offsets"], "shape": d["shape"], "dtype": d["dtype"], **shard})
+            d = w.desc
+            sharded.setdefault(w.path, []).append((d.dtype, Shard(
+                offsets=tuple(w.offsets), shape=d.shape, nbytes=d.nbytes, inline=d.inline,
+                chunks=d.chunks, stats=d.stats)))
     for leaf in leaves:
         if leaf.shard is None:
             desc = plain.get(leaf.path)
@@ -114,37 +125,36 @@ def assemble(leaves: list[Leaf], written: list[dict[str, Any]]) -> None:
                 raise IntegrityError(f"{leaf.path}: no rank wrote this tensor")
         else:
             shape, _ = leaf.shard
-            shards = sorted(sharded.get(leaf.path, []), key=lambda s: s["offsets"])
-            check_tiling(leaf.path, shape, shards)
-            dtype = shards[0].pop("dtype")
-            for s in shards[1:]:
-                if s.pop("dtype") != dtype:
-                    raise IntegrityError(f"{leaf.path}: shards of different dtypes")
-            desc = {"dtype": dtype, "shape": shape, "shards": shards,
-                    "nbytes": math.prod(shape) * torch_dtype(dtype).itemsize}
-            whole = of_descriptor(desc)  # the shards' statistics combined, when they have any
+            pieces = sorted(sharded.get(leaf.path, []), key=lambda s: s[1].offsets)
+            check_tiling(leaf.path, shape, [s for _, s in pieces])
+            if len({dtype for dtype, _ in pieces}) > 1:
+                raise IntegrityError(f"{leaf.path}: shards of different dtypes")
+            dtype = pieces[0][0]
+            desc = TensorDescriptor(dtype=dtype, shape=tuple(shape),
+                                    nbytes=math.prod(shape) * torch_dtype(dtype).itemsize,
+                                    shards=tuple(s for _, s in pieces))
+            whole = of_descriptor(desc.to_json())  # the shards' statistics combined, if any
             if whole is not None:
-                desc["stats"] = whole.to_json()
-        leaf.descriptor.clear()
-        leaf.descriptor.update(desc)
+                desc = dataclasses.replace(desc, stats=whole.to_json())
+        leaf.describe(desc)
 
 
-def check_tiling(path: str, shape: list[int], shards: list[dict[str, Any]]) -> None:
+def check_tiling(path: str, shape: list[int], shards: list[Shard]) -> None:
     """The shards lie inside the global tensor, at distinct offsets, and their volumes add up
     to its volume (DTensor shards never overlap, so this means they tile it)."""
     if not shards:
         raise IntegrityError(f"{path}: no shard of this tensor was written")
-    volume = 0
+    volume: int = 0
     offsets = set()
     for s in shards:
-        off, size = s["offsets"], s["shape"]
+        off, size = s.offsets, s.shape
         if len(off) != len(shape) or len(size) != len(shape) or any(
                 o < 0 or n < 0 or o + n > g for o, n, g in zip(off, size, shape, strict=True)):
-            raise IntegrityError(f"{path}: shard at {off} of shape {size} lies outside the "
-                                 f"global shape {shape}")
-        if tuple(off) in offsets and math.prod(size):
-            raise IntegrityError(f"{path}: two shards at offsets {off}")
-        offsets.add(tuple(off))
+            raise IntegrityError(f"{path}: shard at {list(off)} of shape {list(size)} lies "
+                                 f"outside the global shape {shape}")
+        if off in offsets and math.prod(size) > 0:
+            raise IntegrityError(f"{path}: two shards at offsets {list(off)}")
+        offsets.add(off)
         volume += math.prod(size)
     if volume != math.prod(shape):
         raise IntegrityError(f"{path}: shards cover {volume} of {math.prod(shape)} elements")

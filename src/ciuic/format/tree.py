@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format import adapters
+from ciuic.format.descriptor import TensorDescriptor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -91,6 +92,15 @@ class Leaf:
     #: staging sets the digests of chunks that did not change since the last snapshot, so the
     #: writer does not hash them again; the writer fills in the rest.
     digests: tuple[int, list[str | None]] | None = None
+    #: the typed form of ``descriptor``, once the writer set it
+    described: TensorDescriptor | None = None
+
+    def describe(self, desc: TensorDescriptor) -> None:
+        """Set this leaf's descriptor: the state tree holds the dict, so it is filled in place,
+        once per write, from the typed record."""
+        self.described = desc
+        self.descriptor.clear()
+        self.descriptor.update(desc.to_json())
 
     @property
     def nbytes(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ciuic.chain.health import HealthTracker
-from ciuic.chain.writer import ChunkCache, write_snapshot
+from ciuic.chain.writer import ChunkCache, SnapshotWrite, write_snapshot
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.plan import DistCaptured, capture_dist
 from ciuic.distributed.save import write_dist
@@ -283,6 +283,13 @@ class Pipeline(abc.ABC, Generic[C]):
                 "snapshot is still %s (%s in a row)", step, str(e) or type(e).__name__,
                 latest, counted(s.consecutive_failures, "failure"))
 
+    def snapshot_write(self, step: int) -> SnapshotWrite:
+        """Where the snapshot at ``step`` goes and how it is written (both pipelines')."""
+        c = self.config
+        return SnapshotWrite(self.repo, c.project, c.job, step, self.parent, self.cache,
+                             codec=self.codec, compression=self.compression,
+                             health=self.health, lease=self.session.lease)
+
     def continue_from(self, info: SnapshotInfo, same_job: bool) -> None:
         """The next snapshot follows ``info`` (restored): it links to it when it is this
         job's (a snapshot of another job starts a new chain)."""
@@ -347,14 +354,9 @@ class LocalPipeline(Pipeline[Captured]):
         raise e  # no other rank waits in this snapshot's collectives
 
     def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
-        c = self.config
         if isinstance(captured, DistCaptured):
-            return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent,
-                              captured, self.cache, lease=self.session.lease, codec=self.codec,
-                              compression=self.compression, health=self.health)
-        m, sid = write_snapshot(self.repo, c.project, c.job, step, self.parent, captured,
-                                self.cache, lease=self.session.lease, codec=self.codec,
-                                compression=self.compression, health=self.health)
+            return write_dist(self.coll, self.snapshot_write(step), captured)
+        m, sid = write_snapshot(self.snapshot_write(step), captured)
         return m, sid, m.new_bytes
 
     def written(self, captured: Captured, ok: bool) -> None:

@@ -60,10 +60,7 @@ class RankedPipeline(Pipeline[DistCaptured]):
 
     def write(self, step: int, captured: DistCaptured) -> tuple[mf.Manifest, str, int]:
         self._seq += 1
-        c = self.config
-        return write_dist(self.coll, self.repo, c.project, c.job, step, self.parent, captured,
-                          self.cache, lease=self.session.lease, codec=self.codec,
-                          compression=self.compression, seq=self._seq, health=self.health)
+        return write_dist(self.coll, self.snapshot_write(step), captured, seq=self._seq)
 
     def written(self, captured: DistCaptured, ok: bool) -> None:
         if not ok:

@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from ciuic.chain.read import read_chunk
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
+from ciuic.format.descriptor import Shard, TensorDescriptor
 from ciuic.format.shards import overlap
-from ciuic.restore.leaves import bytes_view, chunk_list, inline_bytes, leaf_layout, uninitialized
+from ciuic.restore.leaves import bytes_view, inline_bytes, leaf_layout, uninitialized
 
 
-def pieces_of(path: str, desc: dict[str, Any], shape: list[int]) -> list[dict[str, Any]]:
-    """The stored pieces of a tensor descriptor, each with ``offsets`` and ``shape``."""
-    if "shards" not in desc:
-        return [{**desc, "offsets": [0] * len(shape), "shape": shape}]
-    shards = desc["shards"]
-    if not isinstance(shards, list):
-        raise IntegrityError(f"{path}: malformed shard list")
-    return shards
+def pieces_of(desc: TensorDescriptor) -> tuple[Shard, ...]:
+    """The stored pieces of a tensor: its shards, or the whole tensor as one."""
+    if desc.shards is not None:
+        return desc.shards
+    return (Shard(offsets=(0,) * len(desc.shape), shape=desc.shape, nbytes=desc.nbytes,
+                  inline=desc.inline, chunks=desc.chunks),)
 
 
 def _flat(index: list[int], shape: list[int]) -> int:
@@ -57,7 +55,7 @@ class _Piece:
         self.ov_off, self.ov_shape, self.local = ov_off, ov_shape, local
 
 
-def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[int] | None,
+def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[int] | None,
              box_shape: list[int] | None, pool: ThreadPoolExecutor) -> torch.Tensor:
     """The box (``box_off``, ``box_shape``; None: the whole tensor) of a stored tensor, as a new
     tensor of that shape, every byte read verified."""
@@ -72,7 +70,7 @@ def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[in
     futures: list[Future[None]] = []
     covered = 0
     try:
-        for piece in pieces_of(path, desc, shape):
+        for piece in pieces_of(desc):
             part = _plan_piece(repo, path, piece, item, box_off, box_shape, pool, futures)
             if part is not None:
                 parts.append(part)
@@ -100,15 +98,10 @@ def read_box(repo: Repository, path: str, desc: dict[str, Any], box_off: list[in
     return out
 
 
-def _plan_piece(repo: Repository, path: str, piece: dict[str, Any], item: int,
+def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
                 box_off: list[int], box_shape: list[int], pool: ThreadPoolExecutor,
                 futures: list[Future[None]]) -> _Piece | None:
-    try:
-        off = [int(x) for x in piece["offsets"]]
-        pshape = [int(x) for x in piece["shape"]]
-        nbytes = int(piece["nbytes"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise IntegrityError(f"{path}: malformed shard: {e}") from e
+    off, pshape, nbytes = list(piece.offsets), list(piece.shape), piece.nbytes
     if (math.prod(pshape) * item != nbytes or len(off) != len(box_off)
             or len(pshape) != len(box_off)):
         raise IntegrityError(f"{path}: shard at {off} of shape {pshape} does not hold "
@@ -120,9 +113,10 @@ def _plan_piece(repo: Repository, path: str, piece: dict[str, Any], item: int,
     local = [o - p for o, p in zip(ov_off, off, strict=True)]
     lo = _flat(local, pshape) * item
     hi = (_flat([x + n - 1 for x, n in zip(local, ov_shape, strict=True)], pshape) + 1) * item
-    if "inline" in piece:
-        return _Piece(0, inline_bytes(path, piece, nbytes), pshape, ov_off, ov_shape, local)
-    refs = chunk_list(path, piece, nbytes)
+    if piece.inline is not None:
+        return _Piece(0, inline_bytes(path, piece.inline, nbytes), pshape, ov_off, ov_shape,
+                      local)
+    refs = [(c.digest, c.nbytes) for c in piece.chunks or ()]
     needed, pos = [], 0
     for d, n in refs:
         if pos < hi and pos + n > lo:

@@ -21,6 +21,7 @@ import torch
 
 from ciuic.chain.read import READ_THREADS, read_body
 from ciuic.chain.repo import Repository
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
 from ciuic.restore.boxread import read_box
@@ -91,10 +92,11 @@ def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return False
 
 
-def read_tensor(repo: Repository, path: str, kind: str, desc: dict[str, Any],
+def read_tensor(repo: Repository, path: str, kind: str, raw: dict[str, Any],
                 pool: ThreadPoolExecutor) -> torch.Tensor:
     """One tensor of a body, read and verified (a sharded one assembled whole)."""
-    if "shards" in desc and kind == "tensor":
+    desc = TensorDescriptor.from_json(raw, path)
+    if desc.shards is not None and kind == "tensor":
         return read_box(repo, path, desc, None, None, pool)
     flat, futures = leaf_buffer(repo, path, kind, desc, pool, None)
     for f in futures:

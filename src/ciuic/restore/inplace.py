@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.tree import decode
 from ciuic.restore.leaves import leaf_layout
 from ciuic.restore.match import check_optimizer_state, match_model_state
@@ -44,10 +45,11 @@ class _Placeholders:
     def leaf(self, path: str, kind: str, desc: dict[str, Any]) -> Any:
         if kind != "tensor":
             return None  # arrays and NumPy scalars: the structure checks compare tensors only
-        dtype, shape = leaf_layout(path, kind, desc)
+        typed = TensorDescriptor.from_json(desc, path)
+        dtype, shape = leaf_layout(path, kind, typed)
         t = torch.empty(shape, dtype=dtype, device="meta")
         self._kept.append(t)
-        if "chunks" in desc:
+        if typed.chunks is not None:
             self.paths[id(t)] = path
         return t
 

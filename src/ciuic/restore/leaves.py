@@ -14,6 +14,7 @@ import torch
 
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.tree import torch_dtype
 from ciuic.restore.sources import BufferFor, Resident, read_from
 
@@ -28,35 +29,29 @@ def bytes_view(flat: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B") if flat.numel() else memoryview(b"")
 
 
-def inline_bytes(path: str, desc: dict[str, Any], nbytes: int) -> torch.Tensor:
+def inline_bytes(path: str, inline: str, nbytes: int) -> torch.Tensor:
     """The bytes of an inline descriptor (or shard), checked against ``nbytes``."""
-    raw = base64.b64decode(desc["inline"])
+    try:
+        raw = base64.b64decode(inline, validate=True)
+    except ValueError as e:
+        raise IntegrityError(f"{path}: inline data is not base64: {e}") from e
     if len(raw) != nbytes:
         raise IntegrityError(f"{path}: inline data has {len(raw)} bytes, expected {nbytes}")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else uninitialized(0)
 
 
-def chunk_list(path: str, desc: dict[str, Any], nbytes: int) -> list[tuple[str, int]]:
-    """The ``[digest, length]`` list of a descriptor (or shard), checked to add up."""
-    try:
-        refs = [(str(d), int(n)) for d, n in desc["chunks"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise IntegrityError(f"{path}: malformed chunk list: {e}") from e
-    if sum(n for _, n in refs) != nbytes:
-        raise IntegrityError(f"{path}: chunk sizes do not add up to {nbytes} bytes")
-    return refs
-
-
-def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
+def leaf_buffer(repo: Repository, path: str, kind: str, desc: TensorDescriptor,
                  pool: ThreadPoolExecutor, buffer_for: BufferFor | None,
                  resident: Resident | None = None) -> tuple[torch.Tensor, list[Future[None]]]:
     """A buffer for one leaf (lent by ``buffer_for``, else fresh) and the reads, already
     submitted, that fill and verify it (from ``resident`` memory where it holds the leaf)."""
     leaf_layout(path, kind, desc)
-    nbytes = int(desc["nbytes"])
-    if "inline" in desc:
-        return inline_bytes(path, desc, nbytes), []
-    refs = chunk_list(path, desc, nbytes)
+    nbytes = desc.nbytes
+    if desc.inline is not None:
+        return inline_bytes(path, desc.inline, nbytes), []
+    if desc.chunks is None:
+        raise IntegrityError(f"{path}: a sharded tensor where a whole one was expected")
+    refs = [(c.digest, c.nbytes) for c in desc.chunks]
     lent = buffer_for(path, nbytes) if buffer_for is not None else None
     out = lent if lent is not None and lent.numel() == nbytes else uninitialized(nbytes)
     view = bytes_view(out)
@@ -74,28 +69,27 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: dict[str, Any],
     return out, futures
 
 
-def leaf_layout(path: str, kind: str, desc: dict[str, Any]) -> tuple[Any, list[int]]:
+def leaf_layout(path: str, kind: str, desc: TensorDescriptor) -> tuple[Any, list[int]]:
     """(dtype, shape) of a leaf, checked against its byte count before anything is read."""
+    shape = list(desc.shape)
     try:
-        shape = [int(x) for x in desc["shape"]]
-        nbytes = int(desc["nbytes"])
         if kind == "tensor":
-            dtype: Any = torch_dtype(str(desc["dtype"]))
+            dtype: Any = torch_dtype(desc.dtype)
             itemsize = torch.empty((), dtype=dtype).element_size()
         else:
-            dtype = np.dtype(str(desc["dtype"]))
+            dtype = np.dtype(desc.dtype)
             if dtype.hasobject or dtype.names is not None:
                 raise IntegrityError(f"{path}: object or structured arrays are never loaded")
             itemsize = dtype.itemsize
-    except (KeyError, TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:
         raise IntegrityError(f"{path}: malformed tensor descriptor: {e}") from e
-    if any(d < 0 for d in shape) or math.prod(shape) * itemsize != nbytes:
-        raise IntegrityError(f"{path}: shape {shape} of {desc['dtype']} does not hold "
-                             f"{nbytes} bytes")
+    if any(d < 0 for d in shape) or math.prod(shape) * itemsize != desc.nbytes:
+        raise IntegrityError(f"{path}: shape {shape} of {desc.dtype} does not hold "
+                             f"{desc.nbytes} bytes")
     return dtype, shape
 
 
-def materialize(path: str, kind: str, desc: dict[str, Any], flat: torch.Tensor) -> Any:
+def materialize(path: str, kind: str, desc: TensorDescriptor, flat: torch.Tensor) -> Any:
     dtype, shape = leaf_layout(path, kind, desc)
     if kind == "tensor":
         return flat.view(dtype).reshape(shape)

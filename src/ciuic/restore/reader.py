@@ -16,6 +16,7 @@ import torch
 from ciuic.chain.read import READ_THREADS, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format import manifest as mf
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
 from ciuic.restore.boxread import read_box
@@ -48,6 +49,7 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
     must come back as itself (the repeated path is not lent a buffer either). ``resident``:
     the leaves' bytes already in host memory, each chunk checked before use."""
     buffers: dict[int, torch.Tensor] = {}  # id(descriptor) -> its bytes
+    parsed: dict[int, TensorDescriptor] = {}  # id(descriptor) -> its typed form
     reads: list[Future[None]] = []
     sharded: list[tuple[str, dict[str, Any]]] = []
     lent: set[str] = set()
@@ -60,19 +62,20 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
 
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool:
         try:
-            for path, kind, desc in walk_leaves(wanted):  # every read in flight at once
-                if "shards" in desc and kind == "tensor":
-                    sharded.append((path, desc))  # assembled below, while the rest reads
+            for path, kind, raw in walk_leaves(wanted):  # every read in flight at once
+                desc = parsed[id(raw)] = TensorDescriptor.from_json(raw, path)
+                if desc.shards is not None and kind == "tensor":
+                    sharded.append((path, raw))  # assembled below, while the rest reads
                     continue
-                buffers[id(desc)], submitted = leaf_buffer(repo, path, kind, desc, pool,
-                                                            lend_once, resident)
+                buffers[id(raw)], submitted = leaf_buffer(repo, path, kind, desc, pool,
+                                                           lend_once, resident)
                 reads.extend(submitted)
             if sharded:
 
 
-                for path, desc in sharded:
-                    buffers[id(desc)] = read_box(repo, path, desc, None, None, pool).reshape(
-                        -1).view(torch.uint8)
+                for path, raw in sharded:
+                    buffers[id(raw)] = read_box(repo, path, parsed[id(raw)], None, None,
+                                                pool).reshape(-1).view(torch.uint8)
             for fut in reads:
                 fut.result()
         finally:
@@ -80,6 +83,6 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
                 fut.cancel()
 
     def load_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
-        return materialize(path, kind, desc, buffers[id(desc)])
+        return materialize(path, kind, parsed[id(desc)], buffers[id(desc)])
 
     return {name: decode(tree, name, load_leaf, adapt=adapt) for name, tree in wanted.items()}

@@ -1,0 +1,89 @@
+"""The messages of the two-phase commit (distributed/save.py), as typed records.
+
+They travel as canonical JSON over ciuic's own gloo group (:class:`Collective`); each has one
+``to_json`` (the sender's) and one ``from_json`` (the receiver's):
+
+1. :class:`Plan`: every rank to every rank, before writing;
+2. :class:`Report`: every rank to the coordinator, after writing (its pieces' descriptors);
+3. :class:`Outcome`: the coordinator to every rank, after the commit (or its failure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.shards import Meta, Written
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A rank's part of the plan: its global tensors' metas and the digest of its global
+    states' structure, or the error that stopped it before the snapshot."""
+
+    step: int
+    seq: int
+    error: str | None = None
+    metas: list[Meta] = field(default_factory=list)
+    skeleton: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "seq": self.seq, "error": self.error, "metas": self.metas,
+                "skeleton": self.skeleton}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Plan:
+        return cls(step=int(obj["step"]), seq=int(obj["seq"]),
+                   error=None if obj["error"] is None else str(obj["error"]),
+                   metas=list(obj["metas"]), skeleton=str(obj["skeleton"]))
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a rank wrote: the bytes of its new chunks, its per-rank states (their tensors'
+    descriptors set) and the descriptor of each global piece it owns; or its error."""
+
+    error: str | None = None
+    new: int = 0
+    #: the number of this rank's per-rank tensors, and their bytes
+    tensors: int = 0
+    own_bytes: int = 0
+    written: list[Written] = field(default_factory=list)
+    states: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.error, "new": self.new, "tensors": self.tensors,
+                "own_bytes": self.own_bytes, "states": self.states,
+                "written": [{"path": w.path, "offsets": w.offsets, "desc": w.desc.to_json()}
+                            for w in self.written]}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Report:
+        if obj["error"] is not None:
+            return cls(error=str(obj["error"]))
+        return cls(new=int(obj["new"]), tensors=int(obj["tensors"]),
+                   own_bytes=int(obj["own_bytes"]), states=dict(obj["states"]),
+                   written=[Written(str(w["path"]),
+                                    None if w["offsets"] is None else list(w["offsets"]),
+                                    TensorDescriptor.from_json(w["desc"], str(w["path"])))
+                            for w in obj["written"]])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The commit's outcome: the snapshot's ID and manifest bytes, or each failed rank's
+    error (by rank)."""
+
+    failures: dict[int, str] = field(default_factory=dict)
+    sid: str = ""
+    manifest: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"failures": {str(r): e for r, e in self.failures.items()}, "sid": self.sid,
+                "manifest": self.manifest}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Outcome:
+        return cls(failures={int(r): str(e) for r, e in obj["failures"].items()},
+                   sid=str(obj["sid"]), manifest=str(obj["manifest"]))
