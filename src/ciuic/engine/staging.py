@@ -1,7 +1,7 @@
 """Staging: copy a snapshot's tensors into host buffers that are allocated once and reused.
 
 This copy is the only part of an asynchronous snapshot that blocks training. Measured on the
-development machine (../shared/docs/PERFORMANCE.md): copying 1 GiB into preallocated buffers
+development machine (docs/benchmarks.md): copying 1 GiB into preallocated buffers
 takes 0.04-0.07 s, while ``clone()`` into fresh memory takes 0.25-1.28 s, so buffers are kept
 per tensor path and reused across snapshots; a buffer is reallocated only when its tensor's size
 changes (for example when an optimizer creates its state after the first step).
@@ -10,7 +10,7 @@ CUDA tensors are copied into pinned buffers on a side stream (the training strea
 blocked by the copy; the call returns once the copy has completed). Pinned buffers are plain host
 memory of the exact size, page-locked with ``cudaHostRegister`` (as DCP's own stager does):
 PyTorch's pinned allocator rounds every block up to a power of two, which for the H200 reference
-state of PERFORMANCE.md (5.9 GB in 60 tensors) would hold 9.7 GB, 1.66x the state.
+state of docs/benchmarks.md (5.9 GB in 60 tensors) would hold 9.7 GB, 1.66x the state.
 
 Allocating is slower than copying (5.6 GB of pinned memory: 2.9 s on the H200, against 0.1 s for
 the copy), so :meth:`StagingArea.reserve` allocates a state's buffers on a background thread
