@@ -7,7 +7,6 @@ with NaN and infinities, runs with and without an end, events interleaved across
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import hashlib
 import tempfile
@@ -19,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ciuic.catalog import Catalog
-from ciuic.chain.listing import EVENTS, RunRow, read_jobs, read_log
+from ciuic.chain.listing import EVENTS, read_jobs, read_log
 from ciuic.format import layout
 from ciuic.format.manifest import HealthVerdict, Manifest
+from ciuic.format.records import RunReport
 from ciuic.store.local import LocalStore
 
 PROJECTS = ("p", "q", "vision")
@@ -117,9 +117,9 @@ def build(root: Path, jobs: dict[tuple[str, str], dict[str, Any]],
                 else:
                     store.put(layout.body_key(project, name, m.body), b"{}")
             for i, r in enumerate(spec["runs"]):
-                run_ids[project, name, i] = hexid("run", project, name, i)[:16]
-                catalog.record_run(project, name, run_ids[project, name, i], r["fields"],
-                                   r["events"])
+                run_id = run_ids[project, name, i] = hexid("run", project, name, i)[:16]
+                catalog.record_run(project, name, run_id, RunReport.from_json(
+                    run_id, {**r["fields"], "events": r["events"]}))
         names = list(jobs)
         for which, run_index, e in extra_events if names else []:  # interleaved across jobs
             project, name = names[which % len(names)]
@@ -151,9 +151,7 @@ def test_ls_and_log_read_what_the_catalogs_orm_reads(
                 assert (log.project, log.job) == (project, name)
                 assert log.snapshots == catalog.snapshots(project, name, status=None,
                                                           newest_first=True)
-                assert log.runs == [RunRow(*(getattr(r, f.name)
-                                             for f in dataclasses.fields(RunRow)))
-                                    for r in catalog.runs(project, name)]
+                assert log.runs == catalog.runs(project, name)  # records: every field
                 assert log.events == catalog.events(project, name, limit=EVENTS)
                 bare = read_log(str(root), name)  # a job name unique across projects
                 assert bare == (log if len(catalog.find_jobs(name)) == 1 else None)

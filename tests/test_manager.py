@@ -264,7 +264,7 @@ def test_interruption_is_detected_from_the_previous_run(store_dir: Path,
                          "Resuming training at step 1"]
     with SnapshotManager("p", job="i", store=store_dir) as m3:
         assert not m3.interrupted  # m2 closed cleanly
-        kinds = [(e["kind"], e["detail"]) for e in reversed(m3.repo.catalog.events("p", "i"))]
+        kinds = [(e.kind, e.detail) for e in reversed(m3.repo.catalog.events("p", "i"))]
     assert [k for k, _ in kinds] == ["start", "snapshot", "end", "start", "restore", "end",
                                      "start"]
     assert kinds[2][1] == "signal:SIGTERM" and kinds[5][1] == "clean"
@@ -422,5 +422,5 @@ def test_writers_creating_one_project_at_once_all_succeed(tmp_path: Path) -> Non
         for t in threads:
             t.join()
     c = Catalog(url)
-    assert errors == [] and sorted(j["job"] for j in c.jobs()) == ["job0", "job1", "job2"]
+    assert errors == [] and sorted(j.job for j in c.jobs()) == ["job0", "job1", "job2"]
     c.close()

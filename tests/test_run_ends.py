@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch import nn
 from ciuic import SnapshotManager, knobs
 from ciuic.chain.repo import Repository
 from ciuic.chain.runs import history
+from ciuic.format.records import EventRow, RunRow
 from ciuic.supervisor import beat
 from tests.conftest import run_train
 from tests.models import model_opt
@@ -255,17 +257,17 @@ def test_a_full_disk_is_said_in_ciuic_words_and_a_clean_end_is_not_called_a_kill
 def test_a_run_with_no_end_seen_from_another_machine_is_not_called_killed() -> None:
     """No end recorded, no progress file here, no later run's word: how it ended is not known
     (killed, crashed, or its catalog full), and its step is a lower bound."""
-    from ciuic.chain.listing import RunRow
-
-    run = RunRow("a" * 16, 1, "2026-12-01T00:00:00.000000Z", "another-machine", 4242, 641,
-                 "2026-12-01T00:10:00.000000Z", None, None, None, None)
-    events = [{"run": run.id, "at": "2026-12-01T00:05:00.000000Z", "kind": "snapshot",
-               "step": 600, "detail": "s" * 64}]
+    run = RunRow(id="a" * 16, job_id=1, started="2026-12-01T00:00:00.000000Z",
+                 host="another-machine", pid=4242, last_step=641,
+                 last_seen="2026-12-01T00:10:00.000000Z", ended=None, end_kind=None, cause=None,
+                 restart=None)
+    events = [EventRow(run=run.id, at="2026-12-01T00:05:00.000000Z", kind="snapshot", step=600,
+                       detail="s" * 64)]
     [note] = history([run], events)["s" * 64]
     assert note == ("then run aaaaaaaa stopped after step 641: its end is not known: none was "
                     "recorded (it was killed or crashed, or could not write to its catalog)")
-    died = {**events[0], "kind": "stopped", "at": "2026-12-01T01:00:00.000000Z",
-            "detail": "no end was recorded: it was killed or crashed"}
+    died = replace(events[0], kind="stopped", at="2026-12-01T01:00:00.000000Z",
+                   detail="no end was recorded: it was killed or crashed")
     [note] = history([run], [*events, died])["s" * 64]  # the next run read its progress file
     assert note.endswith("stopped at step 641: was killed or crashed: no clean exit was "
                          "recorded")

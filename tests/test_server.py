@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,10 @@ from fastapi.testclient import TestClient
 from torch import nn
 
 from ciuic import SnapshotManager
+from ciuic.catalog import Catalog
 from ciuic.catalog.keys import audit_log, create_key, revoke_key
 from ciuic.chain.repo import Repository
+from ciuic.format.records import RUN_FIELDS
 from ciuic.server import create_app
 from ciuic.threads import Pools
 from tests.s3server import free_port
@@ -331,6 +334,42 @@ def test_the_audit_log_records_saves_reads_and_deletes(
     writer_id = keys["writer"].split("_")[1]
     assert save["actor"] == f"key:{writer_id}" and sid in save["target"]
     assert os.path.exists(store)
+
+
+def test_a_clients_run_report_reaches_the_servers_catalog_field_for_field(
+        app_with_keys: tuple[TestClient, dict[str, str], str], tmp_path: Path) -> None:
+    """A run as a client's catalog holds it, sent as ciuic.manager.report sends it (the run's
+    fields, then its events), is the same row and the same events in the server's catalog; the
+    server lists its job with the JSON fields of a job's row."""
+    http, keys, store = app_with_keys
+    client = Catalog(f"sqlite:///{tmp_path / 'client.db'}")
+    run_id = "0123456789abcdef"
+    client.start_run("p", "j", run_id)
+    client.event(run_id, "p", "j", "snapshot", 5, "s" * 64)
+    client.heartbeat(run_id, 7)
+    client.interrupted_by(run_id, "hang: no step() for 600 s")
+    client.end_run(run_id, "signal:SIGTERM", 7)
+    report, last = client.run_report(run_id, 0)
+    assert report is not None and len(report.events) == 4 and last > 0
+    body = report.to_json()
+    assert list(body) == [*RUN_FIELDS, "events"]
+    assert list(body["events"][0]) == ["at", "kind", "step", "detail"]
+    writer = {"Authorization": f"Bearer {keys['writer']}"}
+    r = http.put(f"/v1/projects/p/jobs/j/runs/{run_id}", headers=writer, json=body)
+    assert r.status_code == 200 and r.json() == {"run": run_id, "events": 4}
+    server = Catalog(f"sqlite:///{Path(store) / 'catalog.db'}")
+    try:
+        [mine], [theirs] = client.runs("p", "j"), server.runs("p", "j")
+        assert theirs == replace(mine, job_id=theirs.job_id)
+        assert server.events("p", "j") == client.events("p", "j")
+    finally:
+        server.close()
+        client.close()
+    [row] = [j for j in http.get("/v1/projects/p/jobs", headers=writer).json()["jobs"]
+             if j["job"] == "j"]
+    assert row == {"project": "p", "job": "j", "snapshots": 0, "max_step": None,
+                   "new_bytes": 0, "latest": None}
+    assert list(row) == ["project", "job", "snapshots", "max_step", "new_bytes", "latest"]
 
 
 def test_a_shutdown_during_a_commit_finishes_the_commit(tmp_path: Path) -> None:

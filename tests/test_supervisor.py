@@ -383,7 +383,7 @@ def test_under_torchrun_one_rank_killed_then_hung_restarts_the_whole_job(tmp_pat
     repo = Repository.open(tmp_path / "store")
     try:  # every rank resumed from the same snapshot: one restore event per start, rank 0's
         events = [e for e in repo.catalog.events("sup", "default", limit=1000)
-                  if e["kind"] == "restore"]
+                  if e.kind == "restore"]
         assert len(events) == 2
         runs = repo.catalog.runs("sup", "default")
         assert [r.restart for r in runs] == [None, 1, 2]

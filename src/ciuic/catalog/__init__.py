@@ -29,6 +29,7 @@ from ciuic.catalog.schema import bring_to_head
 from ciuic.errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.manifest import HealthVerdict, Manifest, utc_now
+from ciuic.format.records import RUN_FIELDS, EventRow, JobRow, RunFields, RunReport, RunRow
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -190,7 +191,7 @@ class Catalog:
             assert jid is not None
             return jid
 
-    def jobs(self) -> list[dict[str, Any]]:
+    def jobs(self) -> list[JobRow]:
         """Every job with its snapshot count, latest step and bytes."""
         with self.session() as s:
             rows = s.execute(
@@ -207,8 +208,8 @@ class Catalog:
                     select(Snapshot.created).where(Snapshot.job_id == jid)
                     .order_by(Snapshot.seq.desc()).limit(1)
                 )
-                out.append({"project": project, "job": job, "snapshots": stats[0],
-                            "max_step": stats[1], "new_bytes": stats[2] or 0, "latest": latest})
+                out.append(JobRow(project=project, job=job, snapshots=stats[0],
+                                  max_step=stats[1], new_bytes=stats[2] or 0, latest=latest))
             return out
 
     def find_jobs(self, job: str) -> list[tuple[str, str]]:
@@ -340,7 +341,7 @@ class Catalog:
 
     # -- runs --------------------------------------------------------------------------------
 
-    def start_run(self, project: str, job: str, run_id: str) -> Run | None:
+    def start_run(self, project: str, job: str, run_id: str) -> RunRow | None:
         """Record a new run of the job; return the previous run (how it ended) if any."""
         now = utc_now()
         with self.session() as s:
@@ -351,21 +352,16 @@ class Catalog:
                       pid=os.getpid(), last_step=None, last_seen=now))
             s.add(RunEvent(run_id=run_id, job_id=jid, at=now, kind="start", step=None,
                            detail=f"pid {os.getpid()}"))
-            if prev is not None:
-                s.expunge(prev)
-            return prev
+            return None if prev is None else _run_row(prev)
 
-    def runs(self, project: str, job: str) -> list[Run]:
+    def runs(self, project: str, job: str) -> list[RunRow]:
         """The job's runs, oldest first."""
         with self.session() as s:
             jid = self._job_id(s, project, job, create=False)
             if jid is None:
                 return []
-            rows = list(s.scalars(select(Run).where(Run.job_id == jid)
-                                  .order_by(Run.started)).all())
-            for r in rows:
-                s.expunge(r)
-            return rows
+            return [_run_row(r) for r in s.scalars(select(Run).where(Run.job_id == jid)
+                                                   .order_by(Run.started))]
 
     def stopped_at(self, run_id: str, step: int | None) -> None:
         """Record that a run which recorded no end died, learnt after it died (from its progress
@@ -427,40 +423,32 @@ class Catalog:
             s.add(RunEvent(run_id=run_id, job_id=jid, at=utc_now(), kind=kind, step=step,
                            detail=detail))
 
-    def events(self, project: str, job: str, limit: int = 100) -> list[dict[str, Any]]:
+    def events(self, project: str, job: str, limit: int = 100) -> list[EventRow]:
         with self.session() as s:
             jid = self._job_id(s, project, job, create=False)
             if jid is None:
                 return []
             rows = s.scalars(select(RunEvent).where(RunEvent.job_id == jid)
                              .order_by(RunEvent.id.desc()).limit(limit)).all()
-            return [{"run": r.run_id, "at": r.at, "kind": r.kind, "step": r.step,
-                     "detail": r.detail} for r in rows]
+            return [_event_row(r) for r in rows]
 
     # -- runs reported to a server by its clients (ciuic.manager.report) ---------------------
 
-    #: the fields of a run a client reports (its row as its own catalog holds it)
-    RUN_FIELDS = ("started", "host", "pid", "last_step", "last_seen", "ended", "end_kind",
-                  "cause", "restart")
-
-    def run_report(self, run_id: str, after_event: int) -> tuple[dict[str, Any] | None,
-                                                                  list[dict[str, Any]], int]:
+    def run_report(self, run_id: str, after_event: int) -> tuple[RunReport | None, int]:
         """A run's row and its events after ``after_event`` (an event ID), and the last ID."""
         with self.session() as s:
             run = s.get(Run, run_id)
             if run is None:
-                return None, [], after_event
+                return None, after_event
             rows = s.scalars(select(RunEvent).where(RunEvent.run_id == run_id,
                                                     RunEvent.id > after_event)
                              .order_by(RunEvent.id)).all()
-            fields = {f: getattr(run, f) for f in self.RUN_FIELDS}
-            events = [{"at": r.at, "kind": r.kind, "step": r.step, "detail": r.detail}
-                      for r in rows]
-            return fields, events, rows[-1].id if rows else after_event
+            report = RunReport(RunFields(**_run_fields(run)), tuple(map(_event_row, rows)))
+            return report, rows[-1].id if rows else after_event
 
-    def record_run(self, project: str, job: str, run_id: str, fields: dict[str, Any],
-                   events: list[dict[str, Any]]) -> None:
+    def record_run(self, project: str, job: str, run_id: str, report: RunReport) -> None:
         """Insert or update a run a client reported, and add its new events."""
+        fields = report.run.to_json()
         with self.session() as s:
             jid = self._job_id(s, project, job)
             run = s.get(Run, run_id)
@@ -472,9 +460,22 @@ class Catalog:
             else:
                 for f, v in fields.items():
                     setattr(run, f, v)
-            for e in events:
-                s.add(RunEvent(run_id=run_id, job_id=jid, at=e["at"], kind=e["kind"],
-                               step=e["step"], detail=e["detail"]))
+            for e in report.events:
+                s.add(RunEvent(run_id=run_id, job_id=jid, at=e.at, kind=e.kind, step=e.step,
+                               detail=e.detail))
+
+
+def _run_fields(run: Run) -> dict[str, Any]:
+    return {f: getattr(run, f) for f in RUN_FIELDS}
+
+
+def _run_row(run: Run) -> RunRow:
+    return RunRow(id=run.id, job_id=run.job_id, **_run_fields(run))
+
+
+def _event_row(event: RunEvent) -> EventRow:
+    return EventRow(run=event.run_id, at=event.at, kind=event.kind, step=event.step,
+                    detail=event.detail)
 
 
 __all__ = ["Catalog"]

@@ -26,12 +26,13 @@ import sqlite3
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlparse
 
 from ciuic.chain import home
 from ciuic.format import layout
 from ciuic.format.manifest import HealthVerdict
+from ciuic.format.records import EventRow, JobRow, RunRow
 from ciuic.store.local import LocalStore
 from ciuic.version import CATALOG_HEAD, CATALOG_SCHEMA_VERSION
 
@@ -48,23 +49,6 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RunRow:
-    """A row of the catalog's ``runs`` table (what :func:`ciuic.chain.runs.history` reads)."""
-
-    id: str
-    job_id: int
-    started: str
-    host: str
-    pid: int
-    last_step: int | None
-    last_seen: str
-    ended: str | None
-    end_kind: str | None
-    cause: str | None
-    restart: int | None
-
-
-@dataclass(frozen=True)
 class JobLog:
     """What ``ciuic log`` shows of a job: every snapshot (pruned too), newest first; its runs,
     oldest first; its events, newest first."""
@@ -73,10 +57,10 @@ class JobLog:
     job: str
     snapshots: list[SnapshotInfo]
     runs: list[RunRow]
-    events: list[dict[str, Any]]
+    events: list[EventRow]
 
 
-def read_jobs(location: str) -> list[dict[str, Any]] | None:
+def read_jobs(location: str) -> list[JobRow] | None:
     """``Catalog.jobs()`` of the store at ``location``, as it is once every job of the store is
     synced; None where only the repository can tell."""
     return _read(location, lambda reader: reader.jobs() if reader.in_sync(None) else None)
@@ -183,7 +167,7 @@ class _Reader:
         """The store a server keeps ``project`` in: ``projects/<project>/`` of this one."""
         return LocalStore(self.store.root / layout.PROJECTS / project)
 
-    def jobs(self) -> list[dict[str, Any]]:
+    def jobs(self) -> list[JobRow]:
         """As ``Catalog.jobs``."""
         out = []
         rows = self.db.execute(f"SELECT projects.name, jobs.name, jobs.id {_JOBS} "
@@ -194,8 +178,8 @@ class _Reader:
                 "WHERE job_id = ? AND status = 'committed'", (jid,)).fetchone()
             latest = self.db.execute("SELECT created FROM snapshots WHERE job_id = ? "
                                      "ORDER BY seq DESC LIMIT 1", (jid,)).fetchone()
-            out.append({"project": project, "job": job, "snapshots": count, "max_step": max_step,
-                        "new_bytes": new_bytes or 0, "latest": latest[0] if latest else None})
+            out.append(JobRow(project=project, job=job, snapshots=count, max_step=max_step,
+                              new_bytes=new_bytes or 0, latest=latest[0] if latest else None))
         return out
 
     def find_job(self, text: str) -> tuple[str, str] | None:
@@ -234,13 +218,12 @@ class _Reader:
                                "ORDER BY runs.started", (jid,))
         return [RunRow(*row) for row in rows]
 
-    def events(self, jid: int) -> list[dict[str, Any]]:
+    def events(self, jid: int) -> list[EventRow]:
         """As ``Catalog.events(project, job, limit=EVENTS)``: newest first."""
         rows = self.db.execute("SELECT run_id, at, kind, step, detail FROM run_events "
                                "WHERE run_events.job_id = ? ORDER BY run_events.id DESC "
                                "LIMIT ?", (jid, EVENTS))
-        return [{"run": run, "at": at, "kind": kind, "step": step, "detail": detail}
-                for run, at, kind, step, detail in rows]
+        return [EventRow(*row) for row in rows]
 
 
 #: the columns of a snapshot's row that make its SnapshotInfo, by the field's name

@@ -19,39 +19,13 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 from ciuic.chain import progress
 from ciuic.format.manifest import parse_time
+from ciuic.format.records import EventRow, RunRow
 
 
-class Run(Protocol):
-    """What these functions read of a run: a row of the catalog's ``runs`` table, as
-    :class:`ciuic.catalog.models.Run` or :class:`ciuic.chain.listing.RunRow` holds it."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def started(self) -> str: ...
-    @property
-    def host(self) -> str: ...
-    @property
-    def pid(self) -> int: ...
-    @property
-    def last_step(self) -> int | None: ...
-    @property
-    def last_seen(self) -> str: ...
-    @property
-    def ended(self) -> str | None: ...
-    @property
-    def end_kind(self) -> str | None: ...
-    @property
-    def cause(self) -> str | None: ...
-    @property
-    def restart(self) -> int | None: ...
-
-
-def was_interrupted(run: Run | None) -> bool:
+def was_interrupted(run: RunRow | None) -> bool:
     """Whether a previous run ended other than by finishing (close() or a normal exit): also
     a run that ``ciuic run`` saw fail (its cause), such as an exit with status 3 after a clean
     close()."""
@@ -62,7 +36,7 @@ def _interrupted(end_kind: str | None, cause: str | None) -> bool:
     return end_kind not in ("clean", "exit") or bool(cause)
 
 
-def describe_end(run: Run, known: bool = True) -> str:
+def describe_end(run: RunRow, known: bool = True) -> str:
     """How ``run`` ended, as a clause ("it raised ValueError"); the supervisor's cause when
     ``ciuic run`` saw it ("hang: no step() for 600 s ..."). A run that recorded no end died when
     ``known`` (its progress file, or the next run that read it, says so); else how it ended is
@@ -93,7 +67,7 @@ def stopped_where(step: int | None, exact: bool) -> str:
     return f"{'at' if exact else 'after'} step {step}"
 
 
-def failure_history(every: Sequence[Run], current: str) -> tuple[int, float]:
+def failure_history(every: Sequence[RunRow], current: str) -> tuple[int, float]:
     """(interruptions, seconds of training) of a job's runs other than ``current``: what
     ``save_interval="auto"`` estimates the job's failure rate from. A run that may still be
     running is not counted."""
@@ -121,7 +95,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def may_still_run(run: Run | None, recent_s: float = 30.0) -> bool:
+def may_still_run(run: RunRow | None, recent_s: float = 30.0) -> bool:
     """Whether a previous run that recorded no end may still be alive: its process exists on
     this machine, or (elsewhere) it reported progress within ``recent_s`` seconds."""
     if run is None or run.end_kind is not None:
@@ -150,22 +124,19 @@ def identity() -> dict[str, str]:
 IDENTITY = identity()
 
 
-def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list[str]]:
+def history(runs: Sequence[RunRow], events: Sequence[EventRow]) -> dict[str, list[str]]:
     """What happened around each snapshot (ID -> notes, in time order): where a run that did
-    not finish stopped after it (and why), and which runs resumed from it. ``events`` as
-    :meth:`ciuic.catalog.Catalog.events` returns them."""
+    not finish stopped after it (and why), and which runs resumed from it."""
     found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
     last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
     restarts = {r.id: r.restart for r in runs if r.restart}
-    for e in sorted(events, key=lambda e: (e["at"], e["kind"] != "restore")):
-        if e["kind"] in ("snapshot", "restore") and e["detail"]:
-            last[e["run"]] = e["detail"]
-        if e["kind"] == "restore" and e["detail"]:
-            by = (f" (restart {restarts[e['run']]} by ciuic run)" if e["run"] in restarts
-                  else "")
-            found.setdefault(e["detail"], []).append(
-                (e["at"], f"resumed by run {e['run'][:8]}{by}"))
-    died = {e["run"] for e in events if e["kind"] == "stopped"}  # Catalog.stopped_at
+    for e in sorted(events, key=lambda e: (e.at, e.kind != "restore")):
+        if e.kind in ("snapshot", "restore") and e.detail:
+            last[e.run] = e.detail
+        if e.kind == "restore" and e.detail:
+            by = f" (restart {restarts[e.run]} by ciuic run)" if e.run in restarts else ""
+            found.setdefault(e.detail, []).append((e.at, f"resumed by run {e.run[:8]}{by}"))
+    died = {e.run for e in events if e.kind == "stopped"}  # Catalog.stopped_at
     for r in runs:
         where = last.get(r.id)
         if where is None:
@@ -191,7 +162,7 @@ def history(runs: Sequence[Run], events: list[dict[str, Any]]) -> dict[str, list
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
 
 
-def local_stop(run: Run) -> progress.Stop | None:
+def local_stop(run: RunRow) -> progress.Stop | None:
     """What the progress file of a run that recorded no end says, when the run was of this
     machine and no later run has taken the file yet."""
     if run.end_kind is not None or run.host != socket.gethostname():

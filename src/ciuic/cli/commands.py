@@ -4,7 +4,6 @@ keygen, demo."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +61,8 @@ def ls() -> None:
     t.add_column("latest, UTC", no_wrap=True)
     t.add_column("stored", justify="right", no_wrap=True)
     for r in rows:
-        t.add_row(f"{r['project']}/{r['job']}", str(r["snapshots"]), str(r["max_step"] or "-"),
-                  time_text(r["latest"]), size_text(r["new_bytes"]))
+        t.add_row(f"{r.project}/{r.job}", str(r.snapshots), str(r.max_step or "-"),
+                  time_text(r.latest), size_text(r.new_bytes))
     console.print(t)
 
 
@@ -76,14 +75,13 @@ def log_cmd(job: str, all_: bool) -> None:
     lineage."""
     from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
-    from ciuic.chain.runs import Run, history
+    from ciuic.chain.runs import history
     location = store_location()
     check_existing(location)
     found = read_log(location, job)  # without SQLAlchemy, when the catalog is in sync
     if found is not None:
         project, name, every = found.project, found.job, found.snapshots
-        runs: Sequence[Run] = found.runs
-        events = found.events
+        runs, events = found.runs, found.events
     else:
         repo = open_existing(location)
         project, name = repo.split_job(job)

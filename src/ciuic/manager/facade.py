@@ -26,7 +26,6 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from ciuic.catalog.models import Run
 from ciuic.chain import runs
 from ciuic.chain.health import HealthPolicy
 from ciuic.chain.lease import Lease
@@ -34,6 +33,7 @@ from ciuic.distributed.collective import Collective
 from ciuic.errors import CaptureError, CiuicError, ConfigurationError
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.info import SnapshotInfo
+from ciuic.format.records import RunRow
 from ciuic.manager.config import ManagerOptions, check_state_args, check_step, options_doc
 from ciuic.manager.interval import AutoInterval, IntervalTuner
 from ciuic.manager.pipeline import LocalPipeline, Pipeline
@@ -134,7 +134,7 @@ class SnapshotManager:
         return self._session.interrupted
 
     @property
-    def previous_run(self) -> Run | None:
+    def previous_run(self) -> RunRow | None:
         """The catalog's record of the job's previous run (how it ended), if any."""
         return self._session.previous_run
 

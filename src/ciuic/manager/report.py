@@ -65,10 +65,10 @@ class RunReporter:
         with self._lock:
             after = self._sent.get(run_id, 0)
         try:
-            fields, events, last = self._catalog.run_report(run_id, after)
-            if fields is None:
+            found, last = self._catalog.run_report(run_id, after)
+            if found is None:
                 return
-            self._server.report_run(self._job, run_id, {**fields, "events": events})
+            self._server.report_run(self._job, run_id, found.to_json())
         except Exception as e:  # the next report sends what this one did not
             if not self._warned:
                 self._warned = True

@@ -18,11 +18,11 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 from ciuic import knobs
-from ciuic.catalog.models import Run
 from ciuic.chain import progress, runs
 from ciuic.chain.gc import collect
 from ciuic.chain.lease import Lease
@@ -34,6 +34,7 @@ from ciuic.distributed.collective import Collective
 from ciuic.distributed.save import check_shared_store
 from ciuic.errors import RankError
 from ciuic.format.manifest import utc_now
+from ciuic.format.records import RunRow
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import Supervised, attach
@@ -95,7 +96,7 @@ class RunSession:
         self._reporter: RunReporter | None = None  # rank 0 of a job on a server
         coll.run("opening the store", self._open_repo)
         self.run_id = secrets.token_hex(8)
-        self.previous_run: Run | None = None
+        self.previous_run: RunRow | None = None
         self.interrupted = False
         self.lease: Lease | None = None
         #: whether where and how the previous run ended is known: it recorded its end, or it
@@ -149,11 +150,11 @@ class RunSession:
         """Rank 0 (or the single process): index the job, record the run, take the lease,
         catch the mirror up."""
         self.repo.sync_job(self.project, self.job)
-        self.previous_run = self.repo.catalog.start_run(self.project, self.job, self.run_id)
-        self.interrupted = runs.was_interrupted(self.previous_run)
-        prev = self.previous_run
+        prev = self.previous_run = self.repo.catalog.start_run(self.project, self.job,
+                                                               self.run_id)
+        self.interrupted = runs.was_interrupted(prev)
         if prev is not None:
-            self._how_previous_ended(prev)
+            self.previous_run = self._how_previous_ended(prev)
         self._progress = progress.Progress(self.run_id)
         if self._reporter is not None:
             if prev is not None:  # what this run learnt of how the previous one ended
@@ -162,57 +163,60 @@ class RunSession:
         self.lease = acquire_lease(self.repo.store, self.project, self.job, self.run_id)
         self._catch_up_mirror()
 
-    def _how_previous_ended(self, prev: Run) -> None:
+    def _how_previous_ended(self, prev: RunRow) -> RunRow:
         """Learn where the previous run stopped and how, from its end record, its progress file
         on this machine and ``ciuic run``; record in the catalog what it could not (for ``ciuic
-        log`` and the dashboard)."""
+        log`` and the dashboard). The previous run with what was learnt."""
         stop = None
         if prev.host == socket.gethostname() and not _still_running(prev):
             stop = progress.take(prev.id)
         if prev.end_kind is None and stop is not None and stop.end is not None:
-            self._record_late_end(prev, stop)
+            prev = self._record_late_end(prev, stop)
         self.previous_known = prev.end_kind is not None
         died = prev.end_kind is None and stop is not None
         steps = [prev.last_step, stop.step if stop is not None else None]
-        if self._supervisor_said(prev, steps):
+        said = self._supervisor_said(prev, steps)
+        if said is not None:
+            prev = said
             died = died or prev.end_kind is None
         if died:  # its last step() is known: the later of its file's and the supervisor's
-            prev.last_step = max((x for x in steps if x is not None), default=None)
+            prev = replace(prev, last_step=max((x for x in steps if x is not None), default=None))
             self.repo.catalog.stopped_at(prev.id, prev.last_step)
             self.previous_known = True
         self.interrupted = runs.was_interrupted(prev)
+        return prev
 
-    def _record_late_end(self, prev: Run, stop: progress.Stop) -> None:
+    def _record_late_end(self, prev: RunRow, stop: progress.Stop) -> RunRow:
         """The previous run ended, and its catalog could not record that (a full disk): its
-        progress file kept the end, recorded now."""
+        progress file kept the end, recorded now. The previous run with its end."""
         assert stop.end is not None
         at = utc_now(stop.ended) if stop.ended else None
         self.repo.catalog.end_run(prev.id, stop.end, stop.step, at)
-        prev.end_kind, prev.ended = stop.end, at or utc_now()
-        if stop.step is not None:
-            prev.last_step = stop.step
+        prev = replace(prev, end_kind=stop.end, ended=at or utc_now(),
+                       last_step=prev.last_step if stop.step is None else stop.step)
         log.info("The previous run (%s) ended %s, %s; its catalog could not record that then, "
                  "its progress file kept it: recorded now", prev.id,
                  runs.stopped_where(prev.last_step, exact=True),
                  runs.describe_end(prev).removeprefix("it "))
+        return prev
 
-    def _supervisor_said(self, prev: Run, steps: list[int | None]) -> bool:
+    def _supervisor_said(self, prev: RunRow, steps: list[int | None]) -> RunRow | None:
         """Under ``ciuic run``, after a restart: record why the previous start stopped (the
         supervisor saw it), and this run's restart number; add its last step() to ``steps``.
-        Whether the supervisor saw ``prev`` stop."""
+        ``prev`` with the supervisor's cause, when the supervisor saw it stop; else None."""
         sup = self.supervised
         restart = sup.restart if sup is not None else None
         if restart is None:
-            return False
+            return None
         self.repo.catalog.restarted(self.run_id, restart.number)
         if restart.pids and prev.pid not in restart.pids:
-            return False  # the previous start never reached its manager: prev is an older run
+            return None  # the previous start never reached its manager: prev is an older run
         steps.append(restart.stopped_at)
         if restart.cause:
             self.repo.catalog.interrupted_by(prev.id, restart.cause)
-            prev.cause = restart.cause
+            prev = replace(prev, cause=restart.cause)
             self.interrupted = True
-        return True
+        return prev
 
     def _warn_if_taken_over(self) -> None:
         prev, lease = self.previous_run, self.lease
@@ -414,7 +418,7 @@ def _untrack(session: RunSession) -> None:
     _live.discard(session)
 
 
-def _still_running(run: Run) -> bool:
+def _still_running(run: RunRow) -> bool:
     """Whether a run that recorded no end may still be running: in another process
     (``runs.may_still_run``), or in this one (its manager not closed yet)."""
     if run.end_kind is None and run.host == socket.gethostname() and run.pid == os.getpid():

@@ -39,6 +39,7 @@ from ciuic.errors import (
 from ciuic.faults import failpoint
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
+from ciuic.format.records import RunReport as RunRecord  # RunReport: the request's model
 from ciuic.server import inspect
 from ciuic.server.observe import install
 from ciuic.store.base import check_key, check_prefix
@@ -190,7 +191,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         allow(info, project, "reader")
         for _, job in list_jobs(repo_of(project).store, project):
             repo_of(project).sync_job(project, job)
-        return {"jobs": [j for j in catalog.jobs() if j["project"] == project]}
+        return {"jobs": [j.to_json() for j in catalog.jobs() if j.project == project]}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots", tags=["snapshots"])
     def snapshots(info: Caller, project: str, job: str,
@@ -213,9 +214,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         layout.check_name("job", job)
         if not _RUN_ID.match(run_id):
             raise ApiError(422, "invalid_run", "a run ID is 16 hexadecimal characters")
-        fields = report.model_dump(exclude={"events"})
-        catalog.record_run(project, job, run_id, fields,
-                           [e.model_dump() for e in report.events])
+        catalog.record_run(project, job, run_id,
+                           RunRecord.from_json(run_id, report.model_dump()))
         return {"run": run_id, "events": len(report.events)}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
