@@ -76,6 +76,23 @@ def test_ddp_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path, reference: 
     assert again["bytes_written"] + other["bytes_written"] == again["bytes_new"]
 
 
+def test_ddp_on_4_ranks_resumes_bit_exactly(tmp_path: Path) -> None:
+    """Past two ranks a ring allreduce adds the ranks' gradients in an order set by each
+    element's place in its DDP bucket, and DDP rebuilds its buckets after the first backward: a
+    resumed process, with a new DDP, took its first step in the other layout and drifted in the
+    last bits (found on 2 simulated nodes x 2 ranks). restore() pins one layout on every run
+    (state/ddp.py); the reference is an uninterrupted run with ciuic."""
+    ok(torchrun(4, tmp_path / "ref", tmp_path / "r", "--steps", "14", "--save-every", "4"))
+    store = tmp_path / "store"
+    killed = torchrun(4, store, tmp_path / "o1", "--steps", "14", "--kill-rank", "1",
+                      "--kill-at", "9")
+    assert killed.returncode != 0
+    ok(torchrun(4, store, tmp_path / "o2", "--steps", "14"))
+    again = report(tmp_path / "o2")
+    assert again["restored_step"] in (4, 8) and again["start"] == again["restored_step"] + 1
+    assert again["digest"] == report(tmp_path / "r")["digest"]
+
+
 def test_ddp_ranks_copy_only_the_replicas_they_write(tmp_path: Path, reference: str) -> None:
     store = tmp_path / "store"
     ok(torchrun(2, store, tmp_path / "o1", "--steps", "12", "--save-every", "2"))

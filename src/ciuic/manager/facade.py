@@ -49,6 +49,7 @@ from ciuic.manager.session import (
 from ciuic.manager.signals import SignalGuard
 from ciuic.manager.stats import ManagerStats
 from ciuic.manager.supervised import busy
+from ciuic.state.ddp import pin_buckets
 from ciuic.store import Store
 
 log = logging.getLogger("ciuic")
@@ -298,6 +299,7 @@ class SnapshotManager:
                  snapshot: str | None) -> int | None:
         self.wait()
         self._restore_called = True
+        pin_buckets(model)  # every run of a DDP job reduces in one layout (state/ddp.py)
         done = self._recovery.restore(model, optimizer, extras, snapshot)
         if done is None:
             return None
