@@ -111,6 +111,21 @@ def test_ddp_with_two_processes_resumes_bit_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_ddp_with_four_processes_resumes_bit_exact(tmp_path: Path) -> None:
+    """Past two ranks the order in which DDP's allreduce adds the gradients depends on its
+    bucket layout, which a new DDP (a resumed process) builds differently for its first step:
+    CiuicCallback pins the strategy's DDP wrapper (state/ddp.py)."""
+    def four(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return launch(HELPER, out, "--ddp", "--devices", "4", "--every", "2", *args, ranks=4,
+                      timeout=300)
+    finished(four(tmp_path / "a"))
+    killed(four(tmp_path / "b", "--kill-at", "5"))  # epoch 1 (3 steps per epoch)
+    again = finished(four(tmp_path / "b"))
+    assert resumed_at(again, "Lightning fit") == 4
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     ["--every", "12", "--val"],  # a snapshot at an epoch's end, validation after it
     ["--accumulate", "2", "--every", "3"],

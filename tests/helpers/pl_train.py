@@ -36,6 +36,7 @@ def main() -> int:
     p.add_argument("--package", default="lightning.pytorch")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--devices", type=int, default=2, help="processes with --ddp")
     p.add_argument("--val", action="store_true", help="validate at each epoch's end")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--accumulate", type=int, default=1)
@@ -104,7 +105,7 @@ def main() -> int:
         if (out / "pl" / "last.ckpt").exists():
             ckpt_path = "last"
     trainer = pl.Trainer(
-        max_epochs=3, accelerator="cpu", devices=2 if a.ddp else 1,
+        max_epochs=3, accelerator="cpu", devices=a.devices if a.ddp else 1,
         strategy="ddp" if a.ddp else "auto", callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=a.mode == "pl", num_sanity_val_steps=0 if not a.val else 2,

@@ -31,6 +31,7 @@ from typing import Any
 
 from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.manager import SnapshotManager
+from ciuic.state.ddp import pin_buckets
 from ciuic.state.replay import FetchRng
 
 log = logging.getLogger("ciuic")
@@ -145,6 +146,9 @@ def build(pl: Any) -> type:
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             manager = self._manager()
             optimizer = _one_optimizer(trainer)
+            # the strategy's DDP wrapper (set up by now, before any forward): one bucket layout
+            # for every run, so that more than 2 ranks resume bit-exactly (state/ddp.py)
+            pin_buckets(trainer.strategy.model)
             if trainer.ckpt_path:
                 if manager.latest() is not None:
                     raise ConfigurationError(
