@@ -42,6 +42,30 @@ def test_changed_unchanged_nan_values_and_metrics(store_dir: Path) -> None:
     assert {v.path: (v.a, v.b) for v in d.metrics} == {"epoch": (1, 2), "loss": (2.5, 2.0)}
 
 
+def test_diff_json_is_strict_json_where_a_value_is_nan(store_dir: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ciuic diff --json` printed a bare NaN (the bias that became NaN), which JSON parsers
+    refuse; it is null now, as in the server's answer, with the NaN counted."""
+    net = model()
+    with SnapshotManager("p", job="a", store=store_dir, handle_signals=False) as m:
+        m.save(1, net, loss=2.5)
+        with torch.no_grad():
+            net[1].bias[0] = float("nan")
+        m.save(2, net, loss=float("inf"))
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "diff", "p/a@1",
+                           "p/a@2", "--json")
+    assert code == 0, err
+
+    def refuse(word: str) -> None:
+        raise AssertionError(f"{word} in the JSON")
+
+    got = json.loads(out, parse_constant=refuse)
+    bias = {t["path"]: t for t in got["tensors"]}["model/1.bias"]
+    assert bias["max_abs_diff"] is None and bias["nonfinite_b"] == 1
+    assert {v["path"]: v["b"] for v in got["metrics"]} == {"loss": None}
+
+
 def test_across_two_jobs_with_added_removed_and_reshaped_tensors(store_dir: Path,
                                                                  capsys: pytest.CaptureFixture[str],
                                                                  monkeypatch: pytest.MonkeyPatch

@@ -28,7 +28,7 @@ def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
     (repo_a, info_a), (repo_b, info_b) = resolve(a, repo), resolve(b, repo)
     result = diff(repo_a, info_a, repo_b, info_b)
     if as_json:
-        console.print_json(json.dumps(result.to_json(), default=str))
+        console.print_json(json.dumps(result.to_json(), default=str, allow_nan=False))
         return
     counts: dict[str, int] = {}
     for t in result.tensors:

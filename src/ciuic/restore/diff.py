@@ -67,11 +67,27 @@ class SnapshotDiff:
     bytes_read: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"a": {"id": self.a.id, "ref": self.a.ref}, "b": {"id": self.b.id,
-                                                                "ref": self.b.ref},
-                "tensors": [asdict(t) for t in self.tensors],
-                "values": [asdict(v) for v in self.values],
-                "metrics": [asdict(v) for v in self.metrics], "bytes_read": self.bytes_read}
+        """Strict JSON values: a float that is not finite (a difference or a value that is NaN
+        or Inf; the tensors' ``nonfinite_*`` counts say which) is null, as in the server's
+        answer, never a bare ``NaN`` that JSON parsers refuse."""
+        out: dict[str, Any] = json_safe({
+            "a": {"id": self.a.id, "ref": self.a.ref}, "b": {"id": self.b.id, "ref": self.b.ref},
+            "tensors": [asdict(t) for t in self.tensors],
+            "values": [asdict(v) for v in self.values],
+            "metrics": [asdict(v) for v in self.metrics], "bytes_read": self.bytes_read})
+        return out
+
+
+def json_safe(v: Any) -> Any:
+    """``v`` with every float that is not finite replaced by None (JSON's null), tuples as
+    lists."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
 
 
 def _leaves(states: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:

@@ -3,7 +3,6 @@ two snapshots, and the loss and norms along a chain."""
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
@@ -13,7 +12,7 @@ from ciuic.errors import ApiError
 from ciuic.faults import failpoint
 from ciuic.format.info import SnapshotInfo
 from ciuic.restore import inspect as look
-from ciuic.restore.diff import diff
+from ciuic.restore.diff import diff, json_safe
 from ciuic.words import counted
 
 #: statistics missing from a snapshot written before ciuic recorded them are computed (reading
@@ -48,23 +47,12 @@ def compare(repo: Repository, a: SnapshotInfo, b: SnapshotInfo) -> dict[str, Any
                 f"comparing {a.short_id} with {b.short_id} would read more than "
                 f"{DIFF_MAX_BYTES >> 30} GiB of tensors; run `ciuic diff {a.short_id} "
                 f"{b.short_id}` on a machine that reads the store")
-    out: dict[str, Any] = _json_safe(result.to_json())
-    return out
+    return result.to_json()
 
 
 def series(repo: Repository, project: str, job: str) -> dict[str, Any]:
     """The loss and each state's norm along a job's chain, with health: the dashboard's plots."""
-    return {"points": _json_safe(look.chain_series(repo, project, job))}
-
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
+    return {"points": json_safe(look.chain_series(repo, project, job))}
 
 
 def verify(repo: Repository, info: SnapshotInfo, deep: bool) -> dict[str, Any]:
