@@ -46,6 +46,10 @@ def test_apikey_cli_shows_the_key_once_and_stores_only_its_hash(tmp_path: Path) 
     assert listed.returncode == 0 and key.split("_")[1] in listed.stdout
     assert key not in listed.stdout and key.split("_", 2)[2] not in listed.stdout
     assert key.split("_", 2)[2].encode() not in (store / "catalog.db").read_bytes()
+    # a key makes its project, not a job: `ciuic ls` listed an empty "vision/default"
+    assert "vision/default" not in cli(store, "ls").stdout
+    with Repository.open(store) as repo:
+        assert repo.catalog.jobs() == []
     revoked = cli(store, "apikey", "revoke", key.split("_")[1])
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     bad = cli(store, "apikey", "create", "--project", "vision", "--role", "owner")

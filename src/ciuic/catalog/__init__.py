@@ -170,19 +170,25 @@ class Catalog:
 
     # -- projects and jobs -------------------------------------------------------------------
 
-    def _job_id(self, s: Session, project: str, job: str, create: bool = True) -> int | None:
+    def _project_id(self, s: Session, project: str, create: bool = True) -> int | None:
         p = s.scalar(select(Project).where(Project.name == project))
         if p is None:
             if not create:
                 return None
             p = _insert_or_get(s, Project(name=project, created=utc_now()),
                                select(Project).where(Project.name == project))
-        j = s.scalar(select(Job).where(Job.project_id == p.id, Job.name == job))
+        return p.id
+
+    def _job_id(self, s: Session, project: str, job: str, create: bool = True) -> int | None:
+        pid = self._project_id(s, project, create)
+        if pid is None:
+            return None
+        j = s.scalar(select(Job).where(Job.project_id == pid, Job.name == job))
         if j is None:
             if not create:
                 return None
-            j = _insert_or_get(s, Job(project_id=p.id, name=job, created=utc_now()),
-                               select(Job).where(Job.project_id == p.id, Job.name == job))
+            j = _insert_or_get(s, Job(project_id=pid, name=job, created=utc_now()),
+                               select(Job).where(Job.project_id == pid, Job.name == job))
         return j.id
 
     def ensure_job(self, project: str, job: str) -> int:

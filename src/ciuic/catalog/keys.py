@@ -68,7 +68,7 @@ def create_key(catalog: Catalog, project: str, role: str, name: str = "",
         expires = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=expires_days)
                    ).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     with catalog.session() as s:
-        catalog._job_id(s, project, "default")  # the project (and its default job) exist
+        catalog._project_id(s, project)  # the project exists; no job until one writes
         row = ApiKey(id=key_id, secret_hash=_hash(key), project=project, role=role, name=name,
                      created=utc_now(), expires=expires)
         s.add(row)
