@@ -612,3 +612,29 @@ def test_a_reader_verifies_deeply_one_snapshot_at_a_time(
     deep = first[0].json()
     assert deep["deep"] and not deep["ok"] and "re-hashed" in deep["checked"]
     assert len(deep["problems"]) == len(chunks), deep
+
+
+def test_a_snapshot_in_a_newer_format_is_not_called_damaged(tmp_path: Path) -> None:
+    """The diff endpoint (and the tensors one, where it reads chunks) called a chunk written by
+    a newer ciuic (an intact object this server cannot read) "damaged" and sent the user to
+    `ciuic verify`; they say to upgrade the server now."""
+    import httpx
+
+    store = tmp_path / "store"
+    writer = new_key(store, "p", "writer")
+    with serve(store, tmp_path / "server.log") as url:
+        with SnapshotManager("p", api_key=writer, endpoint=url, handle_signals=False) as m:
+            first = m.save(1, {"w": torch.randn(5000)}).id
+            second = m.save(2, {"w": torch.randn(5000)}).id
+        for path in (store / "objects" / "projects" / "p" / "chunks").rglob("*"):
+            if path.is_file():  # the frame version byte (format/chunks.py): a newer frame
+                data = bytearray(path.read_bytes())
+                data[4] = 2
+                path.write_bytes(bytes(data))
+        h = {"Authorization": f"Bearer {writer}"}
+        compared = httpx.get(f"{url}/v1/projects/p/diff", params={"a": first, "b": second},
+                             headers=h, timeout=30)
+    assert compared.status_code == 422, compared.text
+    error = compared.json()["error"]
+    assert error["code"] == "newer_format" and "upgrade the server" in error["message"]
+    assert "damaged" not in error["message"]

@@ -35,6 +35,7 @@ from ciuic.errors import (
     SnapshotNotFound,
     StoreError,
     UnreadableObject,
+    UnsupportedFormat,
 )
 from ciuic.faults import failpoint
 from ciuic.format import layout
@@ -80,6 +81,12 @@ class RunReport(BaseModel):
     cause: str | None = Field(default=None, max_length=2000)
     restart: int | None = None
     events: list[RunEventReport] = Field(default_factory=list, max_length=10_000)
+
+
+def _newer(e: UnsupportedFormat) -> ApiError:
+    """A snapshot written by a newer ciuic than the server's: intact, not damaged."""
+    return ApiError(422, "newer_format", f"{e}: the snapshot was written by a newer ciuic than "
+                    f"this server's ({__version__}); upgrade the server to read it")
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -256,6 +263,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         except MissingKey as e:
             raise ApiError(422, "encrypted", f"snapshot {found.short_id} is encrypted; only "
                            f"clients holding the key can read it ({e})") from e
+        except UnsupportedFormat as e:
+            raise _newer(e) from e
         except UnreadableObject as e:
             if _body_gone(project, found):
                 raise _gone(found) from e
@@ -284,6 +293,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         except MissingKey as e:
             raise ApiError(422, "encrypted", f"the snapshots are encrypted; only clients "
                            f"holding the key can compare them ({e})") from e
+        except UnsupportedFormat as e:
+            raise _newer(e) from e
         except UnreadableObject as e:
             raise ApiError(422, "damaged", f"a snapshot is damaged: {e}; `ciuic verify "
                            "--deep` names every damaged object") from e
