@@ -21,6 +21,7 @@ import torch
 
 from ciuic.chain.repo import Repository
 from tests import netns
+from tests.framework_runs import final
 from tests.netns import Node, Nodes, netns_pids
 
 pytestmark = pytest.mark.slow
@@ -128,12 +129,6 @@ def committed_step(store: Path) -> int | None:
 
 def count(path: Path, pattern: str) -> int:
     return len(re.findall(pattern, path.read_text(errors="replace"))) if path.exists() else 0
-
-
-def final(out: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(out / "final-ciuic.safetensors"))
 
 
 def test_torchrun_across_two_nodes_survives_the_loss_and_restart_of_node_2_bit_exact(
