@@ -25,10 +25,17 @@ without loading them, in the same order, with the same augmentation.
 
 Snapshots are taken at optimizer steps only (``accelerator.sync_gradients``): within a gradient
 accumulation window the gradients are part of the state, and they are not saved.
+
+Under DDP, ``restore()`` pins each prepared model's gradient bucket layout before its first
+forward (:mod:`ciuic.state.ddp`), so that past two processes a resumed run adds the gradients in
+the uninterrupted run's order. ``prepare`` returns the DDP wrapper but keeps only the unwrapped
+module in ``accelerator._models``, and holds the wrapper nowhere else: it is found among the
+process's live objects, as the ``DistributedDataParallel`` whose ``module`` is the prepared one.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -36,6 +43,7 @@ from ciuic.errors import ConfigurationError
 from ciuic.format.info import SnapshotInfo
 from ciuic.integrations._loaders import LoaderPosition
 from ciuic.manager import SnapshotManager
+from ciuic.state.ddp import pin_buckets
 
 log = logging.getLogger("ciuic")
 
@@ -91,6 +99,9 @@ class AccelerateSnapshots:
         the epoch to start the loop at (0 for a new job); the first loader resumes within it."""
         model, optimizer, extras = self._states()
         extras.pop("accelerate")
+        for wrapper in ddp_wrappers(self.accelerator):
+            # before the first forward, on every process, also for a new job (state/ddp.py)
+            pin_buckets(wrapper)
         step = self.manager.restore(model, optimizer, snapshot=snapshot, **extras)
         if step is None:
             return 0
@@ -132,3 +143,38 @@ class AccelerateSnapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def ddp_wrappers(accelerator: Any) -> list[Any]:
+    """The ``DistributedDataParallel`` wrappers of the accelerator's prepared models, in the
+    order of ``accelerator._models`` (the same on every process: pinning is a collective).
+
+    ``prepare`` returns the wrapper and keeps the unwrapped module; nothing of accelerate's or
+    torch's refers from the module to its wrapper, so it is looked for among the objects the
+    garbage collector tracks (once, at restore). A module with no wrapper (one process, a frozen
+    model) or with more than one live wrapper is skipped; a prepared model that is a
+    DDP itself is taken as it is."""
+    import torch
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    models = list(accelerator._models)
+    if getattr(accelerator, "num_processes", 1) <= 1 or not models:
+        return []
+    wanted = {id(m) for m in models if not isinstance(m, ddp)}
+    found: dict[int, list[Any]] = {}
+    if wanted:
+        for obj in gc.get_objects():
+            if isinstance(obj, ddp) and id(getattr(obj, "module", None)) in wanted:
+                found.setdefault(id(obj.module), []).append(obj)
+    wrappers = []
+    for m in models:
+        if isinstance(m, ddp):
+            wrappers.append(m)
+        elif len(found.get(id(m), [])) == 1:
+            wrappers.append(found[id(m)][0])
+        elif id(m) in found:
+            log.warning("%s is wrapped by %d live DistributedDataParallel objects; its gradient "
+                        "bucket layout is not pinned, so with more than 2 processes a resumed run "
+                        "may differ from an uninterrupted one in the last bits",
+                        type(m).__name__, len(found[id(m)]))
+    return wrappers
