@@ -32,6 +32,7 @@ from ciuic.format.tree import (
 )
 from ciuic.restore.match import Prepared, check_loadable, load_object, mismatch_message
 from ciuic.restore.reader import load_trees
+from ciuic.restore.sources import Resident
 from ciuic.state.capture import set_rng_state
 
 log = logging.getLogger("ciuic")
@@ -43,9 +44,11 @@ def is_distributed(states: Mapping[str, Any]) -> bool:
 
 
 def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
-            extras: Mapping[str, Any], rank: int, world_size: int) -> Prepared:
+            extras: Mapping[str, Any], rank: int, world_size: int,
+            resident: Resident | None = None) -> Prepared:
     """Read this rank's part of a multi-rank snapshot into fresh memory and check it against
-    the live objects. Nothing live changes until ``apply()``."""
+    the live objects. Nothing live changes until ``apply()``. ``resident``: chunks in host
+    memory (``ciuic run``), taken from there where they match their digests."""
     saved_world = int(trees["dist"]["world_size"])
     parts = trees["ranks"]
     if not isinstance(parts, list) or len(parts) != saved_world:
@@ -84,12 +87,13 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     elif optimizer is not None:
         raise ConfigurationError("restoring an optimizer from a multi-rank snapshot needs its "
                                  "model too (optimizer state is named by parameter names)")
-    loaded = _read_targets(repo, trees, targets)
-    own = load_trees(repo, part)
+    loaded = _read_targets(repo, trees, targets, resident)
+    own = load_trees(repo, part, resident=resident)
     hyper: list[dict[str, Any]] | None = None
     if opt_empty and optimizer is not None:
         assert isinstance(saved_opt, dict)
-        hyper = load_trees(repo, {"optimizer": {"param_groups": saved_opt["param_groups"]}})[
+        hyper = load_trees(repo, {"optimizer": {"param_groups": saved_opt["param_groups"]}},
+                           resident=resident)[
             "optimizer"]["param_groups"]
         assert hyper is not None
         if len(hyper) != len(optimizer.param_groups):
@@ -119,8 +123,8 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     return Prepared(apply, values)
 
 
-def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, Any]
-                  ) -> dict[str, Any]:
+def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, Any],
+                  resident: Resident | None) -> dict[str, Any]:
     """For each target state dict, the saved values, every tensor read as the box this rank's
     target holds (a DTensor's local shard, else the whole tensor), as new tensors shaped and
     placed like the target's."""
@@ -150,9 +154,9 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
             shard = dtensor_shard(t, path)  # this rank's box of a DTensor; else the whole
             desc = TensorDescriptor.from_json(saved[path], path)
             if shard is None:
-                return read_box(repo, path, desc, None, None, pool)
+                return read_box(repo, path, desc, None, None, pool, resident)
             local = list(t.to_local().shape)  # type: ignore[attr-defined]
-            return read_box(repo, path, desc, shard[1], local, pool)
+            return read_box(repo, path, desc, shard[1], local, pool, resident)
 
         futures = {p: tensors.submit(one, p) for p in sorted(live)}
         for p, fut in futures.items():

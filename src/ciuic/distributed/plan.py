@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ciuic.errors import ConfigurationError
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.shards import Meta, meta_of, piece_key, plan
 from ciuic.format.tree import (
     Leaf,
@@ -60,6 +61,9 @@ class DistCaptured(Captured):
     unstaged: set[str] = field(default_factory=set)
     #: set by :func:`write_dist`: the piece keys this rank wrote under the plan
     owned: set[str] = field(default_factory=set)
+    #: set by :func:`write_dist`: the descriptor of each leaf this rank wrote, by path, as
+    #: written (the coordinator's commit then describes its global leaves anew)
+    written: dict[str, TensorDescriptor] = field(default_factory=dict)
 
     def to_stage(self) -> list[Leaf]:
         """The leaves to copy into staging buffers: all but the unstaged replicas."""

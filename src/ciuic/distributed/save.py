@@ -100,6 +100,7 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             own = [leaf for leaf in captured.leaves if id(leaf) not in glob]
             new = write_leaves(repo, owned + own, cache, w.codec, w.compression,
                                stats=w.health is not None).new
+            captured.written = {leaf.path: _described(leaf) for leaf in owned + own}
             failpoint("chunks.sync")
             store.sync()
             failpoint("dist.written")

@@ -253,9 +253,10 @@ class StagingArea:
             self._staged.pop(path, None)
             self._pinned.discard(path)
 
-    def buffers(self) -> list[torch.Tensor]:
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by the path of the tensor it stages."""
         self.join()
-        return list(self._buffers.values())
+        return dict(self._buffers)
 
     def reserve(self, sizes: Iterable[tuple[str, int]], pin: int | None) -> bool:
         """Allocate buffers for tensors of these (path, bytes) on a background thread, so that

@@ -32,6 +32,7 @@ from ciuic.engine.staging import PendingCopy
 from ciuic.errors import FencedOut, StagingBudgetExceeded
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import ObjectCodec
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
@@ -183,7 +184,7 @@ class Pipeline(abc.ABC, Generic[C]):
                     else:
                         self.staging.stage(leaves)  # the only part that blocks
                     staged = True
-                    self._publishable = not isinstance(captured, DistCaptured)
+                    self._publishable = True
                 except StagingBudgetExceeded as e:
                     if not self._warned_budget:
                         self._warned_budget = True
@@ -261,7 +262,7 @@ class Pipeline(abc.ABC, Generic[C]):
         # The snapshot is committed: what follows is bookkeeping and must not make it look failed.
         if self.tier is not None and self._publishable:
             quietly("keep the snapshot in host memory", self.tier.publish, sid, step,
-                    self.staging.buffers())
+                    self.staging.buffers(), written_by_this(captured))
         self.session.committed(step, sid)
         return SnapshotInfo.from_manifest(m, sid)
 
@@ -381,3 +382,11 @@ def sharded(model: Any) -> bool:
     multi-rank layout (sharded descriptors), even on a world of one."""
     return isinstance(model, torch.nn.Module) and any(
         type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def written_by_this(captured: Captured) -> dict[str, TensorDescriptor]:
+    """The descriptor of each leaf this process wrote into the committed snapshot, by path
+    (what its staging buffers hold, chunk by chunk, for the host-memory tier)."""
+    if isinstance(captured, DistCaptured):
+        return captured.written
+    return {leaf.path: leaf.described for leaf in captured.leaves if leaf.described is not None}

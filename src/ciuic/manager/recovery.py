@@ -63,6 +63,9 @@ class Recovery:
         self._pipeline = pipeline
         #: the snapshot whose bytes were last read straight into live tensors (None: none were)
         self.read_into: str | None = None
+        #: chunk bytes the last restore read from host memory and from the store (summed over
+        #: the ranks: rank 0's figure is the job's)
+        self.read: tuple[int, int] = (0, 0)
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None) -> Restored | None:
@@ -95,12 +98,13 @@ class Recovery:
         problems: list[str] = []
         for info in candidates:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
-            resident = host if host is not None and host.snapshot == info.id else None
+            resident = host.serving(info.id) if host is not None else None
             where = self.repo.location(layout.manifest_key(info.project, info.job, info.id))
             if resident is not None:
-                log.info("Loading snapshot from host memory (ciuic run holds %s of it), every "
+                log.info("Loading snapshot from host memory (ciuic run holds %s %s), every "
                          "chunk checked against its digest; the rest from %s",
-                         _size(sum(b.numel() for b in resident.buffers.values())), where)
+                         _size(resident.held()), "of it" if not self.coll.enabled
+                         else "on this node", where)
             else:
                 log.info("%s snapshot from %s", "Loading" if "://" not in where
                          else "Downloading", where)
@@ -123,7 +127,8 @@ class Recovery:
                 if not self.coll.enabled:
                     raise
                 outcome, detail = "error", f"{type(e).__name__}: {e}"  # every rank stops
-            outcome, detail = self.agree(outcome, detail)
+            read = (0, 0) if resident is None else (resident.from_memory, resident.from_store)
+            outcome, detail = self.agree(outcome, detail, read)
             if outcome == "mismatch":
                 raise StateMismatch(detail + self._partial())
             if outcome == "error":
@@ -137,10 +142,11 @@ class Recovery:
                             "previous snapshot", info.step, info.short_id, detail)
                 continue
             assert prepared is not None
-            if resident is not None:
-                log.info("Read %s from host memory and %s from the store in %.2f s",
-                         _size(resident.from_memory), _size(resident.from_store),
-                         time.perf_counter() - t0)
+            memory, store = self.read  # every rank's, summed
+            if host is not None and self.coll.coordinator and memory + store:
+                log.info("Read %s from host memory and %s from the store in %.2f s%s",
+                         _size(memory), _size(store), time.perf_counter() - t0,
+                         f" (all {self.coll.world_size} ranks)" if self.coll.enabled else "")
             prepared.apply()
             return Restored(info, prepared.values)
         raise RestoreError(
@@ -219,7 +225,7 @@ class Recovery:
         _, trees = read_body(self.repo, info)
         if is_distributed(trees):
             return prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
-                           self.coll.world_size)
+                           self.coll.world_size, resident)
 
         def reading_into() -> None:
             self.read_into = info.short_id
@@ -227,15 +233,22 @@ class Recovery:
         return prepare_local(self.repo, info, trees, model, optimizer, extras, buffer_for,
                              resident, reading_into)
 
-    def agree(self, outcome: str, detail: str) -> tuple[str, str]:
+    def agree(self, outcome: str, detail: str, read: tuple[int, int] = (0, 0)
+              ) -> tuple[str, str]:
         """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
-        every rank; damage anywhere moves every rank to the previous snapshot)."""
+        every rank; damage anywhere moves every rank to the previous snapshot). ``read``: the
+        chunk bytes this rank read from host memory and from the store, summed over the ranks
+        into :attr:`read`."""
+        self.read = read
         if not self.coll.enabled:
             return outcome, detail
-        everyone = self.coll.all_gather([outcome, detail])
+        everyone = self.coll.all_gather([outcome, detail, *read])
+        self.read = (sum(int(x[2]) for x in everyone), sum(int(x[3]) for x in everyone))
+        log.debug("chunk bytes read by each rank (host memory, store): %s",
+                  [(int(x[2]), int(x[3])) for x in everyone])
         for worst in ("error", "mismatch", "damaged"):
             ranks: dict[str, list[int]] = {}  # one line per distinct message
-            for r, (o, d) in enumerate(everyone):
+            for r, (o, d, *_) in enumerate(everyone):
                 if o == worst:
                     ranks.setdefault(d, []).append(r)
             if ranks:
@@ -246,6 +259,8 @@ class Recovery:
 
 
 def _size(n: int) -> str:
+    if n == 0:
+        return "0 B"  # none at all, where 0.00 MiB could be a few bytes
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 

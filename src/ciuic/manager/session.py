@@ -109,7 +109,7 @@ class RunSession:
         self._ended: str | None = None  # the end record_end() was first given
         self._unwritable = False  # the catalog could not be written, and that was said
         #: under ``ciuic run``: the heartbeats, the host-memory tier, the previous start's cause
-        self.supervised: Supervised | None = attach(multi_rank=coll.enabled)
+        self.supervised: Supervised | None = attach()
 
     def start(self) -> None:
         """Record the run, take the lease, catch the mirror up (rank 0, which shares the run's

@@ -58,9 +58,10 @@ class Supervised:
         self.link.close()
 
 
-def attach(multi_rank: bool) -> Supervised | None:
-    """Attach to the supervisor in ``CIUIC_SUPERVISOR``, if any. ``multi_rank``: no host-memory
-    tier (ranks stage what they own, and restore through DCP's resharding)."""
+def attach() -> Supervised | None:
+    """Attach to the supervisor in ``CIUIC_SUPERVISOR``, if any: its heartbeats and its
+    host-memory tier (every rank of a torchrun job stages into shared memory, and restores from
+    the chunks the node's ranks hold)."""
     link = Link.from_env()
     if link is None:
         return None
@@ -73,8 +74,7 @@ def attach(multi_rank: bool) -> Supervised | None:
         return None
     slot = int(os.environ.get("LOCAL_RANK", "0") or 0)
     beacon = Beacon(region, slot, link.rank, os.getpid())
-    tier = None if multi_rank else HostTier(link, reply)
-    return Supervised(link, beacon, tier)
+    return Supervised(link, beacon, HostTier(link, reply))
 
 
 @contextlib.contextmanager

@@ -15,12 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ciuic.chain.read import read_chunk
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
 from ciuic.format.descriptor import Shard, TensorDescriptor
 from ciuic.format.shards import overlap
 from ciuic.restore.leaves import bytes_view, inline_bytes, leaf_layout, uninitialized
+from ciuic.restore.sources import Resident, read_from
 
 
 def pieces_of(desc: TensorDescriptor) -> tuple[Shard, ...]:
@@ -56,9 +56,11 @@ class _Piece:
 
 
 def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[int] | None,
-             box_shape: list[int] | None, pool: ThreadPoolExecutor) -> torch.Tensor:
+             box_shape: list[int] | None, pool: ThreadPoolExecutor,
+             resident: Resident | None = None) -> torch.Tensor:
     """The box (``box_off``, ``box_shape``; None: the whole tensor) of a stored tensor, as a new
-    tensor of that shape, every byte read verified."""
+    tensor of that shape, every byte read verified (each chunk from ``resident`` memory where it
+    holds it, else from the store)."""
     dtype, shape = leaf_layout(path, "tensor", desc)
     item = torch.empty((), dtype=dtype).element_size()
     box_off = [0] * len(shape) if box_off is None else box_off
@@ -71,7 +73,8 @@ def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[
     covered = 0
     try:
         for piece in pieces_of(desc):
-            part = _plan_piece(repo, path, piece, item, box_off, box_shape, pool, futures)
+            part = _plan_piece(repo, path, piece, item, box_off, box_shape, pool, futures,
+                               resident)
             if part is not None:
                 parts.append(part)
                 covered += math.prod(part.ov_shape)
@@ -100,7 +103,7 @@ def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[
 
 def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
                 box_off: list[int], box_shape: list[int], pool: ThreadPoolExecutor,
-                futures: list[Future[None]]) -> _Piece | None:
+                futures: list[Future[None]], resident: Resident | None) -> _Piece | None:
     off, pshape, nbytes = list(piece.offsets), list(piece.shape), piece.nbytes
     if (math.prod(pshape) * item != nbytes or len(off) != len(box_off)
             or len(pshape) != len(box_off)):
@@ -128,5 +131,6 @@ def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
     buf = uninitialized(size)
     view = bytes_view(buf)
     for d, n, at in needed:
-        futures.append(pool.submit(read_chunk, repo, d, n, view[at - base:at - base + n]))
+        futures.append(pool.submit(read_from, repo, resident, d, n,
+                                   view[at - base:at - base + n]))
     return _Piece(base, buf, pshape, ov_off, ov_shape, local)

@@ -71,11 +71,9 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
                                                            lend_once, resident)
                 reads.extend(submitted)
             if sharded:
-
-
                 for path, raw in sharded:
                     buffers[id(raw)] = read_box(repo, path, parsed[id(raw)], None, None,
-                                                pool).reshape(-1).view(torch.uint8)
+                                                pool, resident).reshape(-1).view(torch.uint8)
             for fut in reads:
                 fut.result()
         finally:

@@ -1,8 +1,8 @@
 """Where a restore's leaf bytes come from and land, besides fresh memory: the store (each chunk
-read and verified against its name), the host-memory copy ``ciuic run`` keeps of the latest
-snapshot (:class:`Resident`: each chunk checked against its digest before use), and buffers lent
-for the reads (:data:`BufferFor`; :func:`lend_staging`: the staging buffers the next snapshot
-copies into).
+read and verified against its name), the host memory ``ciuic run`` keeps of the latest
+snapshots (:class:`Resident`: this rank's staged leaves and the node's published chunks, each
+chunk checked against its digest before use), and buffers lent for the reads
+(:data:`BufferFor`; :func:`lend_staging`: the staging buffers the next snapshot copies into).
 """
 
 from __future__ import annotations
@@ -26,18 +26,35 @@ BufferFor = Callable[[str, int], "torch.Tensor | None"]
 
 
 class Resident:
-    """A snapshot's leaf bytes already in host memory (``ciuic run``'s host-memory tier): a
-    restore takes each chunk from here after checking it against its digest, and reads a chunk
-    that differs from the store."""
+    """A snapshot's bytes already in host memory (``ciuic run``'s host-memory tier): the
+    leaves a previous process of this rank staged (by path: ``buffers``, only for the snapshot
+    they hold) and every chunk the node's ranks published (by digest: ``chunks``, for any
+    snapshot that holds them). A restore takes each chunk from here after checking it against
+    its digest, and reads a chunk that differs, or is not here, from the store; the bytes from
+    each source are counted."""
 
-    def __init__(self, snapshot: str, buffers: dict[str, torch.Tensor],
-                 name_key: bytes | None) -> None:
+    def __init__(self, snapshot: str | None, buffers: dict[str, torch.Tensor],
+                 name_key: bytes | None, chunks: dict[str, memoryview] | None = None) -> None:
         self.snapshot = snapshot
         self.buffers = buffers
+        self.chunks = chunks or {}
         self.name_key = name_key
         self.from_memory = 0  # bytes
         self.from_store = 0
         self._lock = threading.Lock()
+
+    def serving(self, snapshot: str) -> Resident | None:
+        """What serves a restore of ``snapshot`` (fresh counts): the leaves by path only when
+        they hold it; the chunks by digest whatever it is. None where memory holds nothing."""
+        buffers = self.buffers if snapshot == self.snapshot else {}
+        if not buffers and not self.chunks:
+            return None
+        return Resident(snapshot, buffers, self.name_key, self.chunks)
+
+    def held(self) -> int:
+        """Bytes of the state this memory holds (the larger of the two views of it)."""
+        return max(sum(b.numel() for b in self.buffers.values()),
+                   sum(len(v) for v in self.chunks.values()))
 
     def get(self, path: str, nbytes: int) -> torch.Tensor | None:
         buf = self.buffers.get(path)
@@ -59,18 +76,26 @@ class Resident:
 
 def read_from(repo: Repository, resident: Resident | None, d: str, n: int,
               dest: memoryview) -> None:
-    """Chunk ``d`` read from the store into ``dest`` (counted as such by ``resident``)."""
+    """Chunk ``d`` into ``dest``: from the node's memory where ``resident`` holds it (checked
+    against its digest), else from the store; counted by ``resident``."""
+    src = resident.chunks.get(d) if resident is not None else None
+    if resident is not None and src is not None and len(src) == n:
+        resident.take(repo, d, n, dest, src)
+        return
     read_chunk(repo, d, n, dest)
     if resident is not None:
         resident.count(n, memory=False)
 
 
 def host_copy(tier: HostTier | None, name_key: bytes | None) -> Resident | None:
-    """The snapshot a previous process of this job left in host memory (``ciuic run``), as the
-    buffers this process adopted, or None."""
-    if tier is None or tier.snapshot is None or not tier.adopted:
+    """What ``ciuic run`` holds in host memory for a restore: the buffers a previous process of
+    this rank left (adopted by this one), and the chunks every rank of the node published.
+    None outside ``ciuic run`` or without its tier; a Resident holding nothing counts the bytes
+    read from the store."""
+    if tier is None or not tier.enabled:
         return None
-    return Resident(tier.snapshot, dict(tier.adopted), name_key)
+    own = dict(tier.adopted) if tier.snapshot is not None else {}
+    return Resident(tier.snapshot, own, name_key, tier.node_chunks())
 
 
 def lend_staging(staging: StagingArea, model: Any) -> BufferFor | None:

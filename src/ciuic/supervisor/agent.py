@@ -43,8 +43,8 @@ from ciuic.supervisor.channel import (
     PIDS_ENV,
     RESTART_ENV,
     STOPPED_AT_ENV,
-    Holder,
 )
+from ciuic.supervisor.holder import Holder
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic.run")
