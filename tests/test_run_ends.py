@@ -271,3 +271,15 @@ def test_a_run_with_no_end_seen_from_another_machine_is_not_called_killed() -> N
     [note] = history([run], [*events, died])["s" * 64]  # the next run read its progress file
     assert note.endswith("stopped at step 641: was killed or crashed: no clean exit was "
                          "recorded")
+
+
+def test_events_a_server_recorded_twice_make_one_note_each() -> None:
+    """A server's catalog from before reports were idempotent holds each event of a resent run
+    twice: `resumed by run R` once, not twice."""
+    run = RunRow(id="b" * 16, job_id=1, started="2026-12-01T00:00:00.000000Z", host="elsewhere",
+                 pid=1, last_step=9, last_seen="2026-12-01T00:01:00.000000Z",
+                 ended="2026-12-01T00:01:00.000000Z", end_kind="clean", cause=None,
+                 restart=None)
+    resumed = EventRow(run=run.id, at="2026-12-01T00:00:01.000000Z", kind="restore", step=5,
+                       detail="s" * 64)
+    assert history([run], [resumed, resumed]) == {"s" * 64: ["resumed by run bbbbbbbb"]}

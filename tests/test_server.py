@@ -360,7 +360,9 @@ def test_a_clients_run_report_reaches_the_servers_catalog_field_for_field(
     assert list(body["events"][0]) == ["at", "kind", "step", "detail"]
     writer = {"Authorization": f"Bearer {keys['writer']}"}
     r = http.put(f"/v1/projects/p/jobs/j/runs/{run_id}", headers=writer, json=body)
-    assert r.status_code == 200 and r.json() == {"run": run_id, "events": 4}
+    assert r.status_code == 200 and r.json() == {"run": run_id, "events": 4, "added": 4}
+    again = http.put(f"/v1/projects/p/jobs/j/runs/{run_id}", headers=writer, json=body)
+    assert again.json() == {"run": run_id, "events": 4, "added": 0}  # safe to send again
     server = Catalog(f"sqlite:///{Path(store) / 'catalog.db'}")
     try:
         [mine], [theirs] = client.runs("p", "j"), server.runs("p", "j")
@@ -374,6 +376,60 @@ def test_a_clients_run_report_reaches_the_servers_catalog_field_for_field(
     assert row == {"project": "p", "job": "j", "snapshots": 0, "max_step": None,
                    "new_bytes": 0, "latest": None}
     assert list(row) == ["project", "job", "snapshots", "max_step", "new_bytes", "latest"]
+
+
+ENDPOINT_JOB = """
+import os, signal, sys
+import torch
+from torch import nn
+from ciuic import SnapshotManager
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+url, key, steps, kill = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+with SnapshotManager("runs", job="j", endpoint=url, api_key=key, save_interval=2) as m:
+    last = m.restore(model, opt)
+    for step in range(0 if last is None else last + 1, steps):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        m.step(step, model, opt)
+        if step == kill:
+            m.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_restarts_of_a_job_on_a_server_do_not_duplicate_its_run_history(
+        server: tuple[str, Path], tmp_path: Path) -> None:
+    """Three runs of a job on a server, the second SIGKILLed: each run sends the previous run's
+    record again (all of its events: the killed one may not have sent its last ones), and the
+    server keeps each event once, as the client's catalog has them. (It appended them again:
+    each run's events twice but the last's, and `resumed by run R` twice.)"""
+    url, store = server
+    key = new_key(store, "runs", "writer")
+    job = tmp_path / "job.py"
+    job.write_text(ENDPOINT_JOB)
+    for steps, kill, rc in ((4, -1, 0), (9, 6, -9), (9, -1, 0)):
+        run = subprocess.run([sys.executable, str(job), url, key, str(steps), str(kill)],
+                             capture_output=True, text=True, timeout=180)
+        assert run.returncode == rc, run.stderr[-3000:]
+    [cache] = (tmp_path / "cache" / "ciuic").glob("*.db")  # the client's catalog
+    client, theirs = Catalog(f"sqlite:///{cache}"), Catalog(f"sqlite:///{store / 'catalog.db'}")
+    try:
+        mine = client.events("runs", "j", limit=1000)
+        told = theirs.events("runs", "j", limit=1000)
+        assert len({e.run for e in mine}) == 3
+        assert sorted(told, key=repr) == sorted(mine, key=repr)
+        with TestClient(create_app(str(store))) as http:
+            body = http.get("/v1/projects/runs/jobs/j/snapshots",
+                            headers={"Authorization": f"Bearer {key}"}).json()
+        notes = [n for s in body["snapshots"] for n in s["notes"]]
+        assert len(notes) == len(set(notes)) == 3, notes  # two resumes, one kill
+    finally:
+        client.close()
+        theirs.close()
 
 
 def test_a_shutdown_during_a_commit_finishes_the_commit(tmp_path: Path) -> None:

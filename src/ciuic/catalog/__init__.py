@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -452,8 +453,11 @@ class Catalog:
             report = RunReport(RunFields(**_run_fields(run)), tuple(map(_event_row, rows)))
             return report, rows[-1].id if rows else after_event
 
-    def record_run(self, project: str, job: str, run_id: str, report: RunReport) -> None:
-        """Insert or update a run a client reported, and add its new events."""
+    def record_run(self, project: str, job: str, run_id: str, report: RunReport) -> int:
+        """Insert or update a run a client reported, and add the events this catalog does not
+        have yet: a report is safe to send again (after a timeout, or by the next run, which
+        cannot know what a killed run got through), an event already recorded is not added
+        again. The number of events added."""
         fields = report.run.to_json()
         with self.session() as s:
             jid = self._job_id(s, project, job)
@@ -466,9 +470,19 @@ class Catalog:
             else:
                 for f, v in fields.items():
                     setattr(run, f, v)
+            have = Counter(tuple(row) for row in s.execute(
+                select(RunEvent.at, RunEvent.kind, RunEvent.step, RunEvent.detail)
+                .where(RunEvent.run_id == run_id)))
+            added = 0
             for e in report.events:
+                key = (e.at, e.kind, e.step, e.detail)
+                if have[key] > 0:  # this one is here already (each copy counts once)
+                    have[key] -= 1
+                    continue
                 s.add(RunEvent(run_id=run_id, job_id=jid, at=e.at, kind=e.kind, step=e.step,
                                detail=e.detail))
+                added += 1
+            return added
 
 
 def _run_fields(run: Run) -> dict[str, Any]:

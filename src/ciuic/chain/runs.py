@@ -127,6 +127,8 @@ IDENTITY = identity()
 def history(runs: Sequence[RunRow], events: Sequence[EventRow]) -> dict[str, list[str]]:
     """What happened around each snapshot (ID -> notes, in time order): where a run that did
     not finish stopped after it (and why), and which runs resumed from it."""
+    # each event once: a server used to add again the events a report sent again (issue 30)
+    events = list(dict.fromkeys(events))
     found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
     last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
     restarts = {r.id: r.restart for r in runs if r.restart}

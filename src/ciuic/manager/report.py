@@ -7,6 +7,11 @@ sends each run's record and its new events to the server (``PUT
 Sends run on a background thread (training never waits for the server), coalesced per run; the
 end of a run is sent on the caller's thread, since the process may exit next. A failure is
 logged once and retried with the next report: it never stops training.
+
+A process sends each event of its own run once. The first report of a run in a process sends
+all of that run's events: the next run reports the previous one so (what it learnt of how it
+ended), since it cannot know what that process got through before it was killed. The server
+keeps each event once (``Catalog.record_run``), so a report sent again adds nothing.
 """
 
 from __future__ import annotations

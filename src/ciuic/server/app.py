@@ -69,7 +69,8 @@ class RunEventReport(BaseModel):
 
 class RunReport(BaseModel):
     """A client's run of a job, as its own catalog holds it, and its events since the last
-    report (``ciuic.manager.report``): what ``ciuic log`` and the dashboard say about runs."""
+    report (``ciuic.manager.report``): what ``ciuic log`` and the dashboard say about runs.
+    Safe to send again: an event the server has already is not added twice."""
 
     started: str = Field(max_length=32)
     host: str = Field(max_length=255)
@@ -221,9 +222,10 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         layout.check_name("job", job)
         if not _RUN_ID.match(run_id):
             raise ApiError(422, "invalid_run", "a run ID is 16 hexadecimal characters")
-        catalog.record_run(project, job, run_id,
-                           RunRecord.from_json(run_id, report.model_dump()))
-        return {"run": run_id, "events": len(report.events)}
+        added = catalog.record_run(project, job, run_id,
+                                   RunRecord.from_json(run_id, report.model_dump()))
+        # "events": those the report carried; "added": those the server did not have yet
+        return {"run": run_id, "events": len(report.events), "added": added}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:
