@@ -218,3 +218,57 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys() and a
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ
+
+
+def supervised(node: Node, nodes: Nodes, tmp: Path, name: str, rdzv: str, *args: str
+               ) -> subprocess.Popen[bytes]:
+    """Node ``node``'s ``ciuic run`` around its torchrun of the 2 x 2 job (torchrun restarts
+    the workers itself: ``--max-restarts 3``), output to ``tmp/<name>.log`` (appended)."""
+    with open(tmp / f"{name}.log", "ab") as log:
+        return node.popen([
+            sys.executable, "-m", "ciuic", "run", "--", sys.executable, "-m",
+            "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[1].addr}:29400",
+            "--rdzv-id", rdzv, "--local-addr", node.addr, "--max-restarts", "3",
+            "--rdzv-conf", f"is_host={int(node.index == 1)}", "--monitor-interval", "0.2",
+            str(HELPER), *args],
+            stdout=log, stderr=subprocess.STDOUT, env={**node.env, "PYTHONWARNINGS": "ignore",
+                                                       **SHARED_STORE_OFF})
+
+
+def test_a_lost_node_is_restored_from_the_replica_in_its_peers_memory(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path) -> None:
+    """``ciuic run`` on each node: after each commit node 2 sends its ranks' chunks to node 1
+    (a replica, checked on arrival). Node 2 is SIGKILLed, all of it (its ``ciuic run`` and its
+    memory too), after its replica of the snapshot at step 10 is complete, and started again
+    with empty memory: its ranks read their chunks from node 1's memory, node 1's ranks from
+    their own node's, and nothing from the store; the job ends bit-identical."""
+    nodes = netns_nodes(2)
+    job = ["--steps", "30", "--every", "5", "--hidden", "128"]
+    ref = [torchrun(n, nodes, tmp_path, f"ref-n{n.index}", f"ref{nodes.id}", "--store",
+                    str(tmp_path / "ref-store"), "--out", str(tmp_path / "ref"), *job,
+                    max_restarts=0) for n in nodes]
+    assert [p.wait(240) for p in ref] == [0, 0], (tmp_path / "ref-n1.log").read_text()[-3000:]
+
+    store, out = tmp_path / "store", tmp_path / "out"
+    # rank 2 (node 2) pauses at step 12, once: snapshot 10 commits and replicates meanwhile
+    args = ["--store", str(store), "--out", str(out), *job,
+            "--pause-at", f"12:2:{tmp_path / 'paused'}"]
+    procs = [supervised(n, nodes, tmp_path, f"run-n{n.index}", f"run{nodes.id}", *args)
+             for n in nodes]
+    log1, log2 = tmp_path / "run-n1.log", tmp_path / "run-n2.log"
+    wait_for(lambda: count(log2, r"holds a replica of this node's snapshot at step 10 ") >= 1,
+             240, "node 2's replica of the snapshot at step 10")
+    assert committed_step(store) == 10
+    nodes[2].kill_all()
+    procs[1] = supervised(nodes[2], nodes, tmp_path, "run-n2", f"run{nodes.id}", *args)
+    codes = [p.wait(300) for p in procs]
+    text = log1.read_text(errors="replace")
+    assert codes == [0, 0], (text[-4000:], log2.read_text(errors="replace")[-4000:])
+    assert "Resuming training at step 11" in text, text[-4000:]
+    read = re.search(r"Read (.+) from host memory, (.+) from other nodes' memory and (.+) from "
+                     r"the store in [\d.]+ s \(all 4 ranks\)", text)
+    assert read, text[-4000:]
+    print(read.group(0))
+    assert read.group(3) == "0 B" and read.group(2) != "0 B", read.group(0)
+    assert_same(final(out), final(tmp_path / "ref"))

@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--kill-at")
     p.add_argument("--hang-at")
+    p.add_argument("--pause-at", metavar="STEP:RANK:FILE",
+                   help="hang there once: only while FILE does not exist yet (it is made)")
     p.add_argument("--fail-start", action="store_true")
     p.add_argument("--sync", action="store_true", help="asynchronous=False")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -82,6 +84,12 @@ def main() -> None:
         opt.step()
         if fault(a.kill_at, step, rank):
             os.kill(os.getpid(), signal.SIGKILL)
+        if a.pause_at:
+            at, who, marker = a.pause_at.split(":", 2)
+            if step == int(at) and rank == int(who) and not Path(marker).exists():
+                Path(marker).touch()
+                print(f"pausing at step {step} (rank {rank})", file=sys.stderr, flush=True)
+                time.sleep(3600)
         if fault(a.hang_at, step, rank):
             print(f"hanging at step {step} (rank {rank})", file=sys.stderr, flush=True)
             time.sleep(3600)

@@ -48,7 +48,7 @@ from ciuic.manager.session import (
 )
 from ciuic.manager.signals import SignalGuard
 from ciuic.manager.stats import ManagerStats
-from ciuic.manager.supervised import busy
+from ciuic.manager.supervised import busy, join_peers, multi_node
 from ciuic.state.ddp import pin_buckets
 from ciuic.store import Store
 
@@ -110,6 +110,8 @@ class SnapshotManager:
         self._pipeline: Pipeline[Any] = (RankedPipeline if self.coll.enabled else LocalPipeline)(
             c, self._session, self.coll, self.stats, codec)
         self._recovery = Recovery(self._session, self.coll, self._pipeline)
+        if self.coll.enabled and multi_node():  # the other nodes' memory, and replicas
+            join_peers(self._session.supervised, self.coll, codec.name_key)
         self.restored: SnapshotInfo | None = None
         self.restored_values: dict[str, Any] = {}
         self._restore_called = False

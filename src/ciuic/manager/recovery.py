@@ -63,9 +63,9 @@ class Recovery:
         self._pipeline = pipeline
         #: the snapshot whose bytes were last read straight into live tensors (None: none were)
         self.read_into: str | None = None
-        #: chunk bytes the last restore read from host memory and from the store (summed over
-        #: the ranks: rank 0's figure is the job's)
-        self.read: tuple[int, int] = (0, 0)
+        #: chunk bytes the last restore read from this node's memory, other nodes' and the
+        #: store (summed over the ranks: rank 0's figure is the job's)
+        self.read: tuple[int, int, int] = (0, 0, 0)
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None) -> Restored | None:
@@ -74,9 +74,15 @@ class Recovery:
         read from there, when it is the snapshot being restored (never in place of a newer
         one). The next snapshot follows the one restored."""
         p = self._pipeline
-        host = host_copy(p.tier, p.codec.name_key)
+        sup = self.session.supervised
+        peers = sup.peers.reader() if sup is not None and sup.peers is not None else None
+        host = host_copy(p.tier, p.codec.name_key, peers)
         lent = lend_staging(p.staging, model) if p.config.asynchronous else None
-        done = self._restore(model, optimizer, extras, snapshot, lent, host)
+        try:
+            done = self._restore(model, optimizer, extras, snapshot, lent, host)
+        finally:
+            if peers is not None:
+                peers.close()
         if p.tier is not None and host is not None and (done is None
                                                         or done.info.id != host.snapshot):
             p.tier.invalidate()  # the restore read another snapshot into its buffers
@@ -127,7 +133,8 @@ class Recovery:
                 if not self.coll.enabled:
                     raise
                 outcome, detail = "error", f"{type(e).__name__}: {e}"  # every rank stops
-            read = (0, 0) if resident is None else (resident.from_memory, resident.from_store)
+            read = (0, 0, 0) if resident is None else (
+                resident.from_memory, resident.from_peers, resident.from_store)
             outcome, detail = self.agree(outcome, detail, read)
             if outcome == "mismatch":
                 raise StateMismatch(detail + self._partial())
@@ -142,10 +149,12 @@ class Recovery:
                             "previous snapshot", info.step, info.short_id, detail)
                 continue
             assert prepared is not None
-            memory, store = self.read  # every rank's, summed
-            if host is not None and self.coll.coordinator and memory + store:
-                log.info("Read %s from host memory and %s from the store in %.2f s%s",
-                         _size(memory), _size(store), time.perf_counter() - t0,
+            memory, peer, store = self.read  # every rank's, summed
+            if host is not None and self.coll.coordinator and memory + peer + store:
+                log.info("Read %s from host memory%s and %s from the store in %.2f s%s",
+                         _size(memory), f", {_size(peer)} from other nodes' memory"
+                         if host.peers is not None else "", _size(store),
+                         time.perf_counter() - t0,
                          f" (all {self.coll.world_size} ranks)" if self.coll.enabled else "")
             prepared.apply()
             return Restored(info, prepared.values)
@@ -233,19 +242,20 @@ class Recovery:
         return prepare_local(self.repo, info, trees, model, optimizer, extras, buffer_for,
                              resident, reading_into)
 
-    def agree(self, outcome: str, detail: str, read: tuple[int, int] = (0, 0)
+    def agree(self, outcome: str, detail: str, read: tuple[int, int, int] = (0, 0, 0)
               ) -> tuple[str, str]:
         """Multi-rank: the worst outcome of any rank, for every rank (a mismatch anywhere stops
         every rank; damage anywhere moves every rank to the previous snapshot). ``read``: the
-        chunk bytes this rank read from host memory and from the store, summed over the ranks
-        into :attr:`read`."""
+        chunk bytes this rank read from this node's memory, other nodes' and the store, summed
+        over the ranks into :attr:`read`."""
         self.read = read
         if not self.coll.enabled:
             return outcome, detail
         everyone = self.coll.all_gather([outcome, detail, *read])
-        self.read = (sum(int(x[2]) for x in everyone), sum(int(x[3]) for x in everyone))
-        log.debug("chunk bytes read by each rank (host memory, store): %s",
-                  [(int(x[2]), int(x[3])) for x in everyone])
+        self.read = (sum(int(x[2]) for x in everyone), sum(int(x[3]) for x in everyone),
+                     sum(int(x[4]) for x in everyone))
+        log.debug("chunk bytes read by each rank (this node's memory, other nodes', store): "
+                  "%s", [tuple(x[2:]) for x in everyone])
         for worst in ("error", "mismatch", "damaged"):
             ranks: dict[str, list[int]] = {}  # one line per distinct message
             for r, (o, d, *_) in enumerate(everyone):

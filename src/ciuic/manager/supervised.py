@@ -10,12 +10,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+from ciuic.distributed.collective import Collective
 from ciuic.supervisor.beat import Beacon
 from ciuic.supervisor.channel import CAUSE_ENV, PIDS_ENV, RESTART_ENV, STOPPED_AT_ENV, Link
 from ciuic.supervisor.hostcopy import HostTier
+from ciuic.supervisor.peers import Node, PeerReader
 
 log = logging.getLogger("ciuic")
 
@@ -44,6 +49,19 @@ class Restart:
                        int(stopped) if stopped and stopped.lstrip("-").isdigit() else None, pids)
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The job's nodes (their chunk services), this one's group rank, and this start's
+    token."""
+
+    nodes: list[Node]
+    me: int
+    token: str
+
+    def reader(self) -> PeerReader:
+        return PeerReader(self.nodes, self.me, self.token)
+
+
 class Supervised:
     """This process's link to its supervisor."""
 
@@ -52,6 +70,8 @@ class Supervised:
         self.beacon = beacon
         self.tier = tier
         self.restart = Restart.from_env()
+        #: on a job of several nodes: the other nodes' memory (None: one node, or no tier)
+        self.peers: Peers | None = None
 
     def close(self) -> None:
         self.beacon.detach()
@@ -85,3 +105,55 @@ def busy(sup: Supervised | None, kind: str) -> Iterator[None]:
         return
     with sup.beacon.busy(kind):
         yield
+
+
+def join_peers(sup: Supervised | None, coll: Collective, name_key: bytes | None) -> None:
+    """On a job of several nodes (every rank calls it, at the same point, under ``ciuic run``
+    or not): learn where every node's ``ciuic run`` serves chunks, and tell this node's the
+    job's nodes and this start's token, so that nodes replicate to each other and a restore
+    reads the chunks other nodes hold (``sup.peers``)."""
+    mine: list[Any] | None = None
+    if sup is not None and sup.tier is not None and sup.tier.enabled:
+        try:
+            reply, _ = sup.link.request({"op": "listen"})
+            if reply.get("ok"):
+                mine = [int(os.environ.get("GROUP_RANK", "0") or 0),
+                        _address_towards(os.environ.get("MASTER_ADDR", "")),
+                        int(reply["port"])]
+        except (OSError, ValueError, ConnectionError) as e:
+            log.warning("the supervisor could not serve this node's memory to the other "
+                        "nodes (%s): their restores read the store", e)
+    token = secrets.token_hex(16) if coll.coordinator else None
+    everyone = coll.all_gather([mine, token])
+    token = str(everyone[0][1])
+    nodes = sorted({Node(int(m[0]), str(m[1]), int(m[2])) for m, _ in everyone if m},
+                   key=lambda n: n.rank)
+    if sup is not None and mine is not None and len(nodes) > 1:
+        me = int(mine[0])
+        try:
+            sup.link.request({"op": "peers", "token": token, "me": me,
+                              "nodes": [[n.rank, n.host, n.port] for n in nodes],
+                              "keys": [name_key.hex()] if name_key else []})
+            sup.peers = Peers(nodes, me, token)
+        except (OSError, ValueError, ConnectionError) as e:
+            log.warning("the supervisor did not take the job's nodes (%s)", e)
+    coll.all_gather(None)  # every node knows this start's token before anyone reads
+
+
+def multi_node() -> bool:
+    """Whether this process is a rank of a torchrun job of several nodes."""
+    try:
+        return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) > 1
+    except ValueError:
+        return False
+
+
+def _address_towards(host: str) -> str:
+    """This node's address on the route to ``host`` (the rendezvous host), which the other
+    nodes reach it at; the host name's address where there is no such route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host or "127.0.0.1", 9))  # UDP: nothing is sent
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

@@ -19,6 +19,7 @@ from ciuic.chain.repo import Repository
 if TYPE_CHECKING:  # types only: the readers (ciuic restore --to, diff) need neither at run time
     from ciuic.engine import StagingArea
     from ciuic.supervisor.hostcopy import HostTier
+    from ciuic.supervisor.peers import PeerReader
 
 #: ``buffer_for(path, nbytes)``: a flat uint8 buffer to read a leaf into, or None (the reader
 #: allocates one)
@@ -34,12 +35,16 @@ class Resident:
     each source are counted."""
 
     def __init__(self, snapshot: str | None, buffers: dict[str, torch.Tensor],
-                 name_key: bytes | None, chunks: dict[str, memoryview] | None = None) -> None:
+                 name_key: bytes | None, chunks: dict[str, memoryview] | None = None,
+                 peers: PeerReader | None = None) -> None:
         self.snapshot = snapshot
         self.buffers = buffers
         self.chunks = chunks or {}
+        #: the other nodes' memory (a job of several nodes under ``ciuic run``)
+        self.peers = peers
         self.name_key = name_key
         self.from_memory = 0  # bytes
+        self.from_peers = 0
         self.from_store = 0
         self._lock = threading.Lock()
 
@@ -47,9 +52,9 @@ class Resident:
         """What serves a restore of ``snapshot`` (fresh counts): the leaves by path only when
         they hold it; the chunks by digest whatever it is. None where memory holds nothing."""
         buffers = self.buffers if snapshot == self.snapshot else {}
-        if not buffers and not self.chunks:
+        if not buffers and not self.chunks and self.peers is None:
             return None
-        return Resident(snapshot, buffers, self.name_key, self.chunks)
+        return Resident(snapshot, buffers, self.name_key, self.chunks, self.peers)
 
     def held(self) -> int:
         """Bytes of the state this memory holds (the larger of the two views of it)."""
@@ -60,9 +65,11 @@ class Resident:
         buf = self.buffers.get(path)
         return buf if buf is not None and buf.numel() == nbytes else None
 
-    def count(self, n: int, memory: bool) -> None:
+    def count(self, n: int, memory: bool, peer: bool = False) -> None:
         with self._lock:
-            if memory:
+            if peer:
+                self.from_peers += n
+            elif memory:
                 self.from_memory += n
             else:
                 self.from_store += n
@@ -82,20 +89,26 @@ def read_from(repo: Repository, resident: Resident | None, d: str, n: int,
     if resident is not None and src is not None and len(src) == n:
         resident.take(repo, d, n, dest, src)
         return
+    if resident is not None and resident.peers is not None and resident.peers.read(d, dest):
+        # checked here: what another node sent is taken only when it matches its digest
+        checked = take_chunk(repo, d, n, dest, None, resident.name_key)
+        resident.count(n, memory=checked, peer=checked)
+        return
     read_chunk(repo, d, n, dest)
     if resident is not None:
         resident.count(n, memory=False)
 
 
-def host_copy(tier: HostTier | None, name_key: bytes | None) -> Resident | None:
+def host_copy(tier: HostTier | None, name_key: bytes | None,
+              peers: PeerReader | None = None) -> Resident | None:
     """What ``ciuic run`` holds in host memory for a restore: the buffers a previous process of
-    this rank left (adopted by this one), and the chunks every rank of the node published.
-    None outside ``ciuic run`` or without its tier; a Resident holding nothing counts the bytes
-    read from the store."""
+    this rank left (adopted by this one), the chunks every rank of the node published, and
+    (``peers``) what the other nodes hold. None outside ``ciuic run`` or without its tier; a
+    Resident holding nothing counts the bytes read from the store."""
     if tier is None or not tier.enabled:
         return None
     own = dict(tier.adopted) if tier.snapshot is not None else {}
-    return Resident(tier.snapshot, own, name_key, tier.node_chunks())
+    return Resident(tier.snapshot, own, name_key, tier.node_chunks(), peers)
 
 
 def lend_staging(staging: StagingArea, model: Any) -> BufferFor | None:

@@ -1,0 +1,141 @@
+"""Chunks between nodes (``ciuic.supervisor.peers``): two supervisors' holders on this machine's
+loopback, as two nodes. A commit's chunks reach the next node as a replica, checked on arrival;
+a node's memory is read only with the job's token; a replica serves the chunks of a node that
+is gone; unchanged chunks are not sent again."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ciuic.format.digest import digest
+from ciuic.supervisor.channel import Link
+from ciuic.supervisor.holder import Holder
+from ciuic.supervisor.peers import Node, PeerClient, PeerError, PeerReader
+
+SKEW = 16
+TOKEN = "a" * 32
+
+
+def _publish(holder: Holder, rank: int, sid: str, pieces: list[bytes], buffer_id: int = 1
+             ) -> list[str]:
+    """A rank of ``holder``'s node stages ``pieces`` into one shared buffer and publishes
+    them as the chunks it wrote; returns their digests."""
+    link = Link(holder.name, rank)
+    nbytes = sum(len(p) for p in pieces)
+    fd = os.memfd_create("ciuic:test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, SKEW + nbytes)
+    with mmap.mmap(fd, SKEW + nbytes) as region:
+        region[SKEW:] = b"".join(pieces)
+    assert link.request({"op": "put", "id": buffer_id, "path": "p", "nbytes": nbytes},
+                        [fd])[0]["ok"]
+    os.close(fd)
+    chunks, at = [], 0
+    for p in pieces:
+        chunks.append([digest(p), len(p), buffer_id, at])
+        at += len(p)
+    reply, _ = link.request({"op": "publish", "snapshot": sid, "step": 1, "ids": [buffer_id],
+                             "chunks": chunks})
+    assert reply["ok"], reply
+    link.close()
+    return [c[0] for c in chunks]
+
+
+def _join(holders: list[Holder], token: str = TOKEN) -> list[Node]:
+    nodes = []
+    for g, h in enumerate(holders):
+        port = Link(h.name, 0).request({"op": "listen"})[0]["port"]
+        nodes.append(Node(g, "127.0.0.1", port))
+    for g, h in enumerate(holders):
+        reply, _ = Link(h.name, 0).request({
+            "op": "peers", "token": token, "me": g,
+            "nodes": [[n.rank, n.host, n.port] for n in nodes]})
+        assert reply["ok"]
+    return nodes
+
+
+def _wait(cond: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def two() -> Iterator[list[Holder]]:
+    holders = [Holder(budget=64 << 20), Holder(budget=64 << 20)]
+    yield holders
+    for h in holders:
+        h.close()
+
+
+def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: list[Holder]
+                                                                        ) -> None:
+    nodes = _join(two)
+    pieces = [os.urandom(100_000), os.urandom(50_000), b"\x07" * 4096]
+    ds = _publish(two[0], 0, "s1", pieces)
+    _wait(lambda: 0 in two[1].replicas.by_src)
+    assert sorted(two[1].replicas.by_src[0].chunks) == sorted(ds)
+    assert two[0].pushed[-1] == (1, 3, sum(len(p) for p in pieces))
+    # the replica is in node 1's index for its own ranks, mapped like a rank's buffers
+    index = Link(two[1].name, 0).request({"op": "chunks"})[0]
+    assert {c[0] for c in index["chunks"] if c[2] == -1} == set(ds)
+    fds = Link(two[1].name, 0).descriptors([index["buffers"][0][1]], owner=-1)
+    assert len(fds) == 1
+    os.close(fds[0])
+    # node 0 is gone: a replacement (node 0 again, empty memory) reads node 1's replica
+    two[0].close()
+    reader = PeerReader([nodes[1]], me=0, token=TOKEN)
+    for d, p in zip(ds, pieces, strict=True):
+        dest = bytearray(len(p))
+        assert reader.read(d, memoryview(dest)) and bytes(dest) == p
+    assert not reader.read("0" * 64, memoryview(bytearray(10)))
+    reader.close()
+
+
+def test_unchanged_chunks_are_not_sent_again_and_a_wrong_token_reads_nothing(
+        two: list[Holder]) -> None:
+    nodes = _join(two)
+    same, first = os.urandom(200_000), os.urandom(30_000)
+    _publish(two[0], 0, "s1", [same, first])
+    _wait(lambda: len(two[0].pushed) == 1)
+    _publish(two[0], 0, "s2", [same, os.urandom(30_000)], buffer_id=2)
+    _wait(lambda: len(two[0].pushed) == 2)
+    assert two[0].pushed[1] == (1, 1, 30_000)  # only the changed chunk travelled
+    assert digest(first) not in two[1].replicas.by_src[0].chunks  # the old replica's is gone
+    with pytest.raises(PeerError, match="refused this job's token"):
+        PeerClient(nodes[0], "b" * 32)
+
+
+def test_a_chunk_that_arrives_damaged_is_refused_and_the_replica_never_serves(
+        two: list[Holder]) -> None:
+    nodes = _join(two)
+    good = os.urandom(10_000)
+    client = PeerClient(nodes[1], TOKEN)
+    missing = client.call({"op": "put_begin", "src": 0, "sid": "s",
+                           "entries": [[digest(good), len(good)]]})["missing"]
+    assert missing == [[digest(good), len(good)]]
+    with pytest.raises(PeerError, match="other bytes than its digest names"):
+        client.call({"op": "put", "d": digest(good), "n": len(good)}, b"\x00" * len(good))
+    client.close()
+    time.sleep(0.2)
+    assert two[1].replicas.by_src == {} and two[1].replicas.abandoned == 1
+
+
+def test_a_replica_over_the_budget_is_refused_and_training_memory_is_kept() -> None:
+    a, b = Holder(budget=64 << 20), Holder(budget=100_000)
+    try:
+        _join([a, b])
+        _publish(a, 0, "s1", [os.urandom(150_000)])
+        time.sleep(a.SETTLE_S + 1.0)
+        assert b.replicas.by_src == {} and a.pushed == []
+        assert b.released is None  # its own ranks' copy is not released for a replica
+    finally:
+        a.close()
+        b.close()
