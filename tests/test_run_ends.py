@@ -135,13 +135,48 @@ with SnapshotManager("short", job="j", store=sys.argv[1], save_interval=100) as 
 """
 
 
-def test_a_short_job_that_exits_3_under_ciuic_run(tmp_path: Path) -> None:
+# the README's seed-style loop: no `with`, no close(); argv[2] "caught": exits that do not end
+# the process (another thread's sys.exit, a caught one), then the script's normal end
+PLAIN_JOB = """
+import sys
+import threading
+import torch
+from torch import nn
+from ciuic import SnapshotManager
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+m = SnapshotManager("short", job="j", store=sys.argv[1], save_interval=100)
+last = m.restore(model, opt)
+for step in range(0 if last is None else last + 1, 3):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    m.step(step, model, opt)
+    if sys.argv[2:] == ["caught"] and step == 1:
+        thread = threading.Thread(target=sys.exit, args=(4,))
+        thread.start()
+        thread.join()
+        try:
+            sys.exit(5)
+        except SystemExit:
+            pass
+if sys.argv[2:] != ["caught"]:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("script", [SHORT_JOB, PLAIN_JOB], ids=["with", "no-close"])
+def test_a_short_job_that_exits_3_under_ciuic_run(tmp_path: Path, script: str) -> None:
     """step(0..2), then exit 3, twice: the first start committed snapshot 0 (progress: restarted
     at once), the restart ran steps 1-2 from it and committed none. Every message says step 2;
     the exit is each run's cause in `ciuic log`. (It said step 0, "before its first step()",
-    "without committing a new snapshot", and `ciuic log` showed no cause.)"""
+    "without committing a new snapshot", and `ciuic log` showed no cause; without `with` or
+    close(), the last start, which made `ciuic run` give up, showed no note: its end was 'exit',
+    a clean one.)"""
     job, store = tmp_path / "job.py", tmp_path / "store"
-    job.write_text(SHORT_JOB)
+    job.write_text(script)
     run = subprocess.run(
         [sys.executable, "-m", "ciuic", "run", "--max-stalls", "1", "--host-memory", "off",
          "--", sys.executable, str(job), str(store)],
@@ -174,6 +209,30 @@ def test_sys_exit_with_a_status_inside_the_with_block_is_the_runs_end(store_dir:
                for n in notes(store_dir, "p", "exit3"))
     with SnapshotManager("p", job="exit3", store=store_dir, save_interval=100) as again:
         assert again.interrupted
+
+
+def test_sys_exit_with_a_status_without_close_is_the_runs_end(tmp_path: Path) -> None:
+    """The seed-style loop (no `with`, no close()) that ends with sys.exit(3): the run's end is
+    exit:3, not a clean one (it was 'exit': atexit is not told the status), and `ciuic log` says
+    so. A sys.exit that does not end the process (another thread's, a caught one followed by
+    more steps) is not the run's end: the script's normal end is clean."""
+    job, store = tmp_path / "job.py", tmp_path / "store"
+    job.write_text(PLAIN_JOB)
+    exited = subprocess.run([sys.executable, str(job), str(store)], capture_output=True,
+                            text=True, timeout=120)
+    assert exited.returncode == 3, exited.stderr[-3000:]
+    with Repository.open(store) as repo:
+        [r] = repo.catalog.runs("short", "j")
+    assert (r.end_kind, r.last_step) == ("exit:3", 2)
+    shown = ciuic_log(store, "short/j")
+    assert re.search(r"then run \w+ stopped at step 2: exited with status 3", shown), shown
+    again = subprocess.run([sys.executable, str(job), str(store), "caught"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Detected training interruption at step 2 (it exited with status 3)" in again.stderr
+    with Repository.open(store) as repo:
+        [_, second] = repo.catalog.runs("short", "j")
+    assert (second.end_kind, second.last_step) == ("exit", 2)
 
 
 # -- 5. a full disk ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from ciuic import knobs
 from ciuic.chain import progress, runs
@@ -260,6 +260,8 @@ class RunSession:
         """Record progress (rank 0), so that the next run knows where this one got to: every
         step in the progress file, now and then in the catalog."""
         self.last_step = step
+        if _exit_status is not None:  # a sys.exit() that did not end the process: caught
+            _exit_called(None)
         if self._progress is not None:
             self._progress.set(step)
         if self.supervised is not None:
@@ -355,9 +357,8 @@ class RunSession:
         records that end (anything else ends at ``close()``)."""
         if tp is not None and not issubclass(tp, SystemExit):
             self.record_end(f"exception:{tp.__name__}")
-        elif isinstance(value, SystemExit) and value.code not in (None, 0):
-            # sys.exit(3): the one non-zero exit a process sees (atexit is not told the status)
-            self.record_end(f"exit:{value.code if isinstance(value.code, int) else 1}")
+        elif isinstance(value, SystemExit) and exit_status(value.code):
+            self.record_end(f"exit:{exit_status(value.code)}")
 
     def _record_end(self, kind: str) -> bool:
         """Record the end in the catalog; where that fails, keep it in the progress file for
@@ -389,6 +390,32 @@ class RunSession:
 
 _live: weakref.WeakSet[RunSession] = weakref.WeakSet()
 _prev_excepthook: Callable[..., Any] | None = None
+_sys_exit: Callable[..., Any] | None = None  # the sys.exit that _tracked_exit wraps
+#: the status the main thread last called sys.exit() with, while no step() came after it
+_exit_status: int | None = None
+
+
+def exit_status(code: object) -> int:
+    """The process's exit status for ``SystemExit(code)``, as Python computes it: None is 0,
+    an int itself, anything else (a message, printed) 1."""
+    return 0 if code is None else code if isinstance(code, int) else 1
+
+
+def _exit_called(status: int | None) -> None:
+    global _exit_status
+    _exit_status = status
+
+
+def _tracked_exit(status: object = None) -> NoReturn:
+    """``sys.exit`` while a manager is live: keep the status for the end recorded at exit.
+    atexit handlers are not told it, and SystemExit reaches no hook; a run that is not closed
+    (the seed-style loop: no ``with``, no close()) would end 'exit', a clean end, for any
+    status. Another thread's sys.exit ends that thread only: not kept."""
+    if threading.current_thread() is threading.main_thread():
+        _exit_called(exit_status(status))
+    assert _sys_exit is not None
+    _sys_exit(status)
+    raise SystemExit(status)  # not reached: for the type checker
 
 
 def _excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -400,16 +427,21 @@ def _excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType
 
 
 def _at_exit() -> None:
+    """A run not closed ends with the process: 'exit' (status 0, or not known: the script's
+    normal end, ``raise SystemExit(N)``), 'exit:N' after ``sys.exit(N)``."""
+    kind = f"exit:{_exit_status}" if _exit_status else "exit"
     for s in list(_live):
-        s.record_end("exit")
+        s.record_end(kind)
 
 
 def _track(session: RunSession) -> None:
-    """Record ``session``'s run end on uncaught exceptions and at interpreter exit."""
-    global _prev_excepthook
+    """Record ``session``'s run end on uncaught exceptions and at interpreter exit (with the
+    status of a ``sys.exit``)."""
+    global _prev_excepthook, _sys_exit
     if _prev_excepthook is None:
         _prev_excepthook = sys.excepthook
         sys.excepthook = _excepthook
+        _sys_exit, sys.exit = sys.exit, _tracked_exit
         atexit.register(_at_exit)
     _live.add(session)
 
