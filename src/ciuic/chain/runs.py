@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ciuic.chain import progress
+from ciuic.format.info import SnapshotInfo
 from ciuic.format.manifest import parse_time
 from ciuic.format.records import EventRow, RunRow
 
@@ -124,9 +125,20 @@ def identity() -> dict[str, str]:
 IDENTITY = identity()
 
 
-def history(runs: Sequence[RunRow], events: Sequence[EventRow]) -> dict[str, list[str]]:
+def history(runs: Sequence[RunRow], events: Sequence[EventRow],
+            snapshots: Sequence[SnapshotInfo] | None = None, *,
+            listed_pruned: bool = False) -> dict[str, list[str]]:
     """What happened around each snapshot (ID -> notes, in time order): where a run that did
-    not finish stopped after it (and why), and which runs resumed from it."""
+    not finish stopped after it (and why), and which runs resumed from it.
+
+    Given the job's ``snapshots`` (every one, pruned too), the note of where a run stopped goes
+    on the latest snapshot of its lineage at or before that step, committed before the next
+    run started, that the listing shows (committed ones; pruned ones too with
+    ``listed_pruned``): also one whose event the catalog lacks (the run was killed between the
+    commit and its event). Where retention pruned every such one, on the nearest listed one
+    before it, else on the first listed one after it ("before this, run R stopped ..."), so
+    that the listing shows every interruption. Without ``snapshots``, on the run's last
+    recorded snapshot (or the one it resumed from)."""
     # each event once: a server used to add again the events a report sent again (issue 30)
     events = list(dict.fromkeys(events))
     found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
@@ -139,6 +151,8 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow]) -> dict[str, lis
             by = f" (restart {restarts[e.run]} by ciuic run)" if e.run in restarts else ""
             found.setdefault(e.detail, []).append((e.at, f"resumed by run {e.run[:8]}{by}"))
     died = {e.run for e in events if e.kind == "stopped"}  # Catalog.stopped_at
+    chain = _Chain(snapshots or (), listed_pruned)
+    starts = sorted(r.started for r in runs)
     for r in runs:
         where = last.get(r.id)
         if where is None:
@@ -150,18 +164,73 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow]) -> dict[str, lis
         if not _interrupted(kind, r.cause):
             continue
         when = r.ended or r.last_seen
+        following = next((t for t in starts if t > r.started), None)  # the next run's start
         if kind is None and may_still_run(r):
-            found.setdefault(where, []).append((when, f"run {r.id[:8]} may still be running"))
+            at, _, _ = chain.place(where, r.started, following, None)
+            found.setdefault(at, []).append((when, f"run {r.id[:8]} may still be running"))
             continue
         step, known = r.last_step, kind is not None or r.id in died or bool(r.cause)
         if stop is not None:
             known = True
             step = max((x for x in (step, stop.step) if x is not None), default=None)
+        at, after, reached = chain.place(where, r.started, following, step if known else None)
+        if not known and reached is not None:  # a lower bound: the later of the two
+            step = reached if step is None else max(step, reached)
         how = r.cause or _describe_kind(kind, known)
-        found.setdefault(where, []).append(
-            (when, f"then run {r.id[:8]} stopped {stopped_where(step, known)}: "
-                   f"{how.removeprefix('it ')}"))
+        found.setdefault(at, []).append(
+            (when, f"{'before this, run' if after else 'then run'} {r.id[:8]} stopped "
+                   f"{stopped_where(step, known)}: {how.removeprefix('it ')}"))
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
+
+
+class _Chain:
+    """A job's snapshots, for :func:`history` to place a note of where a run stopped."""
+
+    def __init__(self, snapshots: Sequence[SnapshotInfo], listed_pruned: bool) -> None:
+        self.by_id = {s.id: s for s in snapshots}
+        self.children: dict[str, list[SnapshotInfo]] = {}
+        for s in snapshots:
+            if s.parent:
+                self.children.setdefault(s.parent, []).append(s)
+        self.listed_pruned = listed_pruned
+
+    def listed(self, s: SnapshotInfo) -> bool:
+        return self.listed_pruned or s.status == "committed"
+
+    def after(self, s: SnapshotInfo) -> list[SnapshotInfo]:
+        """Every snapshot of ``s``'s lineage after it."""
+        out, todo = [], list(self.children.get(s.id, ()))
+        while todo:
+            c = todo.pop()
+            out.append(c)
+            todo.extend(self.children.get(c.id, ()))
+        return out
+
+    def place(self, where: str, started: str, following: str | None, step: int | None
+              ) -> tuple[str, bool, int | None]:
+        """Where the note of a run goes that last recorded snapshot ``where`` (committed, or
+        resumed from), started at ``started``, followed by a run that started at
+        ``following``, stopped at ``step`` (None: not known exactly): the snapshot's ID,
+        whether it comes after the stop, and the step of the run's latest snapshot."""
+        first = self.by_id.get(where)
+        if first is None:
+            return where, False, None
+        own = [first, *(s for s in self.after(first) if started <= s.created
+                        and (following is None or s.created < following)
+                        and (step is None or s.step <= step))]
+        reached = max(own, key=lambda s: s.seq).step
+        shown = [s for s in own if self.listed(s)]
+        if shown:
+            return max(shown, key=lambda s: s.seq).id, False, reached
+        s = first
+        while s.parent in self.by_id:  # retention kept an older one (keep_every)
+            s = self.by_id[s.parent]
+            if self.listed(s):
+                return s.id, False, reached
+        later = [s for s in self.after(first) if self.listed(s)]
+        if later:  # keep_last: the oldest one listed
+            return min(later, key=lambda s: s.seq).id, True, reached
+        return where, False, reached
 
 
 def local_stop(run: RunRow) -> progress.Stop | None:

@@ -208,9 +208,12 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         allow(info, project, "reader")
         layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
-        found = catalog.snapshots(project, job, newest_first=True)
-        # where runs were interrupted after each snapshot and why, and who resumed from it
-        notes = history(catalog.runs(project, job), catalog.events(project, job, limit=100_000))
+        every = catalog.snapshots(project, job, status=None, newest_first=True)
+        found = [s for s in every if s.status == "committed"]
+        # where runs were interrupted after each snapshot and why (on a listed snapshot, where
+        # retention pruned the ones before it), and who resumed from it
+        notes = history(catalog.runs(project, job), catalog.events(project, job, limit=100_000),
+                        every)
         return {"total": len(found), "offset": offset, "limit": limit,
                 "snapshots": [{**s.to_json(), "notes": notes.get(s.id, [])}
                               for s in found[offset:offset + limit]]}
