@@ -4,6 +4,7 @@ compared with an uninterrupted run's; Accelerate's own save_state/load_state alo
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_killed_mid_epoch_after_epoch_0_under_torchrun_it_ends_bit_exact(
     killed(train(tmp_path, "--kill-at", "9"))  # epoch 1, 3 batches in: not a snapshot step
     again = finished(train(tmp_path))
     assert resumed_at(again, "Accelerate loop") == 8
-    assert "(epoch 1, 2 batches into it)" in again.stderr
+    assert "after global step 8 (epoch 1, 2 batches into it)" in again.stderr
+    assert "Resuming training at step 9" in again.stderr  # the next: the two agree
     assert "GLOBAL_STEP 18 SEEN 72" in again.stdout  # the registered object came back too
     assert differences(final(reference), final(tmp_path)) == {}
 
@@ -129,14 +131,20 @@ def fit_in_process(store: Path, own: str, stop_at: int | None = None
 
 @pytest.mark.parametrize("own", ["loader", "sampler"])
 def test_a_loader_with_its_own_generator_stopped_in_epoch_1_resumes_bit_exact(
-        tmp_path: Path, own: str) -> None:
+        tmp_path: Path, own: str, caplog: pytest.LogCaptureFixture) -> None:
     """``DataLoader(generator=)``, or ``RandomSampler(generator=)`` (which ``prepare`` leaves
     inside the loader's batch sampler): the resumed epoch's order is drawn from the generator
-    as it was at the epoch's start, not from a new one (epoch 0's order)."""
+    as it was at the epoch's start, not from a new one (epoch 0's order). The resume's two
+    messages agree: after global step 8 (the snapshot's, done), at step 9 (the next)."""
     _, reference = fit_in_process(tmp_path / "a", own)
     fit_in_process(tmp_path / "b", own, stop_at=9)  # epoch 1, 3 batches in
+    caplog.set_level(logging.INFO, logger="ciuic")
     step, resumed = fit_in_process(tmp_path / "b", own)
     assert step == 8
+    said = [r.getMessage() for r in caplog.records]
+    assert "Resuming training at step 9" in said, said
+    assert "Resuming the Accelerate loop after global step 8 (epoch 1, 2 batches into it)" \
+        in said, said
     assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
 

@@ -63,7 +63,8 @@ def kill_and_resume(tmp_path: Path, stage: int, *args: str) -> Path:
     killed(train(tmp_path, "--stage", str(stage), *args, "--kill-at", "9"))  # epoch 1, 3 in
     again = finished(train(tmp_path, "--stage", str(stage), *args))
     assert resumed_at(again, "DeepSpeed loop") == 8
-    assert "(epoch 1, 2 batches into it)" in again.stderr
+    assert "after global step 8 (epoch 1, 2 batches into it)" in again.stderr
+    assert "Resuming training at step 9" in again.stderr  # the next: the two agree
     assert "GLOBAL_STEP 18 SAMPLES 144" in again.stdout  # the engine's counters came back
     return tmp_path
 

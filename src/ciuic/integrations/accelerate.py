@@ -116,8 +116,11 @@ class AccelerateSnapshots:
         for p in self.positions:
             p.fetch.restored()
         epoch = self.positions[0].epoch if self.positions else 0
-        log.info("Resuming the Accelerate loop at global step %d (epoch %d, %d batches into it)",
-                 self.global_step, epoch, self.positions[0]._resume_at if self.positions else 0)
+        # "after": the snapshot holds global step N done, and the manager's "Resuming
+        # training at step N+1" names the next one
+        log.info("Resuming the Accelerate loop after global step %d (epoch %d, %d batches "
+                 "into it)", self.global_step, epoch,
+                 self.positions[0]._resume_at if self.positions else 0)
         return epoch
 
     def step(self, **metrics: Any) -> bool:

@@ -163,8 +163,10 @@ class DeepSpeedSnapshots:
         for p in self.positions:
             p.fetch.restored()
         epoch = self.positions[0].epoch if self.positions else 0
-        log.info("Resuming the DeepSpeed loop at global step %d (epoch %d, %d batches into it)",
-                 self.engine.global_steps, epoch,
+        # "after": the snapshot holds global step N done, and the manager's "Resuming
+        # training at step N+1" names the next one
+        log.info("Resuming the DeepSpeed loop after global step %d (epoch %d, %d batches "
+                 "into it)", self.engine.global_steps, epoch,
                  self.positions[0]._resume_at if self.positions else 0)
         return epoch
 
