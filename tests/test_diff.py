@@ -94,3 +94,20 @@ def test_a_snapshot_against_itself_reads_nothing(store_dir: Path) -> None:
         d = diff(repo, info, repo, info)
     assert d.bytes_read == 0 and not d.values and not d.metrics
     assert {t.status for t in d.tensors} == {"unchanged"}
+
+
+def test_a_metric_that_became_nan_or_inf_is_shown_as_such(store_dir: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Issue 30: `metrics changed: loss: 1.0 -> None` where the loss became NaN (the values
+    above it said `-> nan`): the catalog keeps NaN and Inf as null; the manifest keeps them."""
+    with SnapshotManager("p", job="a", store=store_dir, handle_signals=False) as m:
+        m.save(1, model(), loss=1.0, grad_norm=2.0)
+        m.save(2, model(), loss=float("nan"), grad_norm=float("inf"))
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "diff", "p/a@1",
+                           "p/a@2")
+    assert code == 0, err
+    metrics = out.split("metrics changed")[1]
+    assert "loss: 1.0 -> nan" in metrics and "grad_norm: 2.0 -> inf" in metrics, out
+    assert "None" not in out

@@ -201,8 +201,8 @@ def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInf
     """Compare snapshot ``a`` (of ``repo_a``) with ``b`` (of ``repo_b``, often the same).
     With ``max_read_bytes``: None, reading nothing, when the tensors whose bytes differ hold
     more than that."""
-    _, states_a = read_body(repo_a, a)
-    _, states_b = read_body(repo_b, b)
+    manifest_a, states_a = read_body(repo_a, a)
+    manifest_b, states_b = read_body(repo_b, b)
     out = SnapshotDiff(a, b)
     la, lb = _leaves(states_a), _leaves(states_b)
     order = sorted(set(la) | set(lb), key=lambda p: (_noisy(p), p))
@@ -232,8 +232,10 @@ def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInf
         va, vb = pa.get(path, _MISSING), pb.get(path, _MISSING)
         if not _equal(va, vb):
             out.values.append(ValueDiff(path, _shown(va), _shown(vb)))
-    for name in sorted(set(a.metrics) | set(b.metrics)):
-        ma, mb = a.metrics.get(name, _MISSING), b.metrics.get(name, _MISSING)
+    # the manifests' metrics: the catalog's (a.metrics) keep NaN and Inf as null
+    metrics_a, metrics_b = manifest_a.metrics, manifest_b.metrics
+    for name in sorted(set(metrics_a) | set(metrics_b)):
+        ma, mb = metrics_a.get(name, _MISSING), metrics_b.get(name, _MISSING)
         if not _equal(ma, mb):
             out.metrics.append(ValueDiff(name, _shown(ma), _shown(mb)))
     return out
