@@ -21,9 +21,10 @@ from tests.models import model_opt
 
 
 def ciuic(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-          *args: str) -> tuple[int, str, str]:
+          *args: str, columns: int = 200) -> tuple[int, str, str]:
+    """``ciuic ARGS`` in this process, its output to a pipe ``columns`` wide."""
     monkeypatch.setattr(sys, "argv", ["ciuic", *args])
-    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("COLUMNS", str(columns))
     code = 0
     try:
         cli.main()
@@ -250,3 +251,65 @@ def test_a_read_only_store_is_read_with_a_catalog_in_the_cache_and_refused_for_t
     assert list((tmp_path / "cache").rglob("*.db"))
     with pytest.raises(ConfigurationError, match=r"cannot be written .* writable folder"):
         SnapshotManager("proj", job="job1", store=store)
+
+
+def test_output_to_a_pipe_fits_100_columns(store_dir: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: `ciuic show P/J@S | cat` printed every health reason on one 367-character
+    line, `ciuic diff A B | cat` a 117-character count of its tensors; the diff and inspect
+    tables cut the tensors' paths ("model/transfo…"). Every line fits 100 columns; a tensor's
+    path, an ID or a command is never broken or cut (a path too long for its column folds)."""
+    model = {f"transformer.h.{i}.self_attention_query_key_value.{kind}": torch.ones(shape)
+             for i in range(6) for kind, shape in (("weight", (4, 4)), ("bias", (4,)))}
+    with SnapshotManager("proj", job="a_rather_long_job_name", store=store_dir,
+                         handle_signals=False) as m:
+        for step in range(1, 4):
+            for i, t in enumerate(model.values()):
+                t.add_(float("nan") if step == 3 and i < 9 else 1.0)
+            m.save(step, model, loss=1.0 / step)
+    ref = "proj/a_rather_long_job_name@3"
+    store = str(store_dir)
+    runs = {}
+    for args in (("show", ref), ("diff", ref.replace("@3", "@1"), ref), ("diff", "--all",
+                 ref.replace("@3", "@2"), ref), ("inspect", ref), ("log", ref[:-2]),
+                 ("verify", "--deep"), ("prune", ref[:-2], "--keep-last", "1", "--dry-run"),
+                 ("gc", "--dry-run"), ("reindex",)):
+        code, out, err = ciuic(capsys, monkeypatch, "--store", store, *args, columns=100)
+        assert code == 0 and err == "", (args, err)  # a bar to a pipe left an empty line
+        assert max(map(len, out.splitlines())) <= 100, (args, out)
+        runs.setdefault(args[0], out)
+    assert not any("…" in out for out in runs.values())  # nothing cut
+    assert "model/transformer.h.5.self_attention_query_key_value.weight" in runs["show"]
+    shown = " ".join(runs["show"].split())
+    assert "health unhealthy: model/transformer.h.0.self_attention_query_key_value.weight: " \
+        "16 NaN of 16 elements; " in shown
+    assert f"; and 8 more reasons (`ciuic inspect {ref}` lists them all)" in shown
+    assert "model/transformer.h.4.self_attention_query_key_value.bias" not in shown.split(
+        "chunks")[0]  # the 5th reason is left to inspect: the table follows
+    assert "tensors: 12 changed, 2 unchanged, 0 added, 0 removed; 12 read" in " ".join(
+        runs["diff"].split())  # and the RNG states
+
+
+def test_verify_says_what_it_checked_when_the_store_lacks_what_its_catalog_lists(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 30: a store's catalog.db beside an empty objects/ (a copy that left the objects
+    behind): `ciuic verify` printed nothing and exited 0."""
+    import shutil
+
+    moved = tmp_path / "moved"
+    (moved / "objects").mkdir(parents=True)
+    shutil.copy(Path(str(populated["store"])) / "catalog.db", moved / "catalog.db")
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(moved), "verify")
+    out = " ".join(out.split())
+    assert code == 1, out
+    assert f"no snapshots found in the store at {moved}; its catalog lists 3" in out
+    assert "proj/job1: steps 9900, 10000, 10100" in out and "ciuic reindex" in out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(moved), "verify", "proj/job1")
+    assert code == 1 and "the catalog lists 3 snapshots the store has no manifest of" in " ".join(
+        out.split()), out
+    empty = tmp_path / "empty"
+    (empty / "objects").mkdir(parents=True)
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(empty), "verify")
+    assert code == 0 and out.strip() == f"nothing to verify: the store at {empty} holds no " \
+        "snapshots, and its catalog lists none", out

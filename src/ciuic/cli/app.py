@@ -10,6 +10,7 @@ alone take longer than the 0.3 s a command line that starts at once may (#19).""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ from ciuic.errors import CiuicError
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+    from rich.table import Table
+    from rich.text import Text
 
     from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
@@ -152,6 +155,71 @@ console = _console()
 err = _console(stderr=True)
 
 
+def fitted(text: str, indent: int = 0, *, markup: bool = True, to: Console | None = None
+           ) -> Text:
+    """``text`` (Rich markup unless ``markup`` is False) broken at its spaces to fit the
+    console's width, each line after the first indented by ``indent``: output to a pipe is
+    never wrapped by Rich, so that IDs reach scripts whole, and a word longer than a line (an
+    ID, a path, a command) is left whole here too."""
+    from rich.text import Text
+
+    room = max((to or console).width, indent + 20)
+    pieces: list[Text] = []
+    for line in (Text.from_markup(text) if markup else Text(text)).split("\n", allow_blank=True):
+        cuts: list[int] = []
+        start, words = 0, False
+        for word in re.finditer(r"\S+", line.plain):
+            if words and word.end() - start > room - (indent if cuts else 0):
+                cuts.append(word.start())
+                start = word.start()
+            words = True
+        for n, piece in enumerate(line.divide(cuts)):
+            piece.rstrip()
+            pieces.append(Text(" " * indent) + piece if n else piece)
+    return Text("\n").join(pieces)
+
+
+def say(text: str, indent: int = 0, *, markup: bool = True, stderr: bool = False) -> None:
+    """Print ``text`` :func:`fitted` to the width of standard output (or ``stderr``)."""
+    to = err if stderr else console
+    to.print(fitted(text, indent, markup=markup, to=to), soft_wrap=True)
+
+
+def tensor_table(*headers: str) -> Table:
+    """A table of tensors, one a row, the first column their paths; print it with
+    :func:`print_table`. Nothing in it is cut: a word too long for its column is folded onto
+    the next line."""
+    from rich.table import Table
+
+    table = Table(*headers)
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
+def print_table(table: Table) -> None:
+    """Print a :func:`tensor_table` to the console's width with its paths whole where they
+    can be: the other columns wrap at their words first; where the paths still do not fit, the
+    other columns are as narrow as their longest words, the paths take the rest (20 at least)
+    and the longer ones are folded. (Rich alone narrows the widest column first: the paths.)"""
+    from rich.measure import Measurement
+
+    unbounded = console.options.update_width(1 << 20)  # a measure is clamped to its width
+
+    def narrowest(renderable: Any) -> int:
+        return Measurement.get(console, unbounded, renderable).minimum
+
+    first, *others = table.columns
+    if narrowest(table) <= console.width:
+        first.no_wrap = True
+    else:
+        for column in others:
+            column.width = max(narrowest(cell) for cell in [column.header, *column.cells])
+        first.width = 1
+        first.width = max(20, console.width - narrowest(table) + 1)
+    console.print(table)
+
+
 def store_location() -> str:
     """The store the command works on: --store, else $CIUIC_HOME, else ./.ciuic."""
     from ciuic.chain.home import default_location
@@ -208,7 +276,8 @@ def time_text(created: str | None) -> str:
 
 
 def progress_bar(sizes: bool = False) -> Progress:
-    """A bar on standard error, gone when done; ``sizes``: with each task's ``size`` field.
+    """A bar on standard error, gone when done (none where it is not a terminal); ``sizes``:
+    with each task's ``size`` field.
     (``rich.progress`` is imported here: only the commands that draw a bar pay for it.)"""
     from rich.progress import (
         BarColumn,
@@ -219,4 +288,5 @@ def progress_bar(sizes: bool = False) -> Progress:
     )
     size = [TextColumn("{task.fields[size]}")] if sizes else []
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *size,
-                    TimeElapsedColumn(), console=err, transient=True)
+                    TimeElapsedColumn(), console=err, transient=True,
+                    disable=not err.is_terminal)  # to a pipe or a file, it left an empty line

@@ -18,14 +18,17 @@ from ciuic.cli.app import (
     err,
     open_existing,
     options,
+    print_table,
     progress_bar,
     resolve,
+    say,
     size_text,
     store_location,
+    tensor_table,
     time_text,
 )
 from ciuic.errors import CiuicError, IntegrityError, MissingKey
-from ciuic.words import counted
+from ciuic.words import counted, reasons_in_short
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from rich.progress import TaskID
@@ -118,7 +121,8 @@ def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[st
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("parent", no_wrap=True)
     t.add_column("health", no_wrap=True)
-    t.add_column("notes", min_width=10)  # metrics, interruptions; "pruned" when data is gone
+    t.add_column("notes", min_width=10, overflow="fold")  # metrics, interruptions, reasons;
+    # "pruned" when data is gone; a tensor's path longer than the column is folded, not cut
     for s in sorted(snaps, key=lambda s: s.seq, reverse=True):
         text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else
                         f"{k}={'nan' if v is None else v}"  # the catalog keeps NaN as null
@@ -146,8 +150,6 @@ SNAP_HELP = "ID, ID prefix, JOB@STEP, JOB@latest or JOB@healthy"
               help="Print the manifest and the tensors (tensor_list) as JSON")
 def show(snap: str, as_json: bool) -> None:
     """Show one snapshot: its manifest and its tensors."""
-    from rich.table import Table
-
     from ciuic.chain.read import read_body
     from ciuic.format.tree import walk_leaves
     repo, info = resolve(snap)
@@ -169,16 +171,17 @@ def show(snap: str, as_json: bool) -> None:
                          ("tensors", m.tensors), ("ranks", m.world_size),
                          ("status", info.status), ("metrics", m.metrics or "-"),
                          ("health", "not recorded" if m.health is None else "healthy"
-                          if m.health.healthy else "unhealthy: " + "; ".join(m.health.reasons))):
-        console.print(f"  {label:8} {value}", highlight=False)
+                          if m.health.healthy else "unhealthy: " + reasons_in_short(
+                              m.health.reasons, info.ref))):
+        say(f"  {label:8} {value}", 11, markup=False)
     if info.status != "committed":
         return
-    t = Table("tensor", "dtype", "shape", "bytes", "chunks")
+    t = tensor_table("tensor", "dtype", "shape", "bytes", "chunks")
     for path, _kind, desc in leaves:
         t.add_row(path, str(desc["dtype"]), str(tuple(desc["shape"])),
                   size_text(int(desc["nbytes"])),
                   _pieces(desc))
-    console.print(t)
+    print_table(t)
 
 
 def _pieces(desc: dict[str, Any]) -> str:
@@ -200,7 +203,12 @@ def verify(target: str | None, deep: bool) -> None:
     repo = current_repo()
     jobs: list[tuple[str, str, str | None]] = []
     if target is None:
-        jobs = [(p, j, None) for p, j in repo.jobs()]
+        stored = repo.jobs()
+        listed = {(r.project, r.job) for r in repo.catalog.jobs()  # with a snapshot
+                  if r.latest is not None} - set(stored)
+        if not stored:
+            _nothing_stored(repo, sorted(listed))
+        jobs = [(p, j, None) for p, j in sorted({*stored, *listed})]
     elif "@" in target or not _looks_like_job(repo, target):
         info = repo.resolve(target)
         jobs = [(info.project, info.job, info.id)]
@@ -220,31 +228,72 @@ def verify(target: str | None, deep: bool) -> None:
             report = verify_job(scoped, project, job, deep=deep, only=only,
                                 _chunk_cache=caches.setdefault(scoped.name, {}), progress=tick)
             problems = report.problems or []
-            bad += len(problems)
+            lost = _not_stored(repo, project, job) if only is None else []
+            bad += len(problems) + len(lost)
             damage = [p for p in problems if p.key_id is None]
             locked: dict[str, int] = {}  # a key not configured: one line, not one per object
             for p in problems:
                 if p.key_id is not None:
                     locked[p.key_id] = locked.get(p.key_id, 0) + 1
-            status = (f"[red]{counted(len(damage), 'problem')}[/red]" if damage else
+            status = (f"[red]{counted(len(damage) + len(lost), 'problem')}[/red]"
+                      if damage or lost else
                       "[green]ok[/green]" if not locked else "nothing damaged found")
             if locked:
                 status += (f"; [yellow]{counted(sum(locked.values()), 'object')} could not be "
                            "checked[/yellow] (sealed with a key that is not configured)")
-            console.print(f"{project}/{job}: {counted(report.snapshots, 'snapshot')} checked, "
-                          f"{report.pruned} pruned, {counted(report.chunks_checked, 'chunk')} "
-                          f"{'re-hashed' if deep else 'present'}: {status}")
+            say(f"{project}/{job}: {counted(report.snapshots, 'snapshot')} checked, "
+                f"{report.pruned} pruned, {counted(report.chunks_checked, 'chunk')} "
+                f"{'re-hashed' if deep else 'present'}: {status}", 2)
+            if lost:
+                say(f"  [red]the catalog lists {counted(len(lost), 'snapshot')} the store has "
+                    f"no manifest of[/red] ({_steps(lost)}): {REINDEX}", 4)
             for p in damage:
                 console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
             for key_id, n in locked.items():
-                console.print(f"  [yellow]{counted(n, 'object')} sealed with key "
-                              f"{key_id}[/yellow], which is not configured, could not be "
-                              "checked: set "
-                              "CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) to it, or add "
-                              "it to CIUIC_DECRYPTION_KEYS", highlight=False)
+                say(f"  [yellow]{counted(n, 'object')} sealed with key {key_id}[/yellow], which "
+                    "is not configured, could not be checked:\n  set CIUIC_ENCRYPTION_KEY_FILE "
+                    "(or CIUIC_ENCRYPTION_KEY) to it, or add it to CIUIC_DECRYPTION_KEYS", 4)
     if bad:
         raise click.exceptions.Exit(1)
+
+
+#: what to do about snapshots the catalog lists and the store lacks
+REINDEX = ("point --store at the store that holds them, or run `ciuic reindex` to rebuild "
+           "the catalog from this one (which forgets them)")
+
+
+def _not_stored(repo: Repository, project: str, job: str) -> list[SnapshotInfo]:
+    """The snapshots of a job the catalog lists and whose manifests its store lacks (a store
+    moved without its objects). None with a mirror: it lists its fast tier only."""
+    scoped = repo.scope(project)
+    if len(scoped.store.copies()) > 1:
+        return []
+    stored = set(scoped.manifest_ids(project, job))
+    return [s for s in scoped.catalog.snapshots(project, job, status=None) if s.id not in stored]
+
+
+def _nothing_stored(repo: Repository, listed: list[tuple[str, str]]) -> None:
+    """`ciuic verify` of a store with no snapshot: say so, and what its catalog lists (exit
+    status 1 where it lists any)."""
+    where = f"the store at {store_location()}"
+    lost = {f"{p}/{j}": snaps for p, j in listed if (snaps := _not_stored(repo, p, j))}
+    if not lost:
+        say(f"nothing to verify: {where} holds no snapshots, and its catalog lists none")
+        raise click.exceptions.Exit(0)
+    say(f"[red]no snapshots found in {where}[/red]; its catalog lists "
+        f"{sum(map(len, lost.values()))}: "
+        + "; ".join(f"{job}: {_steps(snaps)}" for job, snaps in lost.items()) + f"\n{REINDEX}",
+        2)
+    raise click.exceptions.Exit(1)
+
+
+def _steps(snaps: list[SnapshotInfo], most: int = 10) -> str:
+    """``step 5``, ``steps 1, 2, 3``, or the first ``most`` and how many more."""
+    steps = sorted(s.step for s in snaps)
+    text = ", ".join(map(str, steps[:most]))
+    more = f" and {len(steps) - most} more" if len(steps) > most else ""
+    return f"step{'s' if len(steps) > 1 else ''} {text}{more}"
 
 
 def _looks_like_job(repo: Repository, text: str) -> bool:
@@ -259,7 +308,8 @@ def _looks_like_job(repo: Repository, text: str) -> bool:
               help="Output file (.safetensors or .pt), or folder (--format hf)")
 @click.option("--format", "fmt", help="safetensors, torch, or hf: a save_pretrained folder that "
               "from_pretrained loads (snapshots of CiuicTrainer)")
-@click.option("--state", "states", multiple=True, help="State(s) to export (default: model)")
+@click.option("--state", "states", multiple=True,
+              help="A state to export (repeatable; default: model)")
 def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> None:
     """Export a snapshot's tensors as plain safetensors or torch file, or as an HF folder."""
     from ciuic.restore.export import export
@@ -274,16 +324,19 @@ def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> No
         raise CiuicError(f"{e}\n{_intact_before(repo, info, to)}") from e
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     kind = fmt or ("safetensors" if to.suffix == ".safetensors" else "torch")
+    wrote = f"Wrote {counted(len(tensors), 'tensor')} ({size_text(total)}"
     if kind == "hf":
-        console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}) of {info.ref} "
-                      f"({info.short_id}) to {to} as a Hugging Face folder (config.json, "
-                      f"model.safetensors): load it with from_pretrained({str(to)!r})")
+        say(f"{wrote}) as a Hugging Face folder from {info.ref} ({info.short_id}) to {to} "
+            f"(config.json, model.safetensors)\nload it with from_pretrained({str(to)!r})", 2,
+            markup=False)
         return
     what = ("the model's" if not state else ", ".join(state))
-    console.print(f"Wrote {len(tensors)} tensors ({size_text(total)}, {what}) of {info.ref} "
-                  f"({info.short_id}) to {to} in {kind} format"
-                  + (" (torch.save: read it with torch.load)" if kind == "torch" else "")
-                  + ("" if state else "; --state NAME exports another state (optimizer, ...)"))
+    hints = ["torch.save's format: read it with torch.load"] if kind == "torch" else []
+    if not state:
+        hints.append("--state NAME exports another state (optimizer, ...)")
+    say(f"{wrote}, {what}) in {kind} format from {info.ref} ({info.short_id}) to {to}"
+        + "".join(f"\n{h}" for h in hints[:1]) + "".join(f"; {h}" for h in hints[1:]), 2,
+        markup=False)
 
 
 def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 20) -> str:
@@ -327,8 +380,8 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
     doomed = prune_job(repo.scope(project), project, name, keep_last, keep_every,
                        dry_run=dry_run)
     verb = "would prune" if dry_run else "pruned"
-    console.print(f"{verb} {counted(len(doomed), 'snapshot')}"
-                  + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""))
+    say(f"{verb} {counted(len(doomed), 'snapshot')}"
+        + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""), 2)
 
 
 @app.command("gc")
@@ -346,13 +399,13 @@ def gc(dry_run: bool, wait: float) -> None:
             result.add(collect(store, dry_run=dry_run, wait_s=wait,
                                progress=lambda key: bar.advance(task)))
     if result.skipped:
-        err.print(f"[yellow]gc skipped: {result.skipped}[/yellow]")
+        say(f"[yellow]gc skipped: {result.skipped}[/yellow]", 2, stderr=True)
         raise click.exceptions.Exit(2)
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {counted(result.deleted_chunks, 'chunk')} and "
-                  f"{counted(result.deleted_bodies, 'body', 'bodies')}, "
-                  f"{'freeing' if not dry_run else 'which would free'} "
-                  f"{size_text(result.deleted_bytes)}; kept {counted(result.kept_chunks, 'chunk')}")
+    say(f"{verb} {counted(result.deleted_chunks, 'chunk')} and "
+        f"{counted(result.deleted_bodies, 'body', 'bodies')}, "
+        f"{'freeing' if not dry_run else 'which would free'} "
+        f"{size_text(result.deleted_bytes)}; kept {counted(result.kept_chunks, 'chunk')}", 2)
     for key in result.damaged:
         err.print(f"[red]damaged, skipped: {key}[/red]")
 
@@ -364,9 +417,9 @@ def reindex() -> None:
     with progress_bar() as bar:
         task = bar.add_task("reindex", total=None)
         counts = repo.reindex(progress=lambda key: bar.advance(task))
-    console.print(f"indexed {counted(counts['snapshots'], 'snapshot')} and {counts['pruned']} "
-                  f"pruned; {counted(counts['removed'], 'stale row')} removed; "
-                  f"{counted(counts['damaged'], 'damaged manifest')} skipped")
+    say(f"indexed {counted(counts['snapshots'], 'snapshot')} and {counts['pruned']} pruned; "
+        f"{counted(counts['removed'], 'stale row')} removed; "
+        f"{counted(counts['damaged'], 'damaged manifest')} skipped", 2)
 
 
 def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:
@@ -388,15 +441,16 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
                              verify=verify, progress=tick)
             dst.sync_job(project, job)
             total.add(stats)
-            console.print(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
-                          f"object(s) sent ({size_text(stats.sent_bytes)}), {stats.present} "
-                          "already there")
+            say(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
+                f"object(s) sent ({size_text(stats.sent_bytes)}), {stats.present} "
+                "already there", 2)
             if stats.skipped_damaged:
-                err.print(f"[yellow]{project}/{job}: {stats.skipped_damaged} damaged "
-                          "manifest(s) not copied; `ciuic verify` names them[/yellow]")
+                say(f"[yellow]{project}/{job}: "
+                    f"{counted(stats.skipped_damaged, 'damaged manifest')} not copied; `ciuic "
+                    "verify` names them[/yellow]", 2, stderr=True)
     if len(jobs) > 1:
-        console.print(f"copied {len(jobs)} jobs: {total.sent} object(s), "
-                      f"{size_text(total.sent_bytes)}")
+        say(f"copied {len(jobs)} jobs: {counted(total.sent, 'object')}, "
+            f"{size_text(total.sent_bytes)}", 2)
 
 
 verify_option = click.option(

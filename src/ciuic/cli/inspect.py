@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ciuic.cli.app import app, argument, console, current_repo, resolve, size_text
+from ciuic.cli.app import (
+    app,
+    argument,
+    console,
+    current_repo,
+    print_table,
+    resolve,
+    say,
+    size_text,
+    tensor_table,
+)
 
 if TYPE_CHECKING:  # imported where a table is drawn: not by the help
     from rich.table import Table
@@ -34,29 +44,26 @@ def diff_cmd(a: str, b: str, as_json: bool, show_all: bool) -> None:
     for t in result.tensors:
         counts[t.status] = counts.get(t.status, 0) + 1
     read = sum(1 for t in result.tensors if t.read)
-    console.print(f"[bold]{info_a.ref}[/bold] ({info_a.short_id}) -> [bold]{info_b.ref}"
-                  f"[/bold] ({info_b.short_id})")
-    console.print("tensors: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in (
+    say(f"[bold]{info_a.ref}[/bold] ({info_a.short_id}) -> [bold]{info_b.ref}[/bold] "
+        f"({info_b.short_id})", 4)
+    say("tensors: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in (
         "changed", "unchanged", "added", "removed")) + f"; {read} read "
-        f"({size_text(result.bytes_read)}), the others compared by their chunks' digests")
+        f"({size_text(result.bytes_read)}), the others compared by their chunks' digests", 9)
     shown = [t for t in result.tensors if show_all or t.status != "unchanged"]
     if shown:
-        from rich.table import Table
-
-        table = Table("tensor", "status", "max |a-b|", "norm change", "NaN/Inf", "changed",
-                      "dtype, shape")
+        table = tensor_table("tensor", "status", "max |a-b|", "norm change", "NaN/Inf",
+                             "changed", "dtype, shape")
         for t in shown:
             table.add_row(t.path, _status(t), _num(t.max_abs_diff), _change(t.rel_norm_change),
                           _nonfinite(t.nonfinite_a, t.nonfinite_b),
                           "-" if t.changed_elements is None else str(t.changed_elements),
                           t.note or f"{t.dtype} {tuple(t.shape)}")
-        console.print(table)
+        print_table(table)
     for title, rows in (("values", result.values), ("metrics", result.metrics)):
         if rows:
             console.print(f"[bold]{title} changed[/bold] ({len(rows)})")
             for row in rows[:200]:
-                console.print(f"  {row.path}: {_plain(row.a)} -> {_plain(row.b)}",
-                              highlight=False)
+                say(f"  {row.path}: {_plain(row.a)} -> {_plain(row.b)}", 4, markup=False)
             if len(rows) > 200:
                 console.print(f"  ... {len(rows) - 200} more (--json lists them all)")
 
@@ -83,7 +90,7 @@ def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute
                                            "counts": h.counts}))
             return
         _print_health(info)
-        console.print(_stats_table([h.row]))
+        print_table(_stats_table([h.row]))
         for line in histogram_lines(h.edges, h.counts):
             console.print(line, highlight=False)
         return
@@ -94,16 +101,16 @@ def inspect_cmd(snap: str, tensor: str | None, as_json: bool, bins: int, compute
                                        "tensors": [r.to_json() for r in rows]}))
         return
     _print_health(info)
-    console.print(_stats_table(rows))
+    print_table(_stats_table(rows))
     if any(r.computed for r in rows):
-        console.print("(statistics marked * were computed now: this snapshot was written "
-                      "before ciuic recorded them)")
+        say("(statistics marked * were computed now: this snapshot was written before ciuic "
+            "recorded them)", 1)
 
 
 def _print_health(info: Any) -> None:
     console.print(f"[bold]{info.ref}[/bold] ({info.short_id}): {health_text(info)}")
     for reason in info.health.reasons if info.health is not None else ():
-        console.print(f"  - {reason}", highlight=False)
+        say(f"  - {reason}", 4, markup=False)
 
 
 def health_text(info: Any) -> str:
@@ -114,9 +121,7 @@ def health_text(info: Any) -> str:
 
 
 def _stats_table(rows: list[Any]) -> Table:
-    from rich.table import Table
-
-    table = Table("tensor", "dtype, shape", "NaN", "Inf", "min", "max", "mean", "norm")
+    table = tensor_table("tensor", "dtype, shape", "NaN", "Inf", "min", "max", "mean", "norm")
     for r in rows:
         s = r.stats
         mark = "*" if r.computed else ""

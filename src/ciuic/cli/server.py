@@ -87,13 +87,15 @@ def apikey_create(project: str, role: str, name: str, expires_days: float | None
 @click.option("--project", help="Only this project")
 def apikey_list(project: str | None) -> None:
     """Every key: id, project, role, state (never the key itself)."""
+    from rich import box
     from rich.table import Table
 
     from ciuic.catalog.keys import list_keys
-    t = Table()
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # as `ciuic ls`
     t.add_column("id", no_wrap=True, min_width=12)  # whole, whatever the width: `revoke` takes it
     for header in ("project", "role", "name", "created", "expires", "state", "last used"):
-        t.add_column(header)
+        # only the note wraps: a time or a name cut short says nothing
+        t.add_column(header, no_wrap=header != "name", overflow="fold")
     for k in list_keys(_server_repo().catalog, project):
         state = "revoked" if k.revoked else "active"
         t.add_row(k.id, k.project, k.role, k.name, k.created[:19], (k.expires or "never")[:19],
