@@ -389,8 +389,6 @@ def test_a_stop_is_noted_on_the_run_s_latest_snapshot_at_or_before_its_step() ->
     assert history([one, two], events, kept)[snaps[0].id] == [stopped]
 
 
-@pytest.mark.xfail(strict=True, reason="cli/commands.py's log must pass the snapshots: "
-                   "history(runs, events, every, listed_pruned=all_)")
 def test_plain_log_shows_a_kill_whose_snapshots_retention_pruned(store_dir: Path) -> None:
     """keep_last=2, killed at step 13 after snapshots 5 and 10, resumed to the end: the kill's
     note was on snapshot 10, pruned, so plain `ciuic log` showed no trace of it."""

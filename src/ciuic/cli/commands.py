@@ -96,7 +96,7 @@ def log_cmd(job: str, all_: bool) -> None:
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
-    notes = history(runs, events)
+    notes = history(runs, events, every, listed_pruned=all_)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
     for k, group in enumerate(groups):
