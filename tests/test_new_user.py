@@ -267,6 +267,24 @@ def test_a_wait_is_worth_a_warning_only_when_it_matters(caplog: pytest.LogCaptur
     assert stats.waited_s > 0.5
 
 
+def test_a_wait_with_no_training_time_since_the_last_snapshot_gives_no_share(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Snapshots due at once, no compute between them: the warning said '15778 % of the 0.00 s
+    since it started'; it says there was no training time, and keeps its advice."""
+    from ciuic.distributed.collective import Collective
+
+    stats = ManagerStats()
+    stats.snapshots = 1  # not the process's first
+    policy = SavePolicy(ManagerOptions("p").check(), Collective(False), stats)
+    policy.last_save_time = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ciuic"):
+        assert policy.proceed_while_busy(2, lambda: time.sleep(0.06))
+    [warning] = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert "(there was no training time between the two snapshots)" in warning, warning
+    assert "%" not in warning, warning
+    assert "Consider a larger save_interval, or on_busy='skip'" in warning, warning
+
+
 # -- 5. the command line -------------------------------------------------------------------------
 
 def test_apikey_create_prints_the_key_alone_on_stdout(tmp_path: Path) -> None:

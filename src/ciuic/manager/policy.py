@@ -124,11 +124,14 @@ class SavePolicy:
         if not self._warned_busy and waited > 0.05 and (
                 share >= WAIT_SHARE or self._waits_in_a_row >= 3):
             self._warned_busy = True
+            # no compute between the two (a percentage of ~0 s said '15778 %', issue 30)
+            share_text = ("there was no training time between the two snapshots"
+                          if since < 0.01 else
+                          f"{100 * share:.0f} % of the {since:.2f} s since it started")
             log.warning("snapshot at step %d waited %.2f s for the previous one to be "
-                        "written (%.0f %% of the %.2f s since it started%s): snapshots are due "
-                        "faster than they are written. Consider a larger save_interval, or "
-                        "on_busy='skip'", step, waited, 100 * share, since,
-                        f"; {self._waits_in_a_row} waits in a row"
+                        "written (%s%s): snapshots are due faster than they are written. "
+                        "Consider a larger save_interval, or on_busy='skip'", step, waited,
+                        share_text, f"; {self._waits_in_a_row} waits in a row"
                         if self._waits_in_a_row >= 3 else "")
         return True
 
