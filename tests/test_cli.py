@@ -155,10 +155,10 @@ def test_counts_are_in_the_singular_or_the_plural(populated: dict[str, object],
     store = str(populated["store"])
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
                          "--keep-last", "2")
-    assert code == 0 and out.strip() == "pruned 1 snapshot: steps 9900", out
+    assert code == 0 and out.strip() == "pruned 1 snapshot: step 9900", out
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
                          "--keep-last", "1")
-    assert code == 0 and out.strip() == "pruned 1 snapshot: steps 10000", out
+    assert code == 0 and out.strip() == "pruned 1 snapshot: step 10000", out
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "gc")
     assert code == 0 and re.fullmatch(r"deleted \d+ chunks and 0 bodies, freeing .+; kept \d+ "
                                       r"chunks", out.strip()), out

@@ -112,7 +112,7 @@ def test_ls_and_log_read_an_up_to_date_catalog_as_the_repository_does(tmp_path: 
         for step, loss in enumerate((1.0, float("nan"), 0.5, 0.25)):
             m.step(step, model, opt, loss=loss)
     run, _ = probe(store, "prune", "p/sick", "--keep-last", "3")
-    assert run.returncode == 0 and "pruned 1 snapshot: steps 0" in run.stdout, run.stderr
+    assert run.returncode == 0 and "pruned 1 snapshot: step 0" in run.stdout, run.stderr
     orm = {"CIUIC_CATALOG": f"sqlite:///{store / 'catalog.db'}"}
     for args in (["ls"], ["log", "mlp"], ["log", "tests/mlp", "--all"], ["log", "sick"],
                  ["log", "p/sick", "--all"]):

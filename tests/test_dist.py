@@ -270,7 +270,7 @@ def test_sigterm_on_one_rank_snapshots_every_rank_at_one_step(tmp_path: Path) ->
 def test_ranks_that_do_not_share_one_store_are_refused_at_start(tmp_path: Path) -> None:
     run = torchrun(2, tmp_path / "store", tmp_path / "out", "--steps", "2", "--store-per-rank")
     assert run.returncode != 0
-    assert "rank(s) [1] cannot see the objects rank 0 writes" in run.stderr
+    assert "rank 1 cannot see the objects rank 0 writes" in run.stderr
     assert "one shared store" in run.stderr
 
 
@@ -335,7 +335,7 @@ def test_ranks_whose_optimizer_settings_differ_fail_every_snapshot_loudly(
     for rank in (0, 1):
         r = report(tmp_path / "out", rank)
         assert r["snapshots"] == 0 and r["failures"] == 2, r  # steps 0 and 4
-        assert "rank(s) [1] differs from rank 0's" in r["last_error"], r
+        assert "rank 1 differs from rank 0's" in r["last_error"], r
 
 
 def test_a_state_rank_0_alone_saved_is_restored_on_every_rank(tmp_path: Path) -> None:

@@ -300,5 +300,5 @@ def test_restore_of_a_damaged_snapshot_says_which_earlier_ones_need_a_key(
     assert code != 0
     assert "authentication failed" in text  # step 1 is damaged: that is said
     assert "No intact snapshot" not in text, text
-    assert (f"1 earlier snapshot(s) could not be checked: sealed with key "
+    assert (f"1 earlier snapshot could not be checked: sealed with key "
             f"{parse_key_text(key).id}, which is not configured") in text, text

@@ -159,7 +159,7 @@ def test_gc_waits_for_saves_in_progress(repo: Repository) -> None:
     repo.store.put("chunks/ab/" + "ab" * 32, b"orphan")
     with InflightSave(repo.store):
         result = collect(repo, wait_s=0.1)
-        assert result.skipped.startswith("1 save(s) in progress")
+        assert result.skipped.startswith("1 save in progress")
         assert repo.store.has("chunks/ab/" + "ab" * 32)
     result = collect(repo)
     assert result.deleted_chunks == 1 and not result.skipped

@@ -34,6 +34,8 @@ that may be intact but is not for this process (:class:`UnsupportedFormat`: upgr
 
 from __future__ import annotations
 
+from ciuic.words import counted
+
 
 class CiuicError(Exception):
     """Root of every error ciuic raises."""
@@ -136,7 +138,7 @@ class RankError(CiuicError, RuntimeError):
 
     def __init__(self, what: str, failures: dict[int, str]) -> None:
         lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-        super().__init__(f"{what} failed on {len(failures)} rank(s): {lines}")
+        super().__init__(f"{what} failed on {counted(len(failures), 'rank')}: {lines}")
         self.failures = failures
 
 

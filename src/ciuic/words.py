@@ -1,6 +1,6 @@
 """Counts in words, for the messages users read: ``counted(1, "chunk")`` is ``1 chunk``,
-``counted(3, "chunk")`` is ``3 chunks`` (never ``chunk(s)``); a list of reasons said in one
-short line (:func:`reasons_in_short`)."""
+``counted(3, "chunk")`` is ``3 chunks`` (never ``chunk(s)``); ``listed([1, 3], "rank")`` is
+``ranks 1, 3``; a list of reasons said in one short line (:func:`reasons_in_short`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,17 @@ from collections.abc import Sequence
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, in the plural (``plural``, else ``noun`` + "s") unless ``n`` is 1."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def listed(items: Sequence[object], noun: str, plural: str | None = None,
+           most: int | None = None) -> str:
+    """``noun`` and ``items``, in the plural (``plural``, else ``noun`` + "s") unless there is
+    one: ``rank 1``, ``ranks 1, 3``; past ``most`` items, the first ``most`` and how many
+    more."""
+    shown = items if most is None else items[:most]
+    more = f" and {len(items) - len(shown)} more" if len(items) > len(shown) else ""
+    word = noun if len(items) == 1 else plural or noun + "s"
+    return f"{word} {', '.join(map(str, shown))}{more}"
 
 
 def reasons_in_short(reasons: Sequence[str], ref: str) -> str:
@@ -24,4 +35,4 @@ def reasons_in_short(reasons: Sequence[str], ref: str) -> str:
     return f"{text} (`ciuic inspect {ref}` shows its tensors)"
 
 
-__all__ = ["counted", "reasons_in_short"]
+__all__ = ["counted", "listed", "reasons_in_short"]

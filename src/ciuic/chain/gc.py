@@ -31,6 +31,7 @@ from ciuic.errors import CiuicError, IntegrityError, ObjectNotFound, StoreError,
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key, digest_of_key
 from ciuic.store import LocalStore, Store
+from ciuic.words import counted
 
 
 def _marker() -> bytes:
@@ -190,7 +191,7 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
             if not live:
                 break
             if time.monotonic() >= deadline:
-                result.skipped = f"{len(live)} save(s) in progress; run gc again later"
+                result.skipped = f"{counted(len(live), 'save')} in progress; run gc again later"
                 return result
             time.sleep(0.1)
         if not dry_run:
@@ -198,9 +199,10 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
         keep_chunks, keep_bodies, result.damaged = referenced(repo, progress)
         if result.damaged:
             # A manifest or body we cannot read may reference anything: delete nothing.
-            result.skipped = (f"{len(result.damaged)} damaged or unreadable manifest(s)/body(ies) "
-                              "(a newer format, or corruption): gc deletes nothing until "
-                              "`ciuic verify` is clean")
+            damaged = counted(len(result.damaged), "damaged or unreadable manifest or body",
+                              "damaged or unreadable manifests or bodies")
+            result.skipped = (f"{damaged} (a newer format, or corruption): gc deletes nothing "
+                              "until `ciuic verify` is clean")
             return result
         refresh = _LockRefresher(store, dry_run)
         for key in list(store.list(layout.CHUNKS)):

@@ -38,6 +38,7 @@ from ciuic.store import LocalStore, Store, open_store
 from ciuic.store.mirror import MirrorStore
 from ciuic.store.prefix import PrefixStore
 from ciuic.store.retry import RetryingStore
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 T = TypeVar("T")
@@ -160,9 +161,10 @@ class Repository:
         if repo.catalog.recreated_from is not None:
             counts = repo.reindex()
             log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "
-                        "(%d snapshot(s), %d pruned): nothing is lost, since the store is the "
-                        "truth; run history before this point is in the damaged file",
-                        repo.catalog.recreated_from, counts["snapshots"], counts["pruned"])
+                        "(%s, %d pruned): nothing is lost, since the store is the truth; run "
+                        "history before this point is in the damaged file",
+                        repo.catalog.recreated_from, counted(counts["snapshots"], "snapshot"),
+                        counts["pruned"])
         return repo
 
     @classmethod
@@ -306,9 +308,10 @@ class Repository:
         partial = len(self.store.copies()) > 1  # a mirror lists its fast tier only
         foreign = [row for row in rows if row.id not in listed]
         if foreign and len(foreign) == len(rows):
-            log.warning("the catalog names %d snapshot(s) of %s/%s whose manifests are not in %s:"
-                        " leaving them as they are (`ciuic reindex` rebuilds the catalog from "
-                        "the store it indexes)", len(foreign), project, job, self.name)
+            log.warning("the catalog names %s of %s/%s whose manifests are not in %s: leaving "
+                        "them as they are (`ciuic reindex` rebuilds the catalog from the store "
+                        "it indexes)", counted(len(foreign), "snapshot"), project, job,
+                        self.name)
         for row in rows:
             if row.status == "committed" and row.id in listed and row.body not in bodies and (
                     not (partial and self.store.has(layout.body_key(project, job, row.body)))):

@@ -28,7 +28,7 @@ from ciuic.cli.app import (
     time_text,
 )
 from ciuic.errors import CiuicError, IntegrityError, MissingKey
-from ciuic.words import counted, reasons_in_short
+from ciuic.words import counted, listed, reasons_in_short
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from rich.progress import TaskID
@@ -290,10 +290,7 @@ def _nothing_stored(repo: Repository, listed: list[tuple[str, str]]) -> None:
 
 def _steps(snaps: list[SnapshotInfo], most: int = 10) -> str:
     """``step 5``, ``steps 1, 2, 3``, or the first ``most`` and how many more."""
-    steps = sorted(s.step for s in snaps)
-    text = ", ".join(map(str, steps[:most]))
-    more = f" and {len(steps) - most} more" if len(steps) > most else ""
-    return f"step{'s' if len(steps) > 1 else ''} {text}{more}"
+    return listed(sorted(s.step for s in snaps), "step", most=most)
 
 
 def _looks_like_job(repo: Repository, text: str) -> bool:
@@ -355,7 +352,7 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
             locked += 1
             keys |= {str(p.key_id) for p in problems}
     if locked:
-        return (f"{locked} earlier snapshot(s) could not be checked: sealed with key"
+        return (f"{counted(locked, 'earlier snapshot')} could not be checked: sealed with key"
                 f"{'s' if len(keys) > 1 else ''} {', '.join(sorted(keys))}, which "
                 f"{'are' if len(keys) > 1 else 'is'} not configured; to find an intact one, "
                 "set CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) or add "
@@ -381,7 +378,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
                        dry_run=dry_run)
     verb = "would prune" if dry_run else "pruned"
     say(f"{verb} {counted(len(doomed), 'snapshot')}"
-        + (": steps " + ", ".join(str(s.step) for s in doomed) if doomed else ""), 2)
+        + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)
 
 
 @app.command("gc")
@@ -441,9 +438,9 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
                              verify=verify, progress=tick)
             dst.sync_job(project, job)
             total.add(stats)
-            say(f"{project}/{job}: {stats.snapshots} new snapshot(s), {stats.sent} "
-                f"object(s) sent ({size_text(stats.sent_bytes)}), {stats.present} "
-                "already there", 2)
+            say(f"{project}/{job}: {counted(stats.snapshots, 'new snapshot')}, "
+                f"{counted(stats.sent, 'object')} sent ({size_text(stats.sent_bytes)}), "
+                f"{stats.present} already there", 2)
             if stats.skipped_damaged:
                 say(f"[yellow]{project}/{job}: "
                     f"{counted(stats.skipped_damaged, 'damaged manifest')} not copied; `ciuic "

@@ -34,6 +34,7 @@ from ciuic.restore.match import Prepared, check_loadable, load_object, mismatch_
 from ciuic.restore.reader import load_trees
 from ciuic.restore.sources import Resident
 from ciuic.state.capture import set_rng_state
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 
@@ -56,10 +57,10 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
                             f"{saved_world}")
     part = parts[rank % saved_world]
     if saved_world != world_size and rank == 0:
-        log.warning("the snapshot was taken on %d rank(s), this job runs %d: model and "
+        log.warning("the snapshot was taken on %s, this job runs %d: model and "
                     "optimizer are resharded; per-rank state (RNG, data position, extras) of "
-                    "rank r comes from saved rank r %% %d", saved_world, world_size,
-                    saved_world)
+                    "rank r comes from saved rank r %% %d", counted(saved_world, "rank"),
+                    world_size, saved_world)
     # a state that rank 0 alone saved (what a framework hands rank 0 only: its checkpoint
     # dict, DeepSpeed's client_state) is every rank's: each reads it from rank 0's part
     part = {**{k: v for k, v in parts[0].items() if k not in part}, **part}

@@ -35,6 +35,7 @@ from ciuic.format.digest import digest
 from ciuic.format.shards import Written, assemble, plan
 from ciuic.format.tree import Leaf
 from ciuic.store import Store
+from ciuic.words import counted, listed
 
 log = logging.getLogger("ciuic")
 
@@ -69,10 +70,11 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
     odd = [r for r, x in enumerate(everyone) if x.skeleton != everyone[0].skeleton]
     if odd:
         raise CaptureError(
-            f"the model/optimizer state of rank(s) {odd} differs from rank 0's in structure or "
-            "in a non-tensor value (parameter names, optimizer settings such as lr): ciuic "
-            "supports replicated (DDP) and DTensor-sharded (FSDP2, tensor parallel) state; "
-            "save state that only some ranks hold (pipeline stages) as a per-rank extra")
+            f"the model/optimizer state of {listed(odd, 'rank')} differs from rank 0's in "
+            "structure or in a non-tensor value (parameter names, optimizer settings such as "
+            "lr): ciuic supports replicated (DDP) and DTensor-sharded (FSDP2, tensor parallel) "
+            "state; save state that only some ranks hold (pipeline stages) as a per-rank "
+            "extra")
     owners = plan([x.metas for x in everyone])
 
     store = repo.store
@@ -93,10 +95,10 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             lost = sorted(captured.owned & captured.unstaged)
             if lost:  # a safety net: only a layout change on another rank can cause it
                 raise CaptureError(
-                    f"this rank must write {len(lost)} replicated tensor(s) it did not copy "
-                    f"(e.g. {lost[0]}): the plan changed since the previous snapshot although "
-                    "this rank's layout did not. This snapshot fails on every rank; the next "
-                    "one copies everything")
+                    f"this rank must write {counted(len(lost), 'replicated tensor')} it did "
+                    f"not copy (e.g. {lost[0]}): the plan changed since the previous snapshot "
+                    "although this rank's layout did not. This snapshot fails on every rank; "
+                    "the next one copies everything")
             own = [leaf for leaf in captured.leaves if id(leaf) not in glob]
             new = write_leaves(repo, owned + own, cache, w.codec, w.compression,
                                stats=w.health is not None).new
@@ -181,6 +183,6 @@ def check_shared_store(coll: Collective, store: Store, run_id: str) -> None:
     blind = [r for r, (ok, _) in enumerate(seen) if not ok]
     if blind:
         raise ConfigurationError(
-            f"rank(s) {blind} cannot see the objects rank 0 writes to {store.url}: every rank "
-            "of a multi-rank job must use one shared store (a shared filesystem path, or S3), "
-            "not a directory local to each node")
+            f"{listed(blind, 'rank')} cannot see the objects rank 0 writes to {store.url}: "
+            "every rank of a multi-rank job must use one shared store (a shared filesystem "
+            "path, or S3), not a directory local to each node")

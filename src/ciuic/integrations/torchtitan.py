@@ -47,6 +47,7 @@ import torch
 from ciuic.errors import ConfigurationError
 from ciuic.integrations._loaders import with_iter
 from ciuic.manager import SnapshotManager
+from ciuic.words import counted
 
 try:
     from torchtitan.components.checkpointer import (
@@ -123,8 +124,9 @@ class LoaderState:
         world = int(getattr(self.loader, "dp_world_size", 1))
         if int(state["world_size"]) != world:
             raise ConfigurationError(
-                f"the snapshot's data loader state is of {state['world_size']} data-parallel "
-                f"rank(s), this job has {world}: torchtitan's loaders do not reshard their "
+                "the snapshot's data loader state is of "
+                f"{counted(int(state['world_size']), 'data-parallel rank')}, this job has "
+                f"{world}: torchtitan's loaders do not reshard their "
                 "position; resume at the same data-parallel degree, or leave the loader out "
                 "with exclude_from_loading=['dataloader']")
         self._base.load_state_dict(self.loader, state["state"])

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ciuic.errors import ConfigurationError
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 #: an interval change is logged when it moves by more than this share
@@ -153,8 +154,8 @@ class IntervalTuner:
         before = self.interval_s
         self.interval_s = interval
         self.reason = (f"{why}: a snapshot costs C = {cost:.3g} s, the job fails every M = "
-                       f"{mtbf / 3600:.3g} h ({self.failures} interruption(s) observed over "
-                       f"{(self.observed_s + self.clock() - self.started) / 3600:.3g} h, "
+                       f"{mtbf / 3600:.3g} h ({counted(self.failures, 'interruption')} observed "
+                       f"over {(self.observed_s + self.clock() - self.started) / 3600:.3g} h, "
                        f"prior {c.prior_mtbf_s / 3600:.3g} h)")
         if before <= 0:
             log.info("save interval now %.3g s (the first snapshot measured): %s", interval,

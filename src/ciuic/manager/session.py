@@ -39,6 +39,7 @@ from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import Supervised, attach
 from ciuic.store.mirror import MirrorStore
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 
@@ -242,8 +243,8 @@ class RunSession:
                 log.warning("catching up the mirror %s failed: %s", mirror.remote.url, e)
                 return
             if stats.sent:
-                log.info("mirror %s caught up: %d snapshot(s), %d object(s) sent",
-                         mirror.remote.url, stats.snapshots, stats.sent)
+                log.info("mirror %s caught up: %s, %s sent", mirror.remote.url,
+                         counted(stats.snapshots, "snapshot"), counted(stats.sent, "object"))
 
         mirror.submit(catch_up)
 
@@ -315,8 +316,8 @@ class RunSession:
                        self.config.keep_every, protect=[current])
         if pruned:
             result = collect(self.repo)  # skips when a save is in flight or data is damaged
-            log.debug("retention pruned %d snapshot(s); gc deleted %d chunk(s) %s", len(pruned),
-                      result.deleted_chunks, result.skipped)
+            log.debug("retention pruned %s; gc deleted %s %s", counted(len(pruned), "snapshot"),
+                      counted(result.deleted_chunks, "chunk"), result.skipped)
 
     def _record(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Write ``what`` to the catalog (rank 0). A failure is logged and training goes on; a

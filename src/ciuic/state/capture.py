@@ -20,6 +20,7 @@ import torch
 
 from ciuic.errors import CaptureError, ConfigurationError
 from ciuic.format.tree import Leaf, encode
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 RESERVED = ("rng", "ranks", "dist")  # "ranks", "dist": multi-rank bodies (ciuic.distributed)
@@ -94,9 +95,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
         else:
-            log.warning("the snapshot holds CUDA RNG states for %d device(s) but %d are visible: "
-                        "CUDA RNG states were not restored, so random draws on the GPU will "
-                        "differ from the original run", len(cuda), torch.cuda.device_count())
+            visible = torch.cuda.device_count()
+            log.warning("the snapshot holds CUDA RNG states for %s but %d %s visible: CUDA RNG "
+                        "states were not restored, so random draws on the GPU will differ from "
+                        "the original run", counted(len(cuda), "device"), visible,
+                        "is" if visible == 1 else "are")
 
 
 def normalize_key(key: str) -> str:

@@ -34,6 +34,7 @@ import torch
 
 from ciuic.errors import ConfigurationError
 from ciuic.state.capture import rng_state, set_rng_state
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 _KEEP = 256  # fetches remembered: more than any loader's look-ahead plus accumulation
@@ -218,14 +219,14 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
 
 def _set_generators(generators: list[Any], states: list[Any]) -> None:
     if not states and generators:
-        log.warning("the snapshot holds no state of the data loader's %d generator(s) (its "
-                    "loader had none, or the ciuic that took it did not save them): the "
-                    "resumed pass draws its order from them as they are now, not as the "
-                    "interrupted run had them", len(generators))
+        log.warning("the snapshot holds no state of the data loader's %s (its loader had "
+                    "none, or the ciuic that took it did not save them): the resumed pass "
+                    "draws its order from them as they are now, not as the interrupted run had "
+                    "them", counted(len(generators), "generator"))
         return
     if len(states) != len(generators):
         raise ConfigurationError(
-            f"the snapshot holds the state of {len(states)} data loader generator(s), this "
-            f"loader has {len(generators)}: build the loader as the snapshotted run did")
+            f"the snapshot holds the state of {counted(len(states), 'data loader generator')}, "
+            f"this loader has {len(generators)}: build the loader as the snapshotted run did")
     for g, s in zip(generators, states, strict=True):
         g.set_state(s)

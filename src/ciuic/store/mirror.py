@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from ciuic.errors import ConfigurationError, ObjectNotFound, StoreError
 from ciuic.store.base import Data, Store
 from ciuic.threads import Pools
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 T = TypeVar("T")
@@ -146,7 +147,7 @@ class MirrorStore(Store):
             self._pending = [f for f in self._pending if not f.done()]
             errors, self._errors = self._errors, []
         if errors:
-            raise StoreError(f"{len(errors)} upload(s) to {self.remote.url} failed; the "
+            raise StoreError(f"{counted(len(errors), 'upload')} to {self.remote.url} failed; the "
                              f"first: {errors[0]}") from errors[0]
         return sum(1 for f in pending if f.done() and f.exception() is not None)
 
@@ -277,8 +278,9 @@ class MirrorStore(Store):
     def close(self) -> None:
         failed = self.flush()
         if failed:
-            log.warning("%d object(s) were not mirrored to %s; `ciuic push` sends them",
-                        failed, self.remote.url)
+            log.warning("%s %s not mirrored to %s; `ciuic push` sends them",
+                        counted(failed, "object"), "was" if failed == 1 else "were",
+                        self.remote.url)
         self._pools.shutdown(wait=True)
         self.fast.close()
         self.remote.close()

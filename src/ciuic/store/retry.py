@@ -29,6 +29,7 @@ from ciuic.errors import (
 )
 from ciuic.store.base import Data, Store
 from ciuic.threads import Pools
+from ciuic.words import counted
 
 T = TypeVar("T")
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -76,8 +77,8 @@ class RetryingStore(Store):
             if attempt < self.attempts:
                 time.sleep(delay)
                 delay *= 2
-        raise StoreError(f"{what} {self.inner.location(key)} failed after {self.attempts} "
-                         f"attempt(s): {error}") from error
+        raise StoreError(f"{what} {self.inner.location(key)} failed after "
+                         f"{counted(self.attempts, 'attempt')}: {error}") from error
 
     def put(self, key: str, data: Data, *, durable: bool = True) -> None:
         self._call("writing", key, lambda: self.inner.put(key, data, durable=durable))

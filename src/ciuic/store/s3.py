@@ -35,6 +35,7 @@ from ciuic import knobs
 from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
 from ciuic.store.base import Data, Store, check_key, check_prefix, joined, size
 from ciuic.threads import Pools
+from ciuic.words import listed
 
 T = TypeVar("T")
 
@@ -76,7 +77,8 @@ class S3Store(Store):
         unknown = set(query) - {"endpoint", "region", "conditional"}
         if unknown:
             raise ConfigurationError(
-                f"unknown option(s) {sorted(unknown)} in S3 store URL {url!r}; "
+                f"unknown {listed([repr(k) for k in sorted(unknown)], 'option')} in S3 store "
+                f"URL {url!r}; "
                 "known: endpoint, region, conditional")
         self.conditional = query.get("conditional", "auto")
         if self.conditional not in _CONDITIONAL_MODES:
