@@ -36,7 +36,7 @@ from ciuic.format import stats as st
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.manifest import HealthVerdict
 from ciuic.format.tree import walk_leaves
-from ciuic.words import counted
+from ciuic.words import counted, reasons_in_short
 
 log = logging.getLogger("ciuic")
 #: the most reasons a manifest lists (the rest are counted)
@@ -251,30 +251,19 @@ class Warnings:
         if self.streak == 1:
             self.since = step
             log.warning("snapshot at step %d of %s is unhealthy: %s", step, where,
-                        _summary(problems, ref))
+                        reasons_in_short([q.text for q in problems], ref))
         elif new:
             log.warning("snapshot at step %d of %s is unhealthy for %s: %s", step, where,
                         "a new reason" if len(new) == 1 else "new reasons",
-                        _summary(new + [q for q in problems if q not in new], ref))
+                        reasons_in_short([q.text for q in new] + [
+                            q.text for q in problems if q not in new], ref))
         elif self.streak >= self.remind_at:
             log.warning("%s is still unhealthy at step %d, %s in a row since step %d: %s",
                         where, step, counted(self.streak, "snapshot"), self.since,
-                        _summary(problems, ref))
+                        reasons_in_short([q.text for q in problems], ref))
         if self.streak >= self.remind_at:
             self.remind_at *= 2
         self.named.update(q.key for q in problems)
-
-
-def _summary(problems: list[Problem], ref: str) -> str:
-    """The first reason (two if they are short), how many more, and the command that shows
-    them all."""
-    shown = 2 if len(problems) > 1 and len(problems[0].text) + len(problems[1].text) <= 120 \
-        else 1
-    text = "; ".join(q.text for q in problems[:shown])
-    more = len(problems) - shown
-    if more:
-        return f"{text}; and {counted(more, 'more reason')} (`ciuic inspect {ref}` lists them all)"
-    return f"{text} (`ciuic inspect {ref}` shows its tensors)"
 
 
 @dataclass
