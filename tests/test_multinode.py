@@ -1,5 +1,6 @@
 """Many nodes, simulated: each node a network namespace with its own address on a bridge
-(tests/netns.py; root only, skipped with the reason elsewhere).
+(tests/netns.py; root only, skipped with the reason elsewhere). DDP, and FSDP2 for a rank
+killed and a node lost.
 
 The simulated nodes themselves (reachable by address, a link down and up, nothing left after),
 and plain torchrun across two of them (c10d rendezvous, ``--local-addr``): node 2 SIGKILLed,
@@ -220,13 +221,13 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert not differ, differ
 
 
-def supervised(node: Node, nodes: Nodes, tmp: Path, name: str, rdzv: str, *args: str
-               ) -> subprocess.Popen[bytes]:
+def supervised(node: Node, nodes: Nodes, tmp: Path, name: str, rdzv: str, *args: str,
+               run_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     """Node ``node``'s ``ciuic run`` around its torchrun of the 2 x 2 job (torchrun restarts
     the workers itself: ``--max-restarts 3``), output to ``tmp/<name>.log`` (appended)."""
     with open(tmp / f"{name}.log", "ab") as log:
         return node.popen([
-            sys.executable, "-m", "ciuic", "run", "--", sys.executable, "-m",
+            sys.executable, "-m", "ciuic", "run", *run_args, "--", sys.executable, "-m",
             "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[1].addr}:29400",
             "--rdzv-id", rdzv, "--local-addr", node.addr, "--max-restarts", "3",
@@ -236,39 +237,163 @@ def supervised(node: Node, nodes: Nodes, tmp: Path, name: str, rdzv: str, *args:
                                                        **SHARED_STORE_OFF})
 
 
+class Job:
+    """The 2 x 2 job under ``ciuic run`` on each node (``args``: the job's, plus a fault), after
+    its uninterrupted reference run in the same topology; each node's output in
+    ``tmp/run-n<i>.log``."""
+
+    def __init__(self, nodes: Nodes, tmp: Path, job: list[str], *fault: str,
+                 run_args: tuple[str, ...] = ()) -> None:
+        self.nodes, self.tmp, self.run_args = nodes, tmp, run_args
+        ref = [torchrun(n, nodes, tmp, f"ref-n{n.index}", f"ref{nodes.id}", "--store",
+                        str(tmp / "ref-store"), "--out", str(tmp / "ref"), *job,
+                        max_restarts=0) for n in nodes]
+        assert [p.wait(240) for p in ref] == [0, 0], (tmp / "ref-n1.log").read_text()[-3000:]
+        self.store, self.out = tmp / "store", tmp / "out"
+        self.args = ["--store", str(self.store), "--out", str(self.out), *job, *fault]
+        self.procs = [self.start(n) for n in nodes]
+
+    def start(self, node: Node) -> subprocess.Popen[bytes]:
+        return supervised(node, self.nodes, self.tmp, f"run-n{node.index}",
+                          f"run{self.nodes.id}", *self.args, run_args=self.run_args)
+
+    def log(self, index: int) -> Path:
+        return self.tmp / f"run-n{index}.log"
+
+    def end(self, resumed_at: int | None = 11) -> tuple[str, str]:
+        """Both nodes' output once the job ended; it resumed at ``resumed_at`` (None: from
+        some snapshot) and its final state is the reference's, bit for bit."""
+        codes = [p.wait(400) for p in self.procs]
+        text, text2 = (self.log(i).read_text(errors="replace") for i in (1, 2))
+        assert codes == [0, 0], (text[-4000:], text2[-4000:])
+        assert f"Resuming training at step {resumed_at or ''}" in text, text[-4000:]
+        assert_same(final(self.out), final(self.tmp / "ref"))
+        # nothing is left: no process in either node (the memory of ciuic run and its ranks
+        # is anonymous and goes with them), nothing in /dev/shm
+        wait_for(lambda: not any(n.pids() for n in self.nodes), 30, "the nodes to be empty")
+        assert not [p for p in Path("/dev/shm").iterdir() if "ciuic" in p.name]
+        return text, text2
+
+
+def recovered_from(text: str) -> tuple[str, str, str]:
+    """(this node's memory, other nodes', the store) of rank 0's recovery log line."""
+    read = re.search(r"Read (.+) from host memory, (.+) from other nodes' memory and (.+) from "
+                     r"the store in [\d.]+ s \(all 4 ranks\)", text)
+    assert read, text[-4000:]
+    print(read.group(0))
+    return read.group(1), read.group(2), read.group(3)
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
 def test_a_lost_node_is_restored_from_the_replica_in_its_peers_memory(
-        netns_nodes: Callable[[int], Nodes], tmp_path: Path) -> None:
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path, model: str) -> None:
     """``ciuic run`` on each node: after each commit node 2 sends its ranks' chunks to node 1
     (a replica, checked on arrival). Node 2 is SIGKILLed, all of it (its ``ciuic run`` and its
     memory too), after its replica of the snapshot at step 10 is complete, and started again
     with empty memory: its ranks read their chunks from node 1's memory, node 1's ranks from
     their own node's, and nothing from the store; the job ends bit-identical."""
     nodes = netns_nodes(2)
-    job = ["--steps", "30", "--every", "5", "--hidden", "128"]
-    ref = [torchrun(n, nodes, tmp_path, f"ref-n{n.index}", f"ref{nodes.id}", "--store",
-                    str(tmp_path / "ref-store"), "--out", str(tmp_path / "ref"), *job,
-                    max_restarts=0) for n in nodes]
-    assert [p.wait(240) for p in ref] == [0, 0], (tmp_path / "ref-n1.log").read_text()[-3000:]
-
-    store, out = tmp_path / "store", tmp_path / "out"
     # rank 2 (node 2) pauses at step 12, once: snapshot 10 commits and replicates meanwhile
-    args = ["--store", str(store), "--out", str(out), *job,
-            "--pause-at", f"12:2:{tmp_path / 'paused'}"]
-    procs = [supervised(n, nodes, tmp_path, f"run-n{n.index}", f"run{nodes.id}", *args)
-             for n in nodes]
-    log1, log2 = tmp_path / "run-n1.log", tmp_path / "run-n2.log"
-    wait_for(lambda: count(log2, r"holds a replica of this node's snapshot at step 10 ") >= 1,
-             240, "node 2's replica of the snapshot at step 10")
-    assert committed_step(store) == 10
+    run = Job(nodes, tmp_path, ["--steps", "30", "--every", "5", "--hidden", "128",
+                                "--model", model], "--pause-at", f"12:2:{tmp_path / 'paused'}")
+    wait_for(lambda: count(run.log(2), r"holds a replica of this node's snapshot at step 10 ")
+             >= 1, 240, "node 2's replica of the snapshot at step 10")
+    assert committed_step(run.store) == 10
     nodes[2].kill_all()
-    procs[1] = supervised(nodes[2], nodes, tmp_path, "run-n2", f"run{nodes.id}", *args)
-    codes = [p.wait(300) for p in procs]
-    text = log1.read_text(errors="replace")
-    assert codes == [0, 0], (text[-4000:], log2.read_text(errors="replace")[-4000:])
-    assert "Resuming training at step 11" in text, text[-4000:]
-    read = re.search(r"Read (.+) from host memory, (.+) from other nodes' memory and (.+) from "
-                     r"the store in [\d.]+ s \(all 4 ranks\)", text)
-    assert read, text[-4000:]
-    print(read.group(0))
-    assert read.group(3) == "0 B" and read.group(2) != "0 B", read.group(0)
-    assert_same(final(out), final(tmp_path / "ref"))
+    run.procs[1] = run.start(nodes[2])
+    text, _ = run.end()
+    _, peer, store_bytes = recovered_from(text)
+    assert store_bytes == "0 B" and peer != "0 B"
+    # node 1's ciuic run names the cause: node 2 (group rank 1) gone, not its own workers'
+    # failed collectives
+    assert re.search(r"ciuic run: the workers stopped at step 1\d: node 1 \([\d.]+\): its ciuic "
+                     r"run is gone \(the node is down, or ciuic run was killed\)\. torchrun "
+                     r"restarts them \(generation 2\)", text), text[-4000:]
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
+def test_a_killed_rank_restarts_every_rank_from_its_nodes_memory(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path, model: str) -> None:
+    """Rank 3 (node 2) SIGKILLed at step 13: torchrun restarts every worker of both nodes, and
+    each restores from its own node's memory (its ranks' copies and the other node's replica),
+    nothing from the store."""
+    # slow steps: the snapshot at step 10 commits and replicates before the kill at step 13
+    run = Job(netns_nodes(2), tmp_path, ["--steps", "20", "--every", "5", "--hidden", "128",
+                                         "--step-sleep", "0.4", "--model", model],
+              "--kill-once", f"13:3:{tmp_path / 'killed'}")
+    text, text2 = run.end()
+    _, _, store_bytes = recovered_from(text)
+    assert store_bytes == "0 B"
+    # node 2 saw its rank killed; node 1's workers failed in a collective, and node 1 names
+    # node 2's cause (its ciuic run tells it); one generation each (a clean end is none)
+    said = r"the workers stopped at step 1[234]: {}rank 3: SIGKILL \(killed\)\. torchrun restarts"
+    assert re.search(said.format(""), text2), text2[-4000:]
+    assert re.search(said.format(r"node 1 \([\d.]+\): "), text), text[-4000:]
+    assert count(run.log(1), "the workers stopped") == count(run.log(2), "the workers stopped") == 1
+
+
+def test_both_nodes_lost_restore_from_the_store(netns_nodes: Callable[[int], Nodes],
+                                               tmp_path: Path) -> None:
+    """Every node SIGKILLed whole (the memory of every ``ciuic run`` with it), the job started
+    again: every chunk comes from the store, and the job ends bit-identical."""
+    nodes = netns_nodes(2)
+    run = Job(nodes, tmp_path, ["--steps", "20", "--every", "5", "--hidden", "128"],
+              "--pause-at", f"12:2:{tmp_path / 'paused'}")
+    wait_for(lambda: committed_step(run.store) == 10, 240, "the snapshot at step 10")
+    for n in nodes:
+        n.kill_all()
+    assert [p.wait(30) for p in run.procs] == [-9, -9]
+    run.procs = [run.start(n) for n in nodes]
+    text, _ = run.end()
+    memory, peer, store_bytes = recovered_from(text)
+    assert memory == "0 B" and peer == "0 B" and store_bytes != "0 B"
+
+
+def test_a_link_down_stops_the_workers_and_each_node_resumes_from_memory(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path) -> None:
+    """Node 2's link down for 14 s: the workers of both nodes would wait in their collectives
+    for gloo's timeout (30 min); each node's ``ciuic run`` finds the other unreachable for 10 s
+    (``--peer-timeout``), says so and stops its workers; torchrun restarts them, and once the
+    link is back the job resumes from memory, nothing from the store, bit-identical."""
+    nodes = netns_nodes(2)
+    run = Job(nodes, tmp_path, ["--steps", "30", "--every", "5", "--hidden", "128",
+                                "--step-sleep", "0.3"])
+    wait_for(lambda: count(run.log(2), r"holds a replica of this node's snapshot at step 10 ")
+             >= 1, 240, "node 2's replica of the snapshot at step 10")
+    nodes[2].link(False)
+    time.sleep(14)
+    nodes[2].link(True)
+    text, text2 = run.end(resumed_at=None)
+    cut = (r"ciuic run: node {} \([\d.]+\) unreachable \(.*\) for 1\d s: stopping this node's "
+           r"workers")
+    assert re.search(cut.format(1), text), text[-4000:]
+    assert re.search(cut.format(0), text2), text2[-4000:]
+    _, _, store_bytes = recovered_from(text)
+    assert store_bytes == "0 B"
+
+
+def test_a_hung_rank_is_stopped_alone_and_every_node_names_the_hang(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path) -> None:
+    """Rank 3 (node 2) hangs at step 12 (once): node 2's ``ciuic run`` (``--hang-timeout 5``)
+    stops that worker only, torchrun restarts the workers of both nodes, every node names the
+    hang, the job resumes from memory, and the catalog records the hang as the cause of the run
+    it ended (the restarted workers learn it from their supervisor)."""
+    run = Job(netns_nodes(2), tmp_path, ["--steps", "20", "--every", "5", "--hidden", "128",
+                                         "--step-sleep", "0.2"],
+              "--pause-at", f"12:3:{tmp_path / 'hung'}",
+              run_args=("--hang-timeout", "5", "--grace", "3"))
+    text, text2 = run.end()
+    hang = r"hang: no step\(\) for 5 s \(rank 3, pid \d+\)"
+    assert re.search(hang + r", detected [\d.]+ s after its last sign of training; stopping that "
+                     r"worker", text2), text2[-4000:]
+    said = r"the workers stopped at step 1[12]: {}" + hang + r"\. torchrun restarts them"
+    assert re.search(said.format(""), text2), text2[-4000:]
+    assert re.search(said.format(r"node 1 \([\d.]+\): "), text), text[-4000:]
+    _, _, store_bytes = recovered_from(text)
+    assert store_bytes == "0 B"
+    repo = Repository.open(run.store)
+    try:
+        causes = [r.cause for r in repo.catalog.runs("sup", "default")]
+    finally:
+        repo.close()
+    assert len(causes) == 2 and re.search(hang, str(causes[0])), causes

@@ -78,11 +78,12 @@ def two() -> Iterator[list[Holder]]:
 def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: list[Holder]
                                                                         ) -> None:
     nodes = _join(two)
-    pieces = [os.urandom(100_000), os.urandom(50_000), b"\x07" * 4096]
+    # a chunk far larger than a socket's send buffer: the push waits for the receiver
+    pieces = [os.urandom(100_000), os.urandom(50_000), b"\x07" * 4096, os.urandom(24 << 20)]
     ds = _publish(two[0], 0, "s1", pieces)
     _wait(lambda: 0 in two[1].replicas.by_src)
     assert sorted(two[1].replicas.by_src[0].chunks) == sorted(ds)
-    assert two[0].pushed[-1] == (1, 3, sum(len(p) for p in pieces))
+    assert two[0].pushed[-1] == (1, 4, sum(len(p) for p in pieces))
     # the replica is in node 1's index for its own ranks, mapped like a rank's buffers
     index = Link(two[1].name, 0).request({"op": "chunks"})[0]
     assert {c[0] for c in index["chunks"] if c[2] == -1} == set(ds)
@@ -139,3 +140,15 @@ def test_a_replica_over_the_budget_is_refused_and_training_memory_is_kept() -> N
     finally:
         a.close()
         b.close()
+
+
+def test_ciuic_run_advises_torchrun_restarts_on_several_nodes() -> None:
+    from ciuic.cli.run import torchrun_advice
+
+    several = ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "train.py"]
+    assert "--max-restarts 0" in str(torchrun_advice(several))
+    assert "--max-restarts 0" in str(torchrun_advice(
+        ["python", "-m", "torch.distributed.run", "--nnodes=1:4", "--max_restarts=0", "t.py"]))
+    assert torchrun_advice([*several[:-1], "--max-restarts", "100", "train.py"]) is None
+    assert torchrun_advice(["torchrun", "--nproc-per-node", "8", "train.py"]) is None  # 1 node
+    assert torchrun_advice(["python", "train.py", "--nnodes", "2"]) is None  # not torchrun

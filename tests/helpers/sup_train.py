@@ -38,6 +38,18 @@ def fault(spec: str | None, step: int, rank: int) -> bool:
             and rank == who)
 
 
+def once(spec: str | None, step: int, rank: int) -> bool:
+    """A fault at STEP on RANK that strikes once, whatever restarted the job: while FILE does
+    not exist yet (it is made when it strikes)."""
+    if not spec:
+        return False
+    at, who, marker = spec.split(":", 2)
+    if step != int(at) or rank != int(who) or Path(marker).exists():
+        return False
+    Path(marker).touch()
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -50,9 +62,13 @@ def main() -> None:
     p.add_argument("--hang-at")
     p.add_argument("--pause-at", metavar="STEP:RANK:FILE",
                    help="hang there once: only while FILE does not exist yet (it is made)")
+    p.add_argument("--kill-once", metavar="STEP:RANK:FILE",
+                   help="SIGKILL there once: only while FILE does not exist yet (it is made)")
     p.add_argument("--fail-start", action="store_true")
     p.add_argument("--sync", action="store_true", help="asynchronous=False")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--model", choices=["ddp", "fsdp2"], default="ddp",
+                   help="under torchrun: DDP replicas, or FSDP2 shards (fully_shard)")
     a = p.parse_args()
     if a.fail_start:
         raise RuntimeError("the data set is not mounted (injected start-up failure)")
@@ -66,7 +82,16 @@ def main() -> None:
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(64, a.hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(a.hidden, 4))
-    if world > 1:
+    if world > 1 and a.model == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     manager = SnapshotManager("sup", store=None if a.endpoint else a.store,
@@ -84,12 +109,11 @@ def main() -> None:
         opt.step()
         if fault(a.kill_at, step, rank):
             os.kill(os.getpid(), signal.SIGKILL)
-        if a.pause_at:
-            at, who, marker = a.pause_at.split(":", 2)
-            if step == int(at) and rank == int(who) and not Path(marker).exists():
-                Path(marker).touch()
-                print(f"pausing at step {step} (rank {rank})", file=sys.stderr, flush=True)
-                time.sleep(3600)
+        if once(a.pause_at, step, rank):
+            print(f"pausing at step {step} (rank {rank})", file=sys.stderr, flush=True)
+            time.sleep(3600)
+        if once(a.kill_once, step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault(a.hang_at, step, rank):
             print(f"hanging at step {step} (rank {rank})", file=sys.stderr, flush=True)
             time.sleep(3600)
@@ -99,7 +123,21 @@ def main() -> None:
             longest = max(longest, manager.stats.last_save_s)
     manager.close()
     print(f"longest snapshot: {longest:.2f} s", file=sys.stderr)
-    if rank == 0:
+    if a.model == "fsdp2" and world > 1:  # every rank takes part in gathering the shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            tensors = {f"model/{k}": v.contiguous() for k, v in msd.items()}
+            for fqn, st in osd["state"].items():
+                for k, v in st.items():
+                    tensors[f"optimizer/{fqn}/{k}"] = v.contiguous().reshape(-1)
+            a.out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(a.out / "final-ciuic.safetensors"))
+    elif rank == 0:
         a.out.mkdir(parents=True, exist_ok=True)
         write_final(model.module if world > 1 else model, opt, a.out / "final-ciuic.safetensors")
     if world > 1:

@@ -53,14 +53,25 @@ def host_memory_budget(text: str) -> int | None:
 @click.option("--host-memory", default="50%", metavar="SIZE",
               help="Keep the latest snapshot's bytes in host memory, up to SIZE (64G, 50%), so "
                    "that a restart restores from memory; off: from the store.")
+@click.option("--replicas", type=click.IntRange(min=0), default=1, metavar="K",
+              help="A job of several nodes: keep a copy of this node's part of the latest "
+                   "snapshot in the memory of the next K nodes, so that a node that is lost "
+                   "restores from a peer's memory (0: off). It counts in their --host-memory.")
+@click.option("--peer-timeout", type=click.FloatRange(min=1), default=10.0, metavar="SECONDS",
+              help="A job of several nodes: when another node's ciuic run does not answer for "
+                   "this long (a network fault), stop this node's workers so that torchrun "
+                   "restarts them instead of waiting in their collectives.")
 @click.pass_context
 def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_timeout: float,
-        grace: float, max_stalls: int, backoff: float, host_memory: str) -> None:
+        grace: float, max_stalls: int, backoff: float, host_memory: str, replicas: int,
+        peer_timeout: float) -> None:
     """Run a training command, restart it when it fails or hangs, resume it from host memory.
 
     \b
     Usage: ciuic run [OPTIONS] -- COMMAND [ARGS...], e.g.
     ciuic run --hang-timeout 300 -- torchrun --nproc-per-node 8 train.py
+    On several nodes, one on each (docs/multinode.md):
+    ciuic run -- torchrun --nnodes 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 ...
     """
     from ciuic.supervisor.agent import Options, Supervisor
 
@@ -86,8 +97,37 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     log.info("ciuic run: %s (restarts at most %d, hang timeout %s, host memory %s)",
              " ".join(command), max_restarts, f"{hang_timeout:g} s" if hang_timeout else "off",
              size_text(budget) if budget is not None else "off")
+    advice = torchrun_advice(command)
+    if advice:
+        log.warning("ciuic run: %s", advice)
     options = Options(command, max_restarts=max_restarts,
                       hang_timeout_s=hang_timeout or None,
                       startup_timeout_s=startup_timeout or None, grace_s=grace,
-                      backoff_s=backoff, max_stalls=max_stalls, host_memory=budget)
+                      backoff_s=backoff, max_stalls=max_stalls, host_memory=budget,
+                      replicas=replicas, peer_timeout_s=peer_timeout)
     raise click.exceptions.Exit(Supervisor(options).run())
+
+
+def torchrun_advice(command: list[str]) -> str | None:
+    """What to change in a torchrun command of several nodes, or None: without restarts of its
+    own, torchrun gives up at the first failed worker and every node's torchrun is started
+    again, a new rendezvous from scratch, where it could restart its workers in place."""
+    def value(name: str) -> str | None:
+        for i, arg in enumerate(command):
+            for spelled in (name, name.replace("-", "_")):
+                if arg == spelled and i + 1 < len(command):
+                    return command[i + 1]
+                if arg.startswith(spelled + "="):
+                    return arg.split("=", 1)[1]
+        return None
+
+    if not any(a.endswith(("torchrun", "torch.distributed.run")) for a in command):
+        return None
+    nnodes = value("--nnodes") or "1"
+    several = ":" in nnodes or (nnodes.isdigit() and int(nnodes) > 1)
+    if several and (value("--max-restarts") or "0") == "0":
+        return ("torchrun runs on several nodes with --max-restarts 0: a failed worker stops "
+                "it, and ciuic run then starts every node's torchrun again; give torchrun "
+                "--max-restarts N (e.g. 100) so that it restarts the workers in place, "
+                "re-rendezvousing with the other nodes")
+    return None

@@ -106,11 +106,15 @@ class Recovery:
             log.info("Found snapshot at step %d, timestamp: %sZ", info.step, info.created[:19])
             resident = host.serving(info.id) if host is not None else None
             where = self.repo.location(layout.manifest_key(info.project, info.job, info.id))
-            if resident is not None:
+            if resident is not None and resident.held():
                 log.info("Loading snapshot from host memory (ciuic run holds %s %s), every "
-                         "chunk checked against its digest; the rest from %s",
+                         "chunk checked against its digest; the rest from %s%s",
                          _size(resident.held()), "of it" if not self.coll.enabled
-                         else "on this node", where)
+                         else "on this node", "other nodes' memory or " if resident.peers
+                         else "", where)
+            elif resident is not None and resident.peers is not None:
+                log.info("Loading snapshot from other nodes' memory (this node's holds none of "
+                         "it), every chunk checked against its digest; the rest from %s", where)
             else:
                 log.info("%s snapshot from %s", "Loading" if "://" not in where
                          else "Downloading", where)

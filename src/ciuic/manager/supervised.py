@@ -35,6 +35,21 @@ class Restart:
     pids: frozenset[int]
 
     @staticmethod
+    def from_reply(reply: dict[str, Any]) -> Restart | None:
+        """What ``ciuic run`` says in its attach reply about the generation before this one,
+        when torchrun restarted the workers within one start (None: it says nothing)."""
+        said = reply.get("restart")
+        if not isinstance(said, dict):
+            return None
+        try:
+            stopped = said.get("stopped_at")
+            return Restart(int(said["number"]), str(said.get("cause") or "") or None,
+                           None if stopped is None else int(stopped),
+                           frozenset(int(p) for p in said.get("pids", [])))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @staticmethod
     def from_env() -> Restart | None:
         env = os.environ
         try:
@@ -65,11 +80,12 @@ class Peers:
 class Supervised:
     """This process's link to its supervisor."""
 
-    def __init__(self, link: Link, beacon: Beacon, tier: HostTier | None) -> None:
+    def __init__(self, link: Link, beacon: Beacon, tier: HostTier | None,
+                 restart: Restart | None = None) -> None:
         self.link = link
         self.beacon = beacon
         self.tier = tier
-        self.restart = Restart.from_env()
+        self.restart = restart or Restart.from_env()
         #: on a job of several nodes: the other nodes' memory (None: one node, or no tier)
         self.peers: Peers | None = None
 
@@ -94,7 +110,7 @@ def attach() -> Supervised | None:
         return None
     slot = int(os.environ.get("LOCAL_RANK", "0") or 0)
     beacon = Beacon(region, slot, link.rank, os.getpid())
-    return Supervised(link, beacon, HostTier(link, reply))
+    return Supervised(link, beacon, HostTier(link, reply), Restart.from_reply(reply))
 
 
 @contextlib.contextmanager

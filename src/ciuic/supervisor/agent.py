@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,11 @@ class Options:
     max_stalls: int = 3
     #: the most bytes of host memory the snapshot copy may hold (None: no host-memory tier)
     host_memory: int | None = None
+    #: a job of several nodes: how many other nodes hold a replica of this node's chunks, and
+    #: how long another node's ciuic run may not answer before this node's workers are
+    #: stopped (their collectives would wait far longer) for torchrun to restart them
+    replicas: int = 1
+    peer_timeout_s: float = 10.0
     poll_s: float = 0.1
 
 
@@ -80,6 +86,18 @@ class Start:
     cause: Cause | None = None
     returncode: int | None = None
     hang_seen_s: float | None = None  # how long after the hang began it was detected
+    #: torchrun's restarts of the workers within this start (its ``--max-restarts``): the
+    #: current generation, its workers (heartbeat slot -> pid), when one was first seen gone
+    #: and whether its cause was said
+    generation: int = 1
+    workers: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (pid, gen)
+    gone_since: float | None = None
+    said: bool = False
+    cut_off: set[int] = field(default_factory=set)  # nodes this start stopped workers for
+    hung_pid: int | None = None  # the worker the last hang detected was
+    hang_cause: Cause | None = None  # a hung worker stopped alone (several nodes), not told
+    stopping: set[int] = field(default_factory=set)  # workers stopped for a hang
+    hang_pending: float | None = None  # when a hang on several nodes was first detected
 
 
 def _pdeathsig() -> None:
@@ -123,7 +141,7 @@ class Supervisor:
 
     def run(self) -> int:
         o = self.o
-        self.holder = holder = Holder(o.host_memory)
+        self.holder = holder = Holder(o.host_memory, o.replicas, o.peer_timeout_s)
         old = {s: signal.signal(s, self._on_signal)
                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
@@ -195,8 +213,11 @@ class Supervisor:
     def _run_once(self, holder: Holder, start: Start) -> int:
         o = self.o
         holder.clear_beats()
+        holder.restart = None  # this start's workers learn it from their environment
         oom = OomWatch()
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: torchrun's lines for failed workers not yet told in a cause (_say_stopped)
+        self._failed: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         try:
             proc = subprocess.Popen(o.command, env=self._env(), stderr=subprocess.PIPE,
                                     start_new_session=True, preexec_fn=_pdeathsig)
@@ -206,7 +227,7 @@ class Supervisor:
             self.o.max_stalls = 0  # the same next time: give up at once
             return 127
         self._proc = proc
-        reader = threading.Thread(target=_forward, args=(proc, self._tail),
+        reader = threading.Thread(target=_forward, args=(proc, self._tail, self._failed),
                                   name="ciuic-run-stderr", daemon=True)
         reader.start()
         if self._stop is not None:  # a signal arrived while it started
@@ -219,9 +240,30 @@ class Supervisor:
             now = time.monotonic()
             beats = beat.read(holder.beats)
             self._note(start, beats)
+            if self._stop is None:
+                self._workers(start, beats, holder, now)
+                live = [b.silent_s(now) for b in beats
+                        if b.pid not in start.stopping and b.busy != beat.BUSY[7]
+                        and _alive(b.pid)]
+                holder.silence = (max(live, default=0.0), now)
             if self._stop is None and hang is None:
                 hang = self._hung(start, beats, now)
-                if hang is not None:
+                if hang is None:
+                    start.hang_pending = None
+                if hang is not None and holder.peered() and not self._mine(start, holder, now):
+                    hang = None  # another node's worker hangs, or it is told already
+                elif hang is not None and holder.peered() and start.hung_pid is not None:
+                    # several nodes: torchrun restarts every node's workers once this one is
+                    # gone, and the others keep their rendezvous
+                    log.warning("ciuic run: %s, detected %.2f s after its last sign of "
+                                "training; stopping that worker (SIGTERM, then SIGKILL after "
+                                "%g s): torchrun restarts the workers", hang,
+                                start.hang_seen_s or 0.0, o.grace_s)
+                    start.hang_cause, start.stopping = hang, start.stopping | {start.hung_pid}
+                    holder.stopped_hang = now
+                    _stop_later(start.hung_pid, o.grace_s)
+                    hang = None
+                elif hang is not None:
                     log.warning("ciuic run: %s, detected %.2f s after its last sign of "
                                 "training; stopping the job (SIGTERM, then SIGKILL after %g s)",
                                 hang, start.hang_seen_s or 0.0, o.grace_s)
@@ -234,6 +276,117 @@ class Supervisor:
         start.cause = hang or (None if rc == 0 else classify(rc, list(self._tail), oom))
         return rc
 
+    def _workers(self, start: Start, beats: list[beat.Beat], holder: Holder, now: float
+                 ) -> None:
+        """torchrun's own restarts of the workers (a job of several nodes): say why once per
+        generation, naming the rank or the node; and stop this node's workers when another
+        node's ciuic run has not answered for ``--peer-timeout`` (a link down: their
+        collectives would wait far longer), so that torchrun restarts them."""
+        for b in beats:
+            pid, gen = start.workers.get(b.slot, (None, 0))
+            if b.pid == pid or not _alive(b.pid):
+                continue
+            if gen == start.generation and pid is not None:  # the next generation's first
+                if not start.said:
+                    self._say_stopped(start, beats, holder, now)
+                start.generation += 1
+                start.said, start.gone_since = False, None
+                start.stopping, start.hang_pending, start.hung_pid = set(), None, None
+            start.workers[b.slot] = (b.pid, start.generation)
+        # (a worker whose manager closed is done, not gone: its job finished)
+        gone = [b for b in beats if start.workers.get(b.slot, (None,))[0] == b.pid
+                and b.busy != beat.BUSY[7] and not _alive(b.pid)]
+        if gone and start.gone_since is None:
+            start.gone_since = now
+        if gone and not start.said:
+            # torchrun logs a failed worker only once it stopped the others (SIGTERM, and their
+            # emergency snapshot: seconds); a worker that exited with a status may have failed
+            # in a collective because of another node's loss: give that node's cause (its ping
+            # answer, each second) time to arrive
+            _, kind = self._worker_cause(beats, holder, now)
+            kind = "signal" if start.hang_cause is not None else kind
+            waited = now - (start.gone_since or now)
+            alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
+            if (kind in ("node", "signal", "peer") or (kind == "exit" and (alone or waited >= 8))
+                    or waited >= 30):
+                self._say_stopped(start, beats, holder, now)
+                self._failed.clear()  # told: the next generation's failures are its own
+        for rank, (node, why, since) in list(holder.trouble.items()):
+            live = [b.pid for b in beats if _alive(b.pid)]
+            if (why.startswith("unreachable") and now - since >= self.o.peer_timeout_s
+                    and rank not in start.cut_off and live):
+                start.cut_off.add(rank)
+                log.warning("ciuic run: node %d (%s) %s for %.0f s: stopping this node's "
+                            "workers (their collectives would wait far longer); torchrun "
+                            "restarts them", rank, node.host, why, now - since)
+                for pid in live:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+        start.cut_off &= set(holder.trouble)  # a node that answers again may be cut off anew
+
+    def _mine(self, start: Start, holder: Holder, now: float) -> bool:
+        """Several nodes: whether the hang just detected is this node's to stop. Every rank
+        that waits in a collective for a hung one falls silent too, on every node: the node
+        whose worker has been silent longest stops it (each node's silence travels in its ping
+        answers: waited for 1.5 s, two pings), and one stop per generation is enough. The
+        others wait for torchrun's restart; up to one more ``--hang-timeout``, then they act."""
+        if start.stopping:
+            return False  # this generation's hung worker is being stopped
+        if start.hang_pending is None:
+            start.hang_pending = now
+        pending = now - start.hang_pending
+        if pending < 1.5:
+            return False
+        silent, stopped = holder.other_hangs(now)
+        patience = self.o.hang_timeout_s or 0.0
+        if stopped is not None and stopped < patience + pending:
+            return pending >= 2 * patience + 1.5  # the other node's stop restarts everyone
+        mine = start.hang_seen_s or 0.0  # (as of now: _hung measured it this poll)
+        return silent <= mine + 0.05 or pending >= patience + 1.5
+
+    def _say_stopped(self, start: Start, beats: list[beat.Beat], holder: Holder,
+                     now: float) -> None:
+        start.said = True
+        where = f"at step {start.step}" if start.step is not None else "before its first step()"
+        cause, kind = self._worker_cause(beats, holder, now)
+        if start.hang_cause is not None:  # this node stopped a hung worker: that is the cause
+            cause, kind, start.hang_cause = str(start.hang_cause), "signal", None
+        if kind in ("signal", "exit", "none"):  # this node's: the others name it too (ping)
+            holder.cause = (cause, now)
+        # the next generation's workers learn it when they attach (manager/supervised.Restart)
+        holder.restart = {"number": start.number + start.generation, "cause": cause,
+                          "stopped_at": start.step, "pids": sorted(
+                              pid for pid, gen in start.workers.values()
+                              if gen == start.generation)}
+        log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
+                    "(generation %d)", where, cause, start.generation + 1)
+
+    def _worker_cause(self, beats: list[beat.Beat], holder: Holder, now: float
+                      ) -> tuple[str, str]:
+        """The first cause of a generation's end, and its kind: another node gone or cut off
+        within the last 30 s ("node"), else a worker of this node killed by a signal
+        ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it lost;
+        this node's workers then failed in a collective), else a worker's exit status from
+        torchrun's line ("exit"), else the workers that are gone ("none")."""
+        for _, (node, why, since) in sorted(holder.trouble.items()):
+            if now - since < 30.0:
+                return f"node {node.rank} ({node.host}): {why}", "node"
+        ranks = {b.pid: b.rank for b in beats}
+        failed = sorted(((int(code), int(local), int(pid)) for code, local, pid
+                         in _WORKER_FAILED.findall("\n".join(self._failed))),
+                        key=lambda f: f[0] >= 0)
+        named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code)
+                 for code, local, pid in failed]
+        if named and named[0][1] < 0:
+            return f"{named[0][0]}: {signal_name(-named[0][1])} (killed)", "signal"
+        for _, (node, said, at) in sorted(holder.peer_causes.items()):
+            if now - at < 30.0:
+                return f"node {node.rank} ({node.host}): {said}", "peer"
+        if named:
+            return f"{named[0][0]}: exit status {named[0][1]}", "exit"
+        dead = [b for b in beats if not _alive(b.pid)]
+        return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead) or "not known", "none"
+
     def _note(self, start: Start, beats: list[beat.Beat]) -> None:
         for b in beats:
             start.pids.add(b.pid)
@@ -245,6 +398,8 @@ class Supervisor:
 
     def _hung(self, start: Start, beats: list[beat.Beat], now: float) -> Cause | None:
         o = self.o
+        # torchrun restarts dead workers itself; one being stopped for a hang is told already
+        beats = [b for b in beats if _alive(b.pid) and b.pid not in start.stopping]
         if not beats:
             if o.startup_timeout_s is not None and now - start.began > o.startup_timeout_s:
                 return Cause("hang", f"hang: no heartbeat within {o.startup_timeout_s:g} s of "
@@ -256,7 +411,7 @@ class Supervisor:
         silent = worst.silent_s(now)
         if silent < o.hang_timeout_s:
             return None
-        start.hang_seen_s = silent
+        start.hang_seen_s, start.hung_pid = silent, worst.pid
         who = f"rank {worst.rank}, " if len(beats) > 1 or worst.rank else ""
         what = (f"no step() for {o.hang_timeout_s:g} s" if worst.step is not None else
                 f"no first step() within {o.hang_timeout_s:g} s of its manager's start")
@@ -280,13 +435,44 @@ class Supervisor:
                 os.kill(pid, sig)
 
 
+def _stop_later(pid: int, grace_s: float) -> None:
+    """SIGTERM to ``pid`` now, SIGKILL after ``grace_s`` if it still runs (on a thread: the
+    supervisor keeps polling meanwhile)."""
+    def stop() -> None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and _alive(pid):
+            time.sleep(0.1)
+        if _alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=stop, name="ciuic-run-stop", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+#: torchrun's line for a worker that failed (its agent then restarts the worker group)
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(OSError):
         os.killpg(pgid, sig)
 
 
-def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
-    """Pass the command's stderr through, keeping its last lines."""
+def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str],
+             failed: collections.deque[str]) -> None:
+    """Pass the command's stderr through, keeping its last lines, and torchrun's lines for
+    failed workers in ``failed``."""
     assert proc.stderr is not None
     out = sys.stderr.buffer
     for line in iter(proc.stderr.readline, b""):
@@ -295,7 +481,10 @@ def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> Non
             out.flush()
         except (OSError, ValueError):
             pass
-        tail.append(line.decode(errors="replace").rstrip("\n"))
+        text = line.decode(errors="replace").rstrip("\n")
+        tail.append(text)
+        if _WORKER_FAILED.search(text):
+            failed.append(text)
 
 
 def _tail_text(tail: collections.deque[str]) -> str:

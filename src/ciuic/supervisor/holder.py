@@ -28,18 +28,14 @@ import os
 import secrets
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic.format.chunks import HEADER_BYTES as SKEW
 from ciuic.supervisor import beat
 from ciuic.supervisor.channel import FDS_PER_MESSAGE, receive, send
-from ciuic.supervisor.peers import ChunkHost, Node, PeerServer, Receiving, push
-from ciuic.supervisor.replicas import Replicas
+from ciuic.supervisor.nodes import NodeService
 
 log = logging.getLogger("ciuic")
-run_log = logging.getLogger("ciuic.run")  # what ciuic run prints
 
 
 @dataclass
@@ -67,16 +63,13 @@ class _Rank:
         return self.snapshot is not None and all(i in self.buffers for i in self.ids)
 
 
-class Holder(ChunkHost):
+class Holder(NodeService):
     """The supervisor's end: serves attaches, keeps the buffers, and the heartbeat region;
     on a job of several nodes, serves this node's chunks to the others and keeps ``replicas``
-    of the next nodes' (see :mod:`ciuic.supervisor.peers`)."""
+    of the next nodes' (:class:`~ciuic.supervisor.nodes.NodeService`)."""
 
-    #: seconds without a publish before the node's chunks are sent to its replica holders
-    #: (every local rank publishes after the same commit)
-    SETTLE_S = 0.3
-
-    def __init__(self, budget: int | None, replicas: int = 1) -> None:
+    def __init__(self, budget: int | None, replicas: int = 1, peer_timeout_s: float = 10.0
+                 ) -> None:
         self.name = f"ciuic-run-{os.getpid()}-{secrets.token_hex(6)}"
         self.budget = budget  # None: no host-memory tier
         self._fd = os.memfd_create("ciuic-beats", os.MFD_CLOEXEC)
@@ -89,16 +82,7 @@ class Holder(ChunkHost):
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._closed = False
-        #: this node among the job's nodes (set by its ranks: ``listen`` and ``peers``)
-        self.replica_count = replicas
-        self._server: PeerServer | None = None
-        self._token: str | None = None
-        self._nodes: list[Node] = []
-        self._me: int | None = None
-        self.replicas = Replicas(self._room, self._lock)
-        self._generation = 0  # bumped whenever what the ranks published changes
-        self._published = threading.Condition(self._lock)
-        self.pushed: list[tuple[int, int, int]] = []  # (node, chunks, bytes) of each replica
+        self._init_nodes(replicas, peer_timeout_s)
         threading.Thread(target=self._accept, name="ciuic-run-accept", daemon=True).start()
 
     def copies(self) -> dict[int, tuple[str | None, int | None, int]]:
@@ -129,11 +113,7 @@ class Holder(ChunkHost):
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            self._published.notify_all()
-        if self._server is not None:
-            self._server.close()
-        self.replicas.close()
+        self._close_nodes()
         self.release("closed")
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -215,18 +195,9 @@ class Holder(ChunkHost):
             if op == "chunks":
                 return self._index(), []
             if op == "listen":
-                if self._server is None:
-                    self._server = PeerServer(self, self._current_token)
-                    threading.Thread(target=self._push_loop, name="ciuic-run-replicas",
-                                     daemon=True).start()
-                return {"ok": True, "port": self._server.port}, []
+                return self._listen(), []
             if op == "peers":
-                self._token = str(m["token"])
-                self._me = int(m["me"])
-                self._nodes = sorted({Node(int(g), str(h), int(p)) for g, h, p in m["nodes"]},
-                                     key=lambda n: n.rank)
-                self.replicas.keys = [bytes.fromhex(k) for k in m.get("keys", [])]
-                return {"ok": True}, []
+                return self._join(m), []
         raise ValueError(f"unknown request {op!r}")
 
     def _attach(self, r: _Rank) -> dict[str, Any]:
@@ -239,18 +210,13 @@ class Holder(ChunkHost):
             copy = {"snapshot": r.snapshot, "step": r.step,
                     "buffers": [[i, r.buffers[i].nbytes] for i in r.ids], "leaves": r.leaves}
         return {"ok": True, "tier": self.budget is not None and self.released is None,
-                "copy": copy, "why": self.released}
+                "copy": copy, "why": self.released, "restart": self.restart}
 
     def _fds(self, r: _Rank, m: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         ids = [int(i) for i in m["ids"]][:FDS_PER_MESSAGE]
         owner = m.get("owner")
         if owner is not None and int(owner) < 0:  # a replica of node -1 - owner
-            rep = self.replicas.by_src.get(-1 - int(owner))
-            segments = {} if rep is None else {p.segment.key: p.segment
-                                               for p in rep.chunks.values()}
-            if not set(ids) <= set(segments):
-                return {"ok": False, "why": "that replica was replaced"}, []
-            return {"ok": True, "ids": ids}, [segments[i].fd for i in ids]
+            return self._replica_fds(int(owner), ids)
         if owner is not None and int(owner) != int(m.get("rank", 0)):
             other = self._ranks.get(int(owner))  # another rank's: only what it published
             if other is None or not other.published() or not set(ids) <= set(other.ids):
@@ -310,115 +276,8 @@ class Holder(ChunkHost):
                 continue
             chunks += [[d, n, owner, i, off] for d, n, i, off in x.chunks]
             buffers += [[owner, i, x.buffers[i].nbytes] for i in sorted({c[2] for c in x.chunks})]
-        for src, rep in sorted(self.replicas.by_src.items()):
-            segments = {}
-            for d, p in rep.chunks.items():
-                segments[p.segment.key] = p.segment
-                chunks.append([d, p.nbytes, -1 - src, p.segment.key, p.offset])
-            buffers += [[-1 - src, k, seg.nbytes] for k, seg in segments.items()]
-        return {"ok": True, "chunks": chunks, "buffers": buffers}
-
-    # -- the chunk service (peers.ChunkHost) ----------------------------------------------
-
-    def _current_token(self) -> str | None:
-        return self._token
-
-    def _room(self, nbytes: int) -> bool:
-        if self.budget is None or self.released is not None:
-            return False
-        held = sum(b.nbytes for x in self._ranks.values() for b in x.buffers.values())
-        return held + self.replicas.held() + nbytes <= self.budget
-
-    def _own_chunks(self) -> dict[str, tuple[int, int, int]]:
-        """digest -> (bytes, fd, offset in the fd) of every chunk the node's ranks published
-        (call with the lock held)."""
-        found: dict[str, tuple[int, int, int]] = {}
-        for x in self._ranks.values():
-            if x.published():
-                for d, n, i, off in x.chunks:
-                    found.setdefault(d, (n, x.buffers[i].fd, SKEW + off))
-        return found
-
-    def locate(self, d: str, n: int) -> tuple[int, int] | None:
-        with self._lock:
-            own = self._own_chunks().get(d)
-            if own is not None and own[0] == n:
-                return os.dup(own[1]), own[2]
-            placed = self.replicas.locate(d)
-            if placed is not None and placed.nbytes == n:
-                return os.dup(placed.segment.fd), SKEW + placed.offset
-        return None
-
-    def servable(self) -> list[list[Any]]:
-        with self._lock:
-            out = {d: n for d, (n, _, _) in self._own_chunks().items()}
-            for rep in self.replicas.by_src.values():
-                for d, p in rep.chunks.items():
-                    out.setdefault(d, p.nbytes)
-        return [[d, n] for d, n in out.items()]
-
-    def receive_replica(self, src: int, sid: str, entries: list[tuple[str, int]]
-                        ) -> Receiving:
-        return self.replicas.begin(src, sid, entries)
-
-    def _push_loop(self) -> None:
-        """Send each commit's chunks to the next ``replica_count`` nodes (in the order of
-        their group ranks, wrapping around), in the background: a push the next snapshot
-        overtakes is abandoned, and the next commit's push replaces it."""
-        seen = -1
-        while True:
-            with self._lock:
-                while not self._closed and (self._generation == seen or not self._ready()):
-                    self._published.wait(1.0)
-                if self._closed:
-                    return
-                gen = self._generation
-            time.sleep(self.SETTLE_S)  # the other local ranks publish after the same commit
-            with self._lock:
-                if self._generation != gen:
-                    continue  # still changing
-                seen = gen
-                targets = self._successors()
-                steps = [x.step for x in self._ranks.values() if x.published()]
-                chunks = [(d, n, os.dup(fd), off) for d, (n, fd, off)
-                          in self._own_chunks().items()]
-                token, me = self._token, self._me
-            try:
-                if chunks and token is not None and me is not None:
-                    self._push_to(targets, token, me, max(s or 0 for s in steps), chunks, gen)
-            finally:
-                for _, _, fd, _ in chunks:
-                    os.close(fd)
-
-    def _ready(self) -> bool:
-        return (self._token is not None and self._me is not None and len(self._nodes) > 1
-                and self.replica_count > 0)
-
-    def _successors(self) -> list[Node]:
-        ranks = [n.rank for n in self._nodes]
-        if self._me not in ranks:
-            return []
-        at = ranks.index(self._me)
-        k = min(self.replica_count, len(ranks) - 1)
-        return [self._nodes[(at + j) % len(ranks)] for j in range(1, k + 1)]
-
-    def _push_to(self, targets: list[Node], token: str, me: int, step: int,
-                 chunks: list[tuple[str, int, int, int]], gen: int) -> None:
-        def still() -> bool:
-            return self._generation == gen and not self._closed
-
-        for node in targets:
-            t0 = time.perf_counter()
-            try:
-                sent, nbytes = push(node, token, me, f"step-{step}", chunks, still)
-            except Exception as e:  # the next commit sends again; training goes on
-                run_log.info("ciuic run: the replica of this node's snapshot at step %d was "
-                             "not sent to node %d (%s): %s", step, node.rank, node.host, e)
-                continue
-            self.pushed.append((node.rank, sent, nbytes))
-            run_log.info("ciuic run: node %d (%s) holds a replica of this node's snapshot at "
-                         "step %d (%d new chunks, %.1f MiB sent in %.2f s)", node.rank,
-                         node.host, step, sent, nbytes / 2**20, time.perf_counter() - t0)
+        theirs, segments = self._replica_index()
+        return {"ok": True, "chunks": chunks + theirs, "buffers": buffers + segments}
 
 
 def _gib(n: int) -> str:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -113,6 +114,10 @@ class PeerClient:
             raise PeerError(f"node {self.node.rank}: {reply.get('why', 'refused')}")
         return reply
 
+    def ping(self) -> dict[str, Any]:
+        """The node's status (:meth:`ChunkHost.status`)."""
+        return self.call({"op": "ping"})
+
     def index(self) -> dict[str, int]:
         """digest -> bytes of every chunk the node serves."""
         return {str(d): int(n) for d, n in self.call({"op": "index"})["chunks"]}
@@ -139,8 +144,16 @@ class PeerClient:
 
 
 def _sendfile(sock: socket.socket, fd: int, offset: int, n: int) -> None:
+    """``n`` bytes of ``fd`` from ``offset`` to ``sock``, by the kernel. A socket with a timeout
+    is non-blocking underneath: a full send buffer is waited for, up to that timeout."""
+    timeout = sock.gettimeout()
     while n:
-        sent = os.sendfile(sock.fileno(), fd, offset, n)
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, n)
+        except BlockingIOError:
+            if not select.select([], [sock], [], timeout)[1]:
+                raise TimeoutError(f"the peer took no data for {timeout} s") from None
+            continue
         if sent == 0:
             raise ConnectionError("the peer closed the connection")
         offset, n = offset + sent, n - sent
@@ -158,6 +171,10 @@ class ChunkHost:
 
     def servable(self) -> list[list[Any]]:  # pragma: no cover - protocol
         raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        """What a ping answers besides ok: the node's last cause of a stop, and its age."""
+        return {}
 
     def receive_replica(self, src: int, sid: str, entries: list[tuple[str, int]]
                         ) -> Receiving:  # pragma: no cover - protocol
@@ -239,7 +256,9 @@ class PeerServer:
     def _one(self, conn: socket.socket, m: dict[str, Any], receiving: Receiving | None
              ) -> Receiving | None:
         op = m.get("op")
-        if op == "index":
+        if op == "ping":
+            send_frame(conn, {"ok": True, **self._host.status()})
+        elif op == "index":
             send_frame(conn, {"ok": True, "chunks": self._host.servable()})
         elif op == "get":
             d, n = str(m["d"]), int(m["n"])
@@ -368,8 +387,9 @@ def push(node: Node, token: str, src: int, sid: str,
             _, fd, off = by_digest[str(d)]
             client.send_fd({"op": "put", "d": d}, fd, off, int(n))
             reply = recv_frame(client._sock)
-            if not reply.get("ok"):
-                raise PeerError(f"node {node.rank}: {reply.get('why')}")
+            if not reply.get("ok"):  # a chunk staged anew while it was sent arrives torn
+                raise PeerError("the chunks changed while they were sent" if not still()
+                                else f"node {node.rank}: {reply.get('why')}")
             sent, nbytes = sent + 1, nbytes + int(n)
         if not still():
             raise PeerError("the chunks changed while they were sent")
