@@ -38,18 +38,26 @@ def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProce
     return run
 
 
-def resumed_at(run: subprocess.CompletedProcess[str], what: str) -> int:
-    """The global step the run says it resumed after (``what``: "Trainer", "Lightning fit";
-    the test helpers' own loops say "at"). Where ciuic also says "Resuming training at step
-    N", N is the step after it: one user read "step 31" then "global step 30" as a
-    disagreement, so the integrations say "after"."""
-    found = re.search(rf"Resuming the {what} (at|after) global step (\d+)", run.stderr)
-    assert found, run.stderr[-3000:]
-    step = int(found.group(2))
-    if what in ("Trainer", "Lightning fit"):  # ciuic's own integrations
-        assert found.group(1) == "after", found.group(0)
-        nxt = re.search(r"Resuming training at step (\d+)", run.stderr)
-        assert nxt is not None and int(nxt.group(1)) == step + 1, (run.stderr[-3000:])
+#: what ciuic's integrations resume: each says "Resuming the WHAT after global step N"
+INTEGRATIONS = ("Trainer", "Lightning fit", "Accelerate loop", "DeepSpeed loop")
+
+
+def resumed_at(run: subprocess.CompletedProcess[str] | str, what: str, *,
+               own: bool = False) -> int:
+    """The global step N the run (its standard error, or a log's text) says it resumed after.
+    ciuic's integrations (``what`` in INTEGRATIONS) say "after global step N" (the snapshot's,
+    done), and ciuic's "Resuming training at step N+1" beside it names the next step: one user
+    read "step 31" then "global step 30" as a disagreement (issue 30), so both are required.
+    The test helpers' own loops (torchtitan's, a framework's own resume: ``own``) say "at"."""
+    text = run if isinstance(run, str) else run.stderr
+    ours = what in INTEGRATIONS and not own
+    found = re.search(rf"Resuming the {what} {'after' if ours else 'at'} global step (\d+)",
+                      text)
+    assert found, text[-3000:]
+    step = int(found.group(1))
+    if ours:
+        nxt = re.search(r"Resuming training at step (\d+)", text)
+        assert nxt is not None and int(nxt.group(1)) == step + 1, text[-3000:]
     return step
 
 
