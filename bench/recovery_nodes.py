@@ -2,7 +2,7 @@
 rank, for a DDP job on 2 simulated nodes x 2 ranks (gloo), each node under ``ciuic run``
 (``ciuic run -- python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 ...``).
 
-    .venv/bin/python bench/recovery_nodes.py [--rounds 3] [--gib 1.0] [--patch-sendfile]
+    .venv/bin/python bench/recovery_nodes.py [--rounds 3] [--gib 1.0]
         [--json FILE]     # default: bench/results/recovery_nodes-<date>.json
 
 Root only: the nodes are network namespaces on a bridge (tests/netns.py). The job
@@ -129,10 +129,9 @@ class Job:
     times file and its faults."""
 
     def __init__(self, nodes: Nodes, folder: Path, gib: float, every: int,
-                 step_sleep: float, timeout: float, patch_sendfile: bool) -> None:
+                 step_sleep: float, timeout: float) -> None:
         self.nodes, self.folder, self.timeout = nodes, folder, timeout
-        self.ciuic_run = ([sys.executable, str(WORKER), "--ciuic-run"] if patch_sendfile
-                          else [sys.executable, "-m", "ciuic", "run"])
+        self.ciuic_run = [sys.executable, "-m", "ciuic", "run"]
         self.store, self.times = folder / "store", folder / "times.jsonl"
         self.args = ["--store", str(self.store), "--times", str(self.times), "--gib", str(gib),
                      "--every", str(every), "--step-sleep", str(step_sleep)]
@@ -185,9 +184,7 @@ class Job:
                 common, self.timeout, f"both replicas of a snapshot after step {self.restored}")
         except TimeoutError as e:
             failed = [x for i in (1, 2) for x in self.text(i).splitlines() if "not sent" in x]
-            hint = (" (--patch-sendfile works around it)" if any("[Errno 11]" in x
-                                                                  for x in failed) else "")
-            raise TimeoutError(f"{e}; the last failed pushes{hint}:\n"
+            raise TimeoutError(f"{e}; the last failed pushes:\n"
                                + "\n".join(failed[-4:])) from None
         return got
 
@@ -323,9 +320,6 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0, help="size of model + Adam, about")
     p.add_argument("--every", type=int, default=4, help="snapshot every N steps")
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--patch-sendfile", action="store_true",
-                   help="run each node's ciuic run with the replica push's sendfile waiting "
-                   "on EAGAIN (bench/recovery_nodes_worker.py says why)")
     p.add_argument("--timeout", type=float, default=300.0, help="for each wait")
     p.add_argument("--note", default="", help="a note for the JSON (how ciuic was run)")
     p.add_argument("--dir", type=Path, default=Path("/tmp/ciuic-recovery-nodes"))
@@ -339,7 +333,7 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     a.dir.mkdir(parents=True)
     meta: dict[str, Any] = {"machine": machine(), "when": time.strftime("%F %T %Z"),
-                            "ciuic": ciuic_source(), "patch_sendfile": a.patch_sendfile,
+                            "ciuic": ciuic_source(),
                             "gib": a.gib, "every": a.every, "step_sleep": a.step_sleep,
                             "rounds": a.rounds, "load_at_start": load(), "note": a.note}
     print(f"machine: {meta['machine']}; load {meta['load_at_start']}", flush=True)
@@ -348,7 +342,7 @@ def main() -> None:
     t_begin = time.monotonic()
     try:
         nodes.make(2)
-        job = Job(nodes, a.dir, a.gib, a.every, a.step_sleep, a.timeout, a.patch_sendfile)
+        job = Job(nodes, a.dir, a.gib, a.every, a.step_sleep, a.timeout)
         job.start(1)
         job.start(2)
         for r in range(a.rounds):

@@ -9,54 +9,17 @@ rank, its pid, the step it restored (None on a new job) and the times (``time.ti
 clock for every netns) at which its interpreter started, its process group was up, its model,
 DDP, optimizer and manager were built, ``restore()`` returned and its first ``step()`` (one
 training step, then ``manager.step``) returned.
-
-``recovery_nodes_worker.py --ciuic-run ARGS`` is ``python -m ciuic run ARGS`` with one change
-(bench/recovery_nodes.py ``--patch-sendfile``): the replica push's ``os.sendfile`` waits for the
-socket when it answers EAGAIN. The push's socket has a timeout, so it is non-blocking, and
-``os.sendfile`` (unlike ``socket.sendfile``) does not wait: a chunk larger than the socket's
-send buffer fails the push with "[Errno 11] Resource temporarily unavailable".
 """
 
 import time
 
 T_START = time.time()  # before the imports: a restart's interpreter start counts
 
-import os  # noqa: E402
-import sys  # noqa: E402
-
-
-def ciuic_run(args: list[str]) -> None:
-    """``ciuic run ARGS``, its replica push's sendfile waiting on EAGAIN (see above)."""
-    import runpy
-    import select
-    import socket
-
-    from ciuic.supervisor import peers
-
-    def sendfile(sock: socket.socket, fd: int, offset: int, n: int) -> None:
-        while n:
-            try:
-                sent = os.sendfile(sock.fileno(), fd, offset, n)
-            except BlockingIOError:
-                if not select.select([], [sock], [], peers.TIMEOUT_S)[1]:
-                    raise TimeoutError("the peer took no bytes for 30 s") from None
-                continue
-            if sent == 0:
-                raise ConnectionError("the peer closed the connection")
-            offset, n = offset + sent, n - sent
-
-    peers._sendfile = sendfile
-    sys.argv = ["ciuic", "run", *args]
-    runpy.run_module("ciuic", run_name="__main__")
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--ciuic-run"]:
-    ciuic_run(sys.argv[2:])
-    sys.exit(0)
-
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402

@@ -16,9 +16,6 @@ PLURAL = re.compile(r"\w+\((?:s|es|ies)\)")
 ALLOWED = {
     ("ciuic/store/http.py", "http(s)"),  # an http or https URL
     ("ciuic/words.py", "chunk(s)"),  # its docstring says what it is for
-    # this module is being changed by another engineer; its 'N snapshot(s) but none could
-    # be restored' goes with that change (then remove this line)
-    ("ciuic/manager/recovery.py", "snapshot(s)"),
 }
 
 

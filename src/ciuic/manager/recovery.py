@@ -39,6 +39,7 @@ from ciuic.manager.session import RunSession
 from ciuic.restore.local import prepare_local
 from ciuic.restore.match import Prepared
 from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 
@@ -163,7 +164,7 @@ class Recovery:
             prepared.apply()
             return Restored(info, prepared.values)
         raise RestoreError(
-            f"job {project}/{job} has {len(candidates)} snapshot(s) but none could be "
+            f"job {project}/{job} has {counted(len(candidates), 'snapshot')} but none could be "
             "restored:\n  " + "\n  ".join(problems) + "\nRun `ciuic verify --deep "
             f"{project}/{job}` for details; refusing to start from scratch." + self._partial()
         )
