@@ -1,0 +1,357 @@
+"""Scale benchmark: the multi-rank snapshot at 2 to 32 ranks (issue #32, item 5).
+
+    .venv/bin/python bench/scale.py [--ranks 2 4 8 16 32] [--rounds 2] [--params 16]
+        [--kib 2048] [--timeout 600] [--synthetic W ...] [--json FILE]
+
+For each world size W, ``torchrun --standalone`` (gloo, CPU, ``OMP_NUM_THREADS=1``) runs
+``bench/scale_worker.py``: two models of ``--params`` parameter tensors, ``--kib`` KiB of state
+per rank (weights and Adam's two moments, fp32), FSDP2 (sharded: the global state grows with W,
+each rank's does not) and DDP (replicated: every rank holds the whole state), in one process,
+interleaved by round. Per round and model: the job's first snapshot (cold: DCP's first
+``get_state_dict``) and a second one after a step that changed every tensor (warm: what a
+training job pays from then on), the store's bytes, and a restore by a new manager on every
+rank. Printed: per world size, min / median / max over rounds of the slowest rank's wall times,
+the ranks' CPU times (``time.process_time``) and rank 0's share of them, the body, manifest and
+collective bytes. With W ranks on a machine of fewer cores the wall times measure contention;
+the CPU times and the bytes do not. Raw figures (every rank, every wrapped call) go to
+``--json``. ``--synthetic W ...`` also times, in this one process, rank 0's and a restoring
+rank's per-shard work for 2,200 sharded tensors (a 70B model's count) over world sizes this
+machine cannot run (``--ranks`` with no value: only that). docs/benchmarks.md, "Scale: 2 to 32
+ranks", has a run; docs/multinode.md extrapolates it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("scale_worker.py")
+
+
+def one(ranks: int, a: argparse.Namespace) -> dict[str, Any] | str:
+    """Run one world size; its raw result, or why it failed."""
+    with tempfile.TemporaryDirectory(prefix="ciuic-scale-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", str(WORKER), "--dir", str(Path(tmp) / "data"),
+               "--rounds", str(a.rounds), "--params", str(a.params), "--kib", str(a.kib),
+               "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our session only
+            proc.communicate()
+            return f"timed out after {a.timeout} s"
+        if not out.exists():  # rank 0 writes it once every rank's figures are in
+            return f"exit {proc.returncode}:\n{err[-4000:]}"
+        res: dict[str, Any] = json.loads(out.read_text())
+        res["exit"] = proc.returncode
+        for rnd in res["rounds"]:
+            for rank in rnd["ranks"]:
+                for snap in ("cold", "warm"):
+                    rank[snap]["calls"] = compact(rank[snap]["calls"])
+                rank["restore_calls"] = compact(rank["restore_calls"])
+        res["launch_s"] = time.perf_counter() - t0
+        return res
+
+
+def compact(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """A rank's wrapped calls of one phase summed by name: ``{name: [calls, bytes sent, wall
+    s, CPU s]}`` (each name is called once per phase but the restore's collectives)."""
+    out: dict[str, list[float]] = {}
+    for c in records:
+        agg = out.setdefault(c["what"], [0, 0, 0.0, 0.0])
+        for i, v in enumerate((1, c["sent"], c["wall"], c["cpu"])):
+            agg[i] += v
+    return out
+
+
+def rounded(x: Any) -> Any:
+    """``x`` with every float to 6 significant digits (what the JSON keeps)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [rounded(v) for v in x]
+    return x
+
+
+def mmm(xs: list[float]) -> list[float]:
+    return [min(xs), statistics.median(xs), max(xs)]
+
+
+def calls(rank: dict[str, Any], phase: str, what: str) -> list[dict[str, Any]]:
+    """The (summed) calls of ``what`` in a phase: ``[{"n", "sent", "wall", "cpu"}]``, or []."""
+    src = rank["restore_calls"] if phase == "restore" else rank[phase]["calls"]
+    if what not in src:
+        return []
+    return [dict(zip(("n", "sent", "wall", "cpu"), src[what], strict=True))]
+
+
+def _adder(per: dict[str, list[float]]) -> Any:
+    def add(key: str, value: float) -> None:
+        per.setdefault(key, []).append(value)
+
+    return add
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """Per model: the figures of each round, then min / median / max over rounds."""
+    world = res["world"]
+    out: dict[str, Any] = {}
+    for mode in sorted({r["mode"] for r in res["rounds"]}):
+        per: dict[str, list[float]] = {}
+        add = _adder(per)
+
+        for rnd in (r for r in res["rounds"] if r["mode"] == mode):
+            ranks = sorted(rnd["ranks"], key=lambda x: x["rank"])
+            r0 = ranks[0]
+            for snap in ("cold", "warm"):
+                add(f"{snap}.stall_s", max(x[snap]["stall"] for x in ranks))
+                add(f"{snap}.commit_s", max(x[snap]["commit"] for x in ranks))
+                cpu = [x[snap]["cpu"] for x in ranks]
+                add(f"{snap}.cpu_mean_s", statistics.mean(cpu))
+                add(f"{snap}.cpu_rank0_s", cpu[0])
+                add(f"{snap}.rank0_share", cpu[0] / statistics.mean(cpu))
+                # the same without the cyclic GC's pauses (~0.2 s CPU each, at random ranks)
+                net = [x[snap]["cpu"] - x[snap]["gc_s"] for x in ranks]
+                add(f"{snap}.gc_cpu_mean_s", statistics.mean(x[snap]["gc_s"] for x in ranks))
+                add(f"{snap}.gc2_per_rank", statistics.mean(x[snap]["gc2"] for x in ranks))
+                add(f"{snap}.cpu_nogc_mean_s", statistics.mean(net))
+                add(f"{snap}.cpu_nogc_rank0_s", net[0])
+                add(f"{snap}.rank0_share_nogc", net[0] / statistics.mean(net))
+                for what in ("stall.capture", "stall.copy"):
+                    add(f"{snap}.{what}_s", max(sum(c["wall"] for c in calls(x, snap, what))
+                                                for x in ranks))
+                add(f"{snap}.stall_cpu_s", statistics.mean(  # this thread's, in the stall
+                    sum(c["cpu"] for what in ("stall.capture", "stall.copy")
+                        for c in calls(x, snap, what)) for x in ranks))
+                # the plan: an all_gather of every rank's metas (padded to the longest)
+                plan = [calls(x, snap, "all_gather")[0]["sent"] for x in ranks]
+                add(f"{snap}.plan_sent_bytes", statistics.mean(plan))
+                add(f"{snap}.plan_received_bytes", world * max(plan))
+                add(f"{snap}.plan_wall_s", max(calls(x, snap, "all_gather")[0]["wall"]
+                                               for x in ranks))
+                add(f"{snap}.plan_cpu_s", statistics.mean(
+                    calls(x, snap, "all_gather")[0]["cpu"] for x in ranks))
+                add(f"{snap}.owners_cpu_s", statistics.mean(
+                    calls(x, snap, "plan.owners")[0]["cpu"] for x in ranks))
+                gather = [calls(x, snap, "gather")[0]["sent"] for x in ranks]
+                add(f"{snap}.gather_sent_bytes", statistics.mean(gather))
+                add(f"{snap}.gather_rank0_bytes", world * max(gather))
+                add(f"{snap}.broadcast_bytes", calls(r0, snap, "broadcast")[0]["sent"])
+                for what in ("commit.rank0", "commit.assemble", "commit.health",
+                             "commit.encode_body", "commit.catalog"):
+                    c = calls(r0, snap, what)[0]
+                    add(f"{snap}.{what}_s", c["wall"])
+                    add(f"{snap}.{what}_cpu_s", c["cpu"])
+            add("restore_s", max(x["restore"] for x in ranks))
+            cpu = [x["cpu_restore"] for x in ranks]
+            add("restore.cpu_mean_s", statistics.mean(cpu))
+            add("restore.cpu_rank0_s", cpu[0])
+            add("restore.rank0_share", cpu[0] / statistics.mean(cpu))
+            net = [x["cpu_restore"] - x["restore_gc_s"] for x in ranks]
+            add("restore.gc_cpu_mean_s", statistics.mean(x["restore_gc_s"] for x in ranks))
+            add("restore.cpu_nogc_mean_s", statistics.mean(net))
+            add("restore.rank0_share_nogc", net[0] / statistics.mean(net))
+            for what in ("restore.candidates", "restore.read_body", "restore.boxes",
+                         "restore.own_part", "restore.agree"):
+                add(f"{what}_s", max(sum(c["wall"] for c in calls(x, "restore", what))
+                                     for x in ranks))
+                add(f"{what}_cpu_mean_s", statistics.mean(
+                    sum(c["cpu"] for c in calls(x, "restore", what)) for x in ranks))
+            add("restore.chunk_bytes_per_rank", statistics.mean(x["read_chunk_bytes"]
+                                                                for x in ranks))
+            add("restore.chunks_per_rank", statistics.mean(x["read_chunks"] for x in ranks))
+            s = rnd["store"]
+            for key in ("body_bytes", "manifest_bytes", "shard_descriptors",
+                        "plain_descriptors", "inline", "chunk_refs", "parse_cpu_s",
+                        "parse_peak_bytes"):
+                add(key, s[key])
+            for part, n in s["body_parts"].items():
+                add(f"body.{part}_bytes", n)
+            add("tensors", rnd["tensors"])
+        out[mode] = {k: mmm(v) for k, v in per.items()}
+    return out
+
+
+def table(results: dict[str, Any]) -> None:
+    def f(s: dict[str, Any], key: str) -> str:
+        return "/".join(f"{x:.3f}" for x in s[key])
+
+    print("warm snapshot (after a step that changed every tensor). Wall seconds: min/median/max "
+          "over rounds of the slowest rank. CPU: seconds per rank (mean over ranks, median over "
+          "rounds) without the cyclic GC's pauses, and rank 0's share (its CPU over the mean)")
+    print(f"{'W':>3} {'model':<5} {'stall':>20} {'commit (2PC)':>20} {'save CPU':>8} "
+          f"{'r0x':>5} {'restore':>20} {'rest. CPU':>9} {'r0x':>5} {'body KB':>8} "
+          f"{'manif B':>7} {'plan rx KB':>10}")
+    for w, res in results.items():
+        if w == "synthetic":
+            continue
+        if isinstance(res, str):
+            print(f"{w:>3} failed: {res.splitlines()[0]}")
+            continue
+        for mode, s in res["summary"].items():
+            print(f"{w:>3} {mode:<5} {f(s, 'warm.stall_s'):>20} {f(s, 'warm.commit_s'):>20} "
+                  f"{s['warm.cpu_nogc_mean_s'][1]:8.3f} {s['warm.rank0_share_nogc'][1]:5.2f} "
+                  f"{f(s, 'restore_s'):>20} {s['restore.cpu_nogc_mean_s'][1]:9.3f} "
+                  f"{s['restore.rank0_share_nogc'][1]:5.2f} {s['body_bytes'][1] / 1e3:8.1f} "
+                  f"{s['manifest_bytes'][1]:7.0f} {s['warm.plan_received_bytes'][1] / 1e3:10.1f}")
+
+
+def synthetic(tensors: int, world: int, rows: int = 64, cols: int = 128) -> dict[str, Any]:
+    """Rank 0's and one rank's per-shard work at a world size beyond this machine, in one
+    process: ``tensors`` FSDP-sharded tensors over ``world`` ranks, one chunk per shard (what
+    the reports, the body and the plan hold; no chunk is written or read). Times are CPU
+    seconds (``time.process_time``); run it with Python's cyclic GC off (its pauses are
+    reported by the torchrun runs)."""
+    import torch
+
+    from ciuic.distributed.messages import Plan, Report
+    from ciuic.format import manifest as mf
+    from ciuic.format.descriptor import TensorDescriptor
+    from ciuic.format.digest import digest
+    from ciuic.format.shards import Written, assemble, overlap, plan
+    from ciuic.format.tree import Leaf, walk_leaves
+
+    clock = time.process_time
+    stats = {"inf": 0, "max": "0.0312", "mean": "-1.2e-05", "min": "-0.0311", "nan": 0,
+             "norm": "2.2546"}
+    rng = {"python": {"$tuple": [3, {"$tuple": [2**31 + i for i in range(625)]}, None]}}
+    nbytes = rows * cols * 4
+    reports = [json.dumps(Report(new=nbytes * tensors, tensors=0, states={"rng": rng}, written=[
+        Written(f"optimizer/state/t{t}/exp_avg", [r * rows, 0], TensorDescriptor.from_json(
+            {"dtype": "float32", "shape": [rows, cols], "nbytes": nbytes,
+             "chunks": [[f"{(t * world + r):064x}", nbytes]], "stats": stats}))
+        for t in range(tensors)]).to_json()) for r in range(world)]
+    out: dict[str, Any] = {"tensors": tensors, "world": world, "shards": tensors * world,
+                           "report_bytes": len(reports[0])}
+    # rank 0: decode the gathered reports, assemble, encode the body, digest it
+    c0 = clock()
+    decoded = [Report.from_json(json.loads(x)) for x in reports]
+    out["rank0.decode_reports_s"] = clock() - c0
+    leaves = [Leaf(f"optimizer/state/t{t}/exp_avg", torch.empty(0), {},
+                   shard=([rows * world, cols], [0, 0])) for t in range(tensors)]
+    c0 = clock()
+    assemble(leaves, [w for rep in decoded for w in rep.written])
+    out["rank0.assemble_s"] = clock() - c0
+    states = {"optimizer": {"state": {f"t{t}": {"exp_avg": {"$tensor": leaf.descriptor}}
+                                      for t, leaf in enumerate(leaves)}},
+              "ranks": [rep.states for rep in decoded], "dist": {"layout": "dcp-fqn",
+                                                                  "world_size": world}}
+    del decoded
+    c0 = clock()
+    body = mf.encode_body(states, distributed=True)
+    out["rank0.encode_body_s"] = clock() - c0
+    c0 = clock()
+    name = digest(body)
+    out["digest_s"] = clock() - c0
+    out["body_bytes"] = len(body)
+    del states, leaves
+    # every rank at restore: the whole body, every descriptor, every shard against its box
+    c0 = clock()
+    trees = mf.decode_body(body, "body", name)
+    out["rank.decode_body_s"] = clock() - c0
+    c0 = clock()
+    descs = [TensorDescriptor.from_json(d, p) for p, kind, d
+             in walk_leaves(trees["optimizer"], "optimizer") if kind == "tensor"]
+    out["rank.descriptors_s"] = clock() - c0
+    c0 = clock()
+    box = [world // 2 * rows, 0]
+    hits = sum(1 for d in descs for sh in d.shards or ()
+               if overlap(list(sh.offsets), list(sh.shape), box, [rows, cols]))
+    out["rank.overlap_scan_s"] = clock() - c0
+    assert hits == tensors, hits
+    del trees, descs, body
+    # every rank at each snapshot: the plan's all_gather (W payloads of T metas), then owners
+    mine = Plan(3, 2, metas=[{"path": f"optimizer/state/t{t}/exp_avg", "dtype": "float32",
+                              "shape": [rows * world, cols], "offsets": [0, 0],
+                              "local": [rows, cols], "nbytes": nbytes, "spread": True}
+                             for t in range(tensors)], skeleton="0" * 64).to_json()
+    payloads = []
+    for r in range(world):
+        for meta in mine["metas"]:
+            meta["offsets"] = [r * rows, 0]
+        payloads.append(json.dumps(mine, separators=(",", ":")))
+    out["plan_payload_bytes"] = len(payloads[0])
+    c0 = clock()
+    plans = [Plan.from_json(json.loads(x)) for x in payloads]
+    out["rank.plan_decode_s"] = clock() - c0
+    c0 = clock()
+    plan([x.metas for x in plans])
+    out["rank.plan_owners_s"] = clock() - c0
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--params", type=int, default=16, help="parameter tensors per model")
+    p.add_argument("--kib", type=int, default=2048, help="state per rank, KiB")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per world size")
+    p.add_argument("--synthetic", type=int, nargs="*", default=[], metavar="W",
+                   help="also time rank 0's and a rank's per-shard work in one process, for "
+                        "--synthetic-tensors sharded tensors over each of these world sizes")
+    p.add_argument("--synthetic-tensors", type=int, default=2200)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    results: dict[str, Any] = {}
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "loadavg_before": os.getloadavg()}
+    for n in a.ranks:
+        t0 = time.perf_counter()
+        res = one(n, a)
+        if isinstance(res, str):
+            print(f"{n} ranks failed: {res}", file=sys.stderr)
+            results[str(n)] = res
+            break  # a larger world will not do better
+        res["summary"] = summarize(res)
+        res["loadavg_after"] = os.getloadavg()
+        results[str(n)] = res
+        print(f"{n} ranks: {time.perf_counter() - t0:.0f} s, load average "
+              f"{res['loadavg_after'][0]:.1f}", file=sys.stderr)
+    table(results)
+    if a.synthetic:
+        import gc
+
+        syn = []
+        for w in a.synthetic:
+            gc.collect()
+            gc.disable()
+            try:
+                syn.append(synthetic(a.synthetic_tensors, w))
+            finally:
+                gc.enable()
+        results["synthetic"] = syn
+        print("one process, CPU s per shard (us): " + "; ".join(
+            f"W={x['world']} ({x['shards']} shards, body {x['body_bytes'] / 1e6:.0f} MB): "
+            + ", ".join(f"{k} {v / x['shards'] * 1e6:.1f}" for k, v in x.items()
+                        if k.endswith("_s")) for x in syn))
+    if a.json:
+        import torch
+
+        machine["torch"] = torch.__version__
+        a.json.write_text(json.dumps(rounded({"machine": machine, "args": vars(a) | {
+            "json": str(a.json)}, "results": results}), separators=(",", ":")))
+    return results
+
+
+if __name__ == "__main__":
+    main()
