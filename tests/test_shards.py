@@ -160,3 +160,53 @@ def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) ->
             assert torch.equal(a.full_tensor(), b.full_tensor()), k
     finally:
         dist.destroy_process_group()
+
+
+def test_the_plan_is_remade_only_when_a_layout_changes(tmp_path: Path) -> None:
+    """The plan exchange carries every rank's metas (each rank receives tensors x ranks of
+    them) only when a rank's layout changed or a rank has no plan of these layouts; otherwise
+    digests, and the cached owners (a world of one here: what travels is the same)."""
+    from typing import Any
+
+    from ciuic.chain.writer import SnapshotWrite
+    from ciuic.distributed.collective import Collective
+    from ciuic.distributed.messages import Plans
+    from ciuic.distributed.plan import capture_dist
+    from ciuic.distributed.save import write_dist
+
+    class Recording(Collective):
+        def __init__(self) -> None:
+            super().__init__(False)
+            self.sent: list[Any] = []
+
+        def all_gather(self, value: Any, *, data: bool = False) -> list[Any]:
+            self.sent.append(value)
+            return super().all_gather(value, data=data)
+
+    repo = Repository.open(tmp_path / "store")
+    plans, coll = Plans(), Recording()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    parent = ""
+
+    def snapshot(step: int) -> None:
+        nonlocal parent
+        w = SnapshotWrite(repo, "p", "j", step, parent, ChunkCache())
+        _, parent, _ = write_dist(coll, w, capture_dist(model, None, {}), seq=step,
+                                  plans=plans)
+
+    try:
+        snapshot(0)
+        assert plans.made == 1 and len(coll.sent) == 2 and coll.sent[1]  # digests, then metas
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # new values, the same layout
+        snapshot(1)
+        assert plans.made == 1 and len(coll.sent) == 3  # digests only
+        assert coll.sent[2]["metas"] == [] and coll.sent[2]["known"] == plans.joint
+        model.append(torch.nn.Linear(2, 2))  # a new tensor: a new layout
+        snapshot(2)
+        assert plans.made == 2 and len(coll.sent) == 5
+        # the new plan covers the new tensor; a world of one writes everything itself
+        assert plans.owners == {f"model/{k}": 0 for k in model.state_dict()}
+        assert repo.catalog.latest("p", "j") is not None
+    finally:
+        repo.close()

@@ -19,24 +19,40 @@ from ciuic.format.shards import Meta, Written
 
 @dataclass(frozen=True)
 class Plan:
-    """A rank's part of the plan: its global tensors' metas and the digest of its global
-    states' structure, or the error that stopped it before the snapshot."""
+    """A rank's part of the plan: the digest of its global states' structure and of its
+    global tensors' metas (``layout``), the digest of every rank's layouts its cached owners
+    were planned from (``known``), and its metas only when the plan must be made anew; or the
+    error that stopped it before the snapshot."""
 
     step: int
     seq: int
     error: str | None = None
     metas: list[Meta] = field(default_factory=list)
     skeleton: str = ""
+    layout: str = ""
+    known: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "seq": self.seq, "error": self.error, "metas": self.metas,
-                "skeleton": self.skeleton}
+                "skeleton": self.skeleton, "layout": self.layout, "known": self.known}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Plan:
         return cls(step=int(obj["step"]), seq=int(obj["seq"]),
                    error=None if obj["error"] is None else str(obj["error"]),
-                   metas=list(obj["metas"]), skeleton=str(obj["skeleton"]))
+                   metas=list(obj["metas"]), skeleton=str(obj["skeleton"]),
+                   layout=str(obj.get("layout", "")), known=str(obj.get("known", "")))
+
+
+@dataclass
+class Plans:
+    """A rank's cache of the last plan: the digest of every rank's layouts it was made from,
+    and the owners it gave. While every rank's layout is unchanged, the plan exchange carries
+    digests, not metas (each rank would receive every rank's metas: tensors x ranks)."""
+
+    joint: str = ""
+    owners: dict[str, int] = field(default_factory=dict)
+    made: int = 0  # plans made (metas exchanged), for the tests and the benchmark"
 
 
 @dataclass(frozen=True)

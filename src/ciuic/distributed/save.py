@@ -24,7 +24,7 @@ from typing import Any
 from ciuic.chain.gc import InflightSave
 from ciuic.chain.writer import SnapshotContent, SnapshotWrite, commit_snapshot, write_leaves
 from ciuic.distributed.collective import Collective
-from ciuic.distributed.messages import Outcome, Plan, Report
+from ciuic.distributed.messages import Outcome, Plan, Plans, Report
 from ciuic.distributed.plan import GLOBAL, LAYOUT, DistCaptured, leaf_key, plan_metas
 from ciuic.errors import CaptureError, ConfigurationError, RankError
 from ciuic.faults import failpoint
@@ -44,20 +44,25 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: int = 0
-               ) -> tuple[mf.Manifest, str, int]:
+def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: int = 0,
+               plans: Plans | None = None) -> tuple[mf.Manifest, str, int]:
     """The two-phase commit of one multi-rank snapshot (every rank calls it, same order).
-    Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote."""
+    Returns the manifest, the snapshot ID and the bytes of new chunks this rank wrote.
+    ``plans``: this rank's cache of the last plan (None: the plan is made every time)."""
     step, repo, cache = w.step, w.repo, w.cache
     what = f"snapshot at step {step}"
+    plans = plans if plans is not None else Plans()
     # 1. plan (every rank comes here for every agreed snapshot, even one that already failed
-    # locally: it then reports its error instead of its metas)
+    # locally: it then reports its error instead of its layout)
     mine = Plan(step, seq, error=captured.error)
+    metas: list[Any] = []
     if captured.error is None:
         try:
             names = [n for n in GLOBAL if n in captured.states]
             shape = canonical.dumps({n: captured.states[n] for n in names})
-            mine = Plan(step, seq, metas=plan_metas(captured), skeleton=digest(shape))
+            metas = plan_metas(captured)
+            mine = Plan(step, seq, skeleton=digest(shape), layout=digest(canonical.dumps(metas)),
+                        known=plans.joint)
         except Exception as e:
             mine = Plan(step, seq, error=_error(e))
     everyone = [Plan.from_json(x) for x in coll.all_gather(mine.to_json(), data=True)]
@@ -75,7 +80,13 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             "lr): ciuic supports replicated (DDP) and DTensor-sharded (FSDP2, tensor parallel) "
             "state; save state that only some ranks hold (pipeline stages) as a per-rank "
             "extra")
-    owners = plan([x.metas for x in everyone])
+    joint = digest(canonical.dumps([x.layout for x in everyone]))
+    if any(x.known != joint for x in everyone):  # (the same answer on every rank)
+        # a layout changed, or a rank has no plan of these layouts: made anew, from metas
+        gathered = coll.all_gather(metas, data=True)
+        plans.joint, plans.owners = joint, plan(list(gathered))
+        plans.made += 1
+    owners = plans.owners
 
     store = repo.store
     inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ciuic.distributed.messages import Plans
 from ciuic.distributed.plan import (
     DistCaptured,
     capture_dist,
@@ -35,6 +36,14 @@ class RankedPipeline(Pipeline[DistCaptured]):
     _owned: tuple[tuple[int, list[Meta]], set[str]] | None = None
     _predict = True  # off for the snapshot after a failed one
     _seq = 0  # snapshots attempted: every rank counts the same
+    #: the last plan (owners) and the layouts it was made for: unchanged, it is not remade
+    _plans: Plans | None = None
+
+    def plans(self) -> Plans:
+        """This rank's cache of the last plan (made at the first snapshot)."""
+        if self._plans is None:
+            self._plans = Plans()
+        return self._plans
 
     def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> DistCaptured:
         return capture_dist(model, optimizer, extras)
@@ -60,7 +69,8 @@ class RankedPipeline(Pipeline[DistCaptured]):
 
     def write(self, step: int, captured: DistCaptured) -> tuple[mf.Manifest, str, int]:
         self._seq += 1
-        return write_dist(self.coll, self.snapshot_write(step), captured, seq=self._seq)
+        return write_dist(self.coll, self.snapshot_write(step), captured, seq=self._seq,
+                          plans=self.plans())
 
     def written(self, captured: DistCaptured, ok: bool) -> None:
         if not ok:
