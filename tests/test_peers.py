@@ -98,6 +98,10 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
         assert reader.read(d, memoryview(dest)) and bytes(dest) == p
     assert not reader.read("0" * 64, memoryview(bytearray(10)))
     reader.close()
+    two[1].close()  # nothing of theirs stays open in this process (each get had a descriptor)
+    held = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{f}")]
+    assert not [f for f in held if "memfd:ciuic" in f], held
 
 
 def test_unchanged_chunks_are_not_sent_again_and_a_wrong_token_reads_nothing(

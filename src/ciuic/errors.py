@@ -24,6 +24,7 @@ Hierarchy::
     ├── RankError (CiuicError, RuntimeError)          another rank failed; raised on every rank
     ├── FencedOut (CiuicError, RuntimeError)          another process took the job over
     ├── StagingBudgetExceeded (CiuicError, MemoryError)  the state is over the staging budget
+    ├── PeerError (CiuicError)                        another node's ciuic run refused a request
     └── ApiError (CiuicError)                         a server request refused (HTTP status, code)
 
 Code decides by type, never by an error's text: a reader that meets an object it cannot use
@@ -150,6 +151,11 @@ class StagingBudgetExceeded(CiuicError, MemoryError):
     """The state does not fit in the staging budget; the snapshot is written synchronously."""
 
 
+class PeerError(CiuicError):
+    """Another node's ``ciuic run`` refused a request (a wrong token, a chunk it no longer
+    holds, a damaged one) or broke the protocol between nodes."""
+
+
 class ApiError(CiuicError):
     """A server request is refused: ``status`` (HTTP), ``code`` (machine-readable), ``message``
     (what to do). The server answers it as ``{"error": {"code", "message"}}``."""
@@ -172,6 +178,7 @@ __all__ = [
     "InvalidKey",
     "MissingKey",
     "ObjectNotFound",
+    "PeerError",
     "RankError",
     "RestoreError",
     "SnapshotNotFound",

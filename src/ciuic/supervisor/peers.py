@@ -36,14 +36,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic.errors import PeerError as PeerError  # (tests and nodes.py import it from here)
+
 log = logging.getLogger("ciuic")
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 28
 TIMEOUT_S = 30.0
-
-
-class PeerError(Exception):
-    """A peer refused a request or broke the protocol."""
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -166,7 +164,7 @@ class ChunkHost:
     """What a node's chunk service serves and stores (the supervisor's :class:`Holder`)."""
 
     def locate(self, d: str, n: int) -> tuple[int, int] | None:  # pragma: no cover - protocol
-        """(fd, offset in it) of a servable chunk, or None."""
+        """(fd, offset in it) of a servable chunk, or None; the caller closes the fd."""
         raise NotImplementedError
 
     def servable(self) -> list[list[Any]]:  # pragma: no cover - protocol
@@ -265,9 +263,12 @@ class PeerServer:
             at = self._host.locate(d, n)
             if at is None:
                 send_frame(conn, {"ok": False, "why": "not held"})
-            else:
-                send_frame(conn, {"ok": True})
-                _sendfile(conn, at[0], at[1], n)
+            else:  # a descriptor of its own (the holder may close its buffer meanwhile)
+                try:
+                    send_frame(conn, {"ok": True})
+                    _sendfile(conn, at[0], at[1], n)
+                finally:
+                    os.close(at[0])
         elif op == "put_begin":
             if receiving is not None:
                 receiving.abandon()
