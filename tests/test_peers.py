@@ -139,7 +139,7 @@ def test_a_replica_over_the_budget_is_refused_and_training_memory_is_kept() -> N
         _join([a, b])
         _publish(a, 0, "s1", [os.urandom(150_000)])
         time.sleep(a.SETTLE_S + 1.0)
-        assert b.replicas.by_src == {} and a.pushed == []
+        assert b.replicas.by_src == {} and not a.pushed
         assert b.released is None  # its own ranks' copy is not released for a replica
     finally:
         a.close()
@@ -156,3 +156,22 @@ def test_ciuic_run_advises_torchrun_restarts_on_several_nodes() -> None:
     assert torchrun_advice([*several[:-1], "--max-restarts", "100", "train.py"]) is None
     assert torchrun_advice(["torchrun", "--nproc-per-node", "8", "train.py"]) is None  # 1 node
     assert torchrun_advice(["python", "train.py", "--nnodes", "2"]) is None  # not torchrun
+
+
+def test_the_nodes_own_copy_comes_before_other_nodes_replicas_within_the_budget() -> None:
+    """--host-memory bounds a node's ranks' buffers and the replicas it keeps together: a rank's
+    buffer that would not fit beside them drops the replicas (this node's own copy first), and
+    the ranks' copy is kept."""
+    a, b = Holder(budget=64 << 20), Holder(budget=1 << 20)
+    try:
+        _join([a, b])
+        _publish(a, 0, "s1", [os.urandom(600_000)])
+        _wait(lambda: 0 in b.replicas.by_src)
+        _publish(b, 0, "t1", [os.urandom(600_000)])  # 1.2 MB with the replica: over 1 MiB
+        with b._lock:
+            held = b._ranks_held() + b.replicas.held()
+        assert b.replicas.by_src == {} and b.released is None and held <= 1 << 20
+        assert b.copies()[0][0] == "t1"
+    finally:
+        a.close()
+        b.close()

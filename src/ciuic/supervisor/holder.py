@@ -231,7 +231,8 @@ class Holder(NodeService):
         if self.budget is None or self.released is not None:
             os.close(fds[0])
             return {"ok": False, "why": self.released or "no host-memory tier"}
-        held = sum(b.nbytes for x in self._ranks.values() for b in x.buffers.values())
+        self._make_room(nbytes)
+        held = self._ranks_held()
         if held + nbytes > self.budget:
             os.close(fds[0])
             why = (f"the host copy would hold {_gib(held + nbytes)}, over its budget of "

@@ -7,6 +7,7 @@ long another node's workers have been silent (docs/architecture.md, "Many nodes"
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -52,7 +53,8 @@ class NodeService(ChunkHost):
         self.replicas = Replicas(self._room, self._lock)
         self._generation = 0  # bumped whenever what the ranks published changes
         self._published = threading.Condition(self._lock)
-        self.pushed: list[tuple[int, int, int]] = []  # (node, chunks, bytes) of each replica
+        #: (node, chunks, bytes) of the last replicas sent (bounded: a supervisor lives long)
+        self.pushed: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=64)
         self.peer_timeout_s = peer_timeout_s
         #: node rank -> (its node, what is wrong, since when: monotonic) for each other node
         #: whose ciuic run does not answer now
@@ -124,11 +126,27 @@ class NodeService(ChunkHost):
     def _current_token(self) -> str | None:
         return self._token
 
+    def _ranks_held(self) -> int:
+        """Bytes of the node's ranks' buffers (call with the lock held)."""
+        return sum(b.nbytes for x in self._ranks.values() for b in x.buffers.values())
+
     def _room(self, nbytes: int) -> bool:
         if self.budget is None or self.released is not None:
             return False
-        held: int = sum(b.nbytes for x in self._ranks.values() for b in x.buffers.values())
-        return held + self.replicas.held() + nbytes <= self.budget
+        return self._ranks_held() + self.replicas.held() + nbytes <= self.budget
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a rank's buffer of ``nbytes``: drop the other nodes' replicas when they
+        keep it from fitting ``--host-memory`` (this node's own copy comes first; call with
+        the lock held)."""
+        assert self.budget is not None
+        theirs = self.replicas.held()
+        if theirs and self._ranks_held() + theirs + nbytes > self.budget:
+            self.replicas.clear()
+            run_log.info("ciuic run: the replicas of other nodes' snapshots (%.1f MiB) were "
+                         "dropped to keep this node's own copy within --host-memory; a lost "
+                         "node restores from the store until the next replicas arrive",
+                         theirs / 2**20)
 
     def _own_chunks(self) -> dict[str, tuple[int, int, int]]:
         """digest -> (bytes, fd, offset in the fd) of every chunk the node's ranks published

@@ -338,8 +338,7 @@ class PeerReader:
         client = clients.get(node.rank)
         if client is None:
             client = clients[node.rank] = PeerClient(node, self._token)
-            with contextlib.suppress(RuntimeError):
-                self._clients.append(client)
+            self._clients.append(client)
         return client
 
     def holds(self, d: str) -> bool:

@@ -108,18 +108,15 @@ class Replicas:
                 segment.close()
             self.received += 1
 
-    def drop(self, src: int) -> None:
-        with self._lock:
-            before = self._segments()
-            self.by_src.pop(src, None)
-            for segment in before - self._segments():
-                segment.close()
+    def clear(self) -> None:
+        """Drop every replica (call with the lock held)."""
+        for segment in self._segments():
+            segment.close()
+        self.by_src.clear()
 
     def close(self) -> None:
         with self._lock:
-            for segment in self._segments():
-                segment.close()
-            self.by_src.clear()
+            self.clear()
 
 
 class _Receiving(Receiving):
