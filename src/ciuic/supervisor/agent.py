@@ -240,14 +240,15 @@ class Supervisor:
             now = time.monotonic()
             beats = beat.read(holder.beats)
             self._note(start, beats)
+            alive = {b.pid for b in beats if _alive(b.pid)}  # once a poll: /proc reads
             if self._stop is None:
-                self._workers(start, beats, holder, now)
-                live = [b.silent_s(now) for b in beats
-                        if b.pid not in start.stopping and b.busy != beat.BUSY[7]
-                        and _alive(b.pid)]
-                holder.silence = (max(live, default=0.0), now)
+                self._workers(start, beats, alive, holder, now)
+                silent = [b.silent_s(now) for b in beats
+                          if b.pid not in start.stopping and b.busy != beat.BUSY[7]
+                          and b.pid in alive]
+                holder.silence = (max(silent, default=0.0), now)
             if self._stop is None and hang is None:
-                hang = self._hung(start, beats, now)
+                hang = self._hung(start, beats, alive, now)
                 if hang is None:
                     start.hang_pending = None
                 if hang is not None and holder.peered() and not self._mine(start, holder, now):
@@ -276,26 +277,26 @@ class Supervisor:
         start.cause = hang or (None if rc == 0 else classify(rc, list(self._tail), oom))
         return rc
 
-    def _workers(self, start: Start, beats: list[beat.Beat], holder: Holder, now: float
-                 ) -> None:
+    def _workers(self, start: Start, beats: list[beat.Beat], alive: set[int], holder: Holder,
+                 now: float) -> None:
         """torchrun's own restarts of the workers (a job of several nodes): say why once per
         generation, naming the rank or the node; and stop this node's workers when another
         node's ciuic run has not answered for ``--peer-timeout`` (a link down: their
         collectives would wait far longer), so that torchrun restarts them."""
         for b in beats:
             pid, gen = start.workers.get(b.slot, (None, 0))
-            if b.pid == pid or not _alive(b.pid):
+            if b.pid == pid or b.pid not in alive:
                 continue
             if gen == start.generation and pid is not None:  # the next generation's first
                 if not start.said:
-                    self._say_stopped(start, beats, holder, now)
+                    self._say_stopped(start, beats, alive, holder, now)
                 start.generation += 1
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
             start.workers[b.slot] = (b.pid, start.generation)
         # (a worker whose manager closed is done, not gone: its job finished)
         gone = [b for b in beats if start.workers.get(b.slot, (None,))[0] == b.pid
-                and b.busy != beat.BUSY[7] and not _alive(b.pid)]
+                and b.busy != beat.BUSY[7] and b.pid not in alive]
         if gone and start.gone_since is None:
             start.gone_since = now
         if gone and not start.said:
@@ -303,16 +304,16 @@ class Supervisor:
             # emergency snapshot: seconds); a worker that exited with a status may have failed
             # in a collective because of another node's loss: give that node's cause (its ping
             # answer, each second) time to arrive
-            _, kind = self._worker_cause(beats, holder, now)
+            _, kind = self._worker_cause(beats, alive, holder, now)
             kind = "signal" if start.hang_cause is not None else kind
             waited = now - (start.gone_since or now)
             alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
             if (kind in ("node", "signal", "peer") or (kind == "exit" and (alone or waited >= 8))
                     or waited >= 30):
-                self._say_stopped(start, beats, holder, now)
+                self._say_stopped(start, beats, alive, holder, now)
                 self._failed.clear()  # told: the next generation's failures are its own
         for rank, (node, why, since) in list(holder.trouble.items()):
-            live = [b.pid for b in beats if _alive(b.pid)]
+            live = [b.pid for b in beats if b.pid in alive]
             if (why.startswith("unreachable") and now - since >= self.o.peer_timeout_s
                     and rank not in start.cut_off and live):
                 start.cut_off.add(rank)
@@ -344,11 +345,11 @@ class Supervisor:
         mine = start.hang_seen_s or 0.0  # (as of now: _hung measured it this poll)
         return silent <= mine + 0.05 or pending >= patience + 1.5
 
-    def _say_stopped(self, start: Start, beats: list[beat.Beat], holder: Holder,
+    def _say_stopped(self, start: Start, beats: list[beat.Beat], alive: set[int], holder: Holder,
                      now: float) -> None:
         start.said = True
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
-        cause, kind = self._worker_cause(beats, holder, now)
+        cause, kind = self._worker_cause(beats, alive, holder, now)
         if start.hang_cause is not None:  # this node stopped a hung worker: that is the cause
             cause, kind, start.hang_cause = str(start.hang_cause), "signal", None
         if kind in ("signal", "exit", "none"):  # this node's: the others name it too (ping)
@@ -361,7 +362,7 @@ class Supervisor:
         log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
                     "(generation %d)", where, cause, start.generation + 1)
 
-    def _worker_cause(self, beats: list[beat.Beat], holder: Holder, now: float
+    def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float
                       ) -> tuple[str, str]:
         """The first cause of a generation's end, and its kind: another node gone or cut off
         within the last 30 s ("node"), else a worker of this node killed by a signal
@@ -384,7 +385,7 @@ class Supervisor:
                 return f"node {node.rank} ({node.host}): {said}", "peer"
         if named:
             return f"{named[0][0]}: exit status {named[0][1]}", "exit"
-        dead = [b for b in beats if not _alive(b.pid)]
+        dead = [b for b in beats if b.pid not in alive]
         return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead) or "not known", "none"
 
     def _note(self, start: Start, beats: list[beat.Beat]) -> None:
@@ -396,10 +397,11 @@ class Supervisor:
                                             or b.committed > start.committed):
                 start.committed = b.committed
 
-    def _hung(self, start: Start, beats: list[beat.Beat], now: float) -> Cause | None:
+    def _hung(self, start: Start, beats: list[beat.Beat], alive: set[int], now: float
+              ) -> Cause | None:
         o = self.o
         # torchrun restarts dead workers itself; one being stopped for a hang is told already
-        beats = [b for b in beats if _alive(b.pid) and b.pid not in start.stopping]
+        beats = [b for b in beats if b.pid in alive and b.pid not in start.stopping]
         if not beats:
             if o.startup_timeout_s is not None and now - start.began > o.startup_timeout_s:
                 return Cause("hang", f"hang: no heartbeat within {o.startup_timeout_s:g} s of "
