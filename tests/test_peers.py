@@ -5,15 +5,23 @@ is gone; unchanged chunks are not sent again."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from ciuic.chain.repo import Repository
+from ciuic.format.chunks import frame
 from ciuic.format.digest import digest
+from ciuic.format.layout import chunk_key
+from ciuic.restore.sources import Resident, read_from
 from ciuic.supervisor.channel import Link
+from ciuic.supervisor.fetched import NodeReads
 from ciuic.supervisor.holder import Holder
 from ciuic.supervisor.peers import Node, PeerClient, PeerError, PeerReader
 
@@ -99,9 +107,7 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
     assert not reader.read("0" * 64, memoryview(bytearray(10)))
     reader.close()
     two[1].close()  # nothing of theirs stays open in this process (each get had a descriptor)
-    held = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{f}")]
-    assert not [f for f in held if "memfd:ciuic" in f], held
+    assert not _open_memfds()
 
 
 def test_unchanged_chunks_are_not_sent_again_and_a_wrong_token_reads_nothing(
@@ -156,6 +162,7 @@ def test_ciuic_run_advises_torchrun_restarts_on_several_nodes() -> None:
     assert torchrun_advice([*several[:-1], "--max-restarts", "100", "train.py"]) is None
     assert torchrun_advice(["torchrun", "--nproc-per-node", "8", "train.py"]) is None  # 1 node
     assert torchrun_advice(["python", "train.py", "--nnodes", "2"]) is None  # not torchrun
+    assert torchrun_advice([*several[:-1], "--max_restarts=3", "train.py"]) is None
 
 
 def test_the_nodes_own_copy_comes_before_other_nodes_replicas_within_the_budget() -> None:
@@ -175,3 +182,113 @@ def test_the_nodes_own_copy_comes_before_other_nodes_replicas_within_the_budget(
     finally:
         a.close()
         b.close()
+
+
+@contextlib.contextmanager
+def _fetching(tmp: Path, budget: int) -> Iterator[tuple[Holder, Holder, Callable[
+        [list[bytes]], Repository]]]:
+    """Node 0 and node 1 (``budget``: node 1's --host-memory), no replicas between them (node 1
+    is a replaced node: its memory is empty), and a store to put chunks in (where a chunk
+    memory cannot serve is read)."""
+    a, b = Holder(budget=64 << 20, replicas=0), Holder(budget=budget, replicas=0)
+    repos: list[Repository] = []
+
+    def stored(pieces: list[bytes]) -> Repository:
+        repos.append(repo := Repository.open(tmp / "store"))
+        for p in pieces:
+            repo.store.put(chunk_key(digest(p)), frame(p))
+        return repo
+
+    try:
+        _join([a, b])
+        yield a, b, stored
+    finally:
+        for repo in repos:
+            repo.close()
+        a.close()
+        b.close()
+
+
+def _open_memfds() -> list[str]:
+    """The ciuic memfds this process holds open."""
+    held = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{f}")]
+    return [f for f in held if "memfd:ciuic" in f]
+
+
+def _restore_on(res: Resident, repo: Repository, pieces: list[bytes]) -> list[bytes]:
+    """One rank's restore of ``pieces`` (4 reading threads, as boxread's pool)."""
+    outs = [bytearray(len(p)) for p in pieces]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: read_from(repo, res, digest(pieces[i]), len(pieces[i]),
+                                          memoryview(outs[i])), range(len(pieces))))
+    return [bytes(o) for o in outs]
+
+
+def test_the_ranks_of_a_node_take_each_chunk_across_the_network_once(tmp_path: Path) -> None:
+    """A replaced node (empty memory) whose two ranks need the same chunks, which node 0
+    holds: node 1's ciuic run fetches each once (node 0's server counts its gets), both ranks
+    get every byte, the bytes that crossed the network count as other nodes' memory and the
+    second rank's as this node's; a chunk damaged in node 0's memory is refused by each rank
+    (its digest) and read from the store; a newer publish drops the fetched chunks; nothing
+    stays open."""
+    with _fetching(tmp_path, 64 << 20) as (a, b, stored):
+        pieces = [os.urandom(300_000) for _ in range(8)] + [os.urandom(3 << 20)]
+        ds = _publish(a, 0, "s1", pieces)
+        repo = stored(pieces)
+        r = a._ranks[0]  # damage the third chunk in node 0's memory
+        with mmap.mmap(r.buffers[1].fd, SKEW + r.buffers[1].nbytes) as region:
+            at = SKEW + 2 * 300_000 + 1000
+            region[at:at + 8] = b"\xff" * 8
+        readers = [NodeReads(b.name, rank) for rank in (0, 1)]
+        ranks = [Resident(None, {}, None, {}, reader) for reader in readers]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda res: _restore_on(res, repo, pieces), ranks))
+        assert got == [pieces, pieces]
+        assert a._server is not None and a._server.served == len(ds)  # once each, not twice
+        total, bad = sum(map(len, pieces)), len(pieces[2])
+        assert sum(x.from_peers for x in ranks) == total - bad  # crossed the network once
+        assert sum(x.from_memory for x in ranks) == total - bad  # the other rank's: the node's
+        assert [x.from_store for x in ranks] == [bad, bad]  # refused by each rank
+        with b._lock:
+            assert b.fetched.held() == total
+        _publish(b, 0, "s2", [os.urandom(1000)])  # the next snapshot: they served their restore
+        with b._lock:
+            assert b.fetched.held() == 0
+        for reader in readers:
+            reader.close()
+    assert not _open_memfds()
+
+
+def test_a_fetched_chunk_over_the_budget_is_handed_over_and_not_kept(tmp_path: Path) -> None:
+    with _fetching(tmp_path, 1 << 20) as (a, b, stored):
+        pieces = [os.urandom(3 << 20)]
+        _publish(a, 0, "s1", pieces)
+        reader = NodeReads(b.name, 0)
+        res = Resident(None, {}, None, {}, reader)
+        assert _restore_on(res, stored(pieces), pieces) == pieces
+        assert res.from_peers == 3 << 20
+        with b._lock:
+            assert b.fetched.held() == 0
+        reader.close()
+    assert not _open_memfds()
+
+
+def test_ciuic_run_shortens_the_c10d_keep_alive_unless_the_user_set_it() -> None:
+    from ciuic.cli.run import KEEP_ALIVE, with_keep_alive
+
+    added = ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items())
+    base = ["torchrun", "--nnodes", "2", "--rdzv-backend", "c10d"]
+    command, said = with_keep_alive([*base, "--rdzv-conf", "is_host=1", "train.py", "--x"])
+    assert command == [*base, "--rdzv-conf", f"is_host=1,{added}", "train.py", "--x"]
+    assert said is not None and "instead of torch's 15 s" in said
+    command, _ = with_keep_alive(["python", "-m", "torch.distributed.run", "--nnodes=1:4",
+                                  "--rdzv_backend=c10d", "--rdzv_conf=is_host=0", "t.py"])
+    assert command[-2] == f"--rdzv_conf=is_host=0,{added}"
+    command, _ = with_keep_alive([*base, "train.py"])
+    assert command == ["torchrun", "--rdzv-conf", added, *base[1:], "train.py"]
+    for kept in ([*base, "--rdzv-conf", "keep_alive_max_attempt=9", "t.py"],  # the user's
+                 ["torchrun", "--nnodes", "2", "t.py"],  # static rendezvous: no keep-alive
+                 ["torchrun", "--nproc-per-node", "8", "--rdzv-backend", "c10d", "t.py"],
+                 ["python", "t.py", "--nnodes", "2", "--rdzv-backend", "c10d"]):
+        assert with_keep_alive(kept) == (kept, None)

@@ -19,8 +19,9 @@ from typing import Any
 from ciuic.distributed.collective import Collective
 from ciuic.supervisor.beat import Beacon
 from ciuic.supervisor.channel import CAUSE_ENV, PIDS_ENV, RESTART_ENV, STOPPED_AT_ENV, Link
+from ciuic.supervisor.fetched import NodeReads
 from ciuic.supervisor.hostcopy import HostTier
-from ciuic.supervisor.peers import Node, PeerReader
+from ciuic.supervisor.peers import Node
 
 log = logging.getLogger("ciuic")
 
@@ -67,14 +68,19 @@ class Restart:
 @dataclass(frozen=True)
 class Peers:
     """The job's nodes (their chunk services), this one's group rank, and this start's
-    token."""
+    token; ``supervisor`` and ``rank``: this rank's channel to its node's ``ciuic run``,
+    which reads the other nodes' memory for it."""
 
     nodes: list[Node]
     me: int
     token: str
+    supervisor: str
+    rank: int
 
-    def reader(self) -> PeerReader:
-        return PeerReader(self.nodes, self.me, self.token)
+    def reader(self) -> NodeReads:
+        """Reads of the chunks this node lacks, through this node's ``ciuic run``: it fetches
+        each from the node that holds it once for all of this node's ranks."""
+        return NodeReads(self.supervisor, self.rank)
 
 
 class Supervised:
@@ -150,7 +156,7 @@ def join_peers(sup: Supervised | None, coll: Collective, name_key: bytes | None)
             sup.link.request({"op": "peers", "token": token, "me": me,
                               "nodes": [[n.rank, n.host, n.port] for n in nodes],
                               "keys": [name_key.hex()] if name_key else []})
-            sup.peers = Peers(nodes, me, token)
+            sup.peers = Peers(nodes, me, token, sup.link.name, sup.link.rank)
         except (OSError, ValueError, ConnectionError) as e:
             log.warning("the supervisor did not take the job's nodes (%s)", e)
     coll.all_gather(None)  # every node knows this start's token before anyone reads

@@ -7,6 +7,8 @@ chunk checked against its digest before use), and buffers lent for the reads
 
 from __future__ import annotations
 
+import enum
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,29 +20,43 @@ from ciuic.chain.repo import Repository
 
 if TYPE_CHECKING:  # types only: the readers (ciuic restore --to, diff) need neither at run time
     from ciuic.engine import StagingArea
+    from ciuic.supervisor.fetched import NodeReads
     from ciuic.supervisor.hostcopy import HostTier
-    from ciuic.supervisor.peers import PeerReader
 
 #: ``buffer_for(path, nbytes)``: a flat uint8 buffer to read a leaf into, or None (the reader
 #: allocates one)
 BufferFor = Callable[[str, int], "torch.Tensor | None"]
 
 
+class Source(enum.Enum):
+    """Where a chunk of a restore came from (the recovery log's three figures)."""
+
+    #: this node's memory: its ranks' published chunks, this rank's staged leaves, and chunks
+    #: another rank of the node already fetched from another node
+    MEMORY = "memory"
+    #: another node's memory: the bytes crossed the network for this read (once per node)
+    PEER = "peer"
+    STORE = "store"
+
+
 class Resident:
     """A snapshot's bytes already in host memory (``ciuic run``'s host-memory tier): the
     leaves a previous process of this rank staged (by path: ``buffers``, only for the snapshot
     they hold) and every chunk the node's ranks published (by digest: ``chunks``, for any
-    snapshot that holds them). A restore takes each chunk from here after checking it against
-    its digest, and reads a chunk that differs, or is not here, from the store; the bytes from
+    snapshot that holds them; ``load_chunks`` maps them on first use instead, where this rank
+    is alone on its node). A restore takes each chunk from here after checking it against its
+    digest, and reads a chunk that differs, or is not here, from the store; the bytes from
     each source are counted."""
 
     def __init__(self, snapshot: str | None, buffers: dict[str, torch.Tensor],
                  name_key: bytes | None, chunks: dict[str, memoryview] | None = None,
-                 peers: PeerReader | None = None) -> None:
+                 peers: NodeReads | None = None,
+                 load_chunks: Callable[[], dict[str, memoryview]] | None = None) -> None:
         self.snapshot = snapshot
         self.buffers = buffers
-        self.chunks = chunks or {}
-        #: the other nodes' memory (a job of several nodes under ``ciuic run``)
+        self._chunks = chunks
+        self._load_chunks = load_chunks
+        #: the other nodes' memory, through this node's ciuic run (a job of several nodes)
         self.peers = peers
         self.name_key = name_key
         self.from_memory = 0  # bytes
@@ -48,67 +64,104 @@ class Resident:
         self.from_store = 0
         self._lock = threading.Lock()
 
+    @property
+    def chunks(self) -> dict[str, memoryview]:
+        """Every chunk the node's ranks published, by digest (mapped on first use where
+        ``load_chunks`` was given)."""
+        if self._chunks is None:
+            with self._lock:
+                if self._chunks is None:
+                    self._chunks = self._load_chunks() if self._load_chunks is not None else {}
+        return self._chunks
+
     def serving(self, snapshot: str) -> Resident | None:
         """What serves a restore of ``snapshot`` (fresh counts): the leaves by path only when
         they hold it; the chunks by digest whatever it is. None where memory holds nothing."""
         buffers = self.buffers if snapshot == self.snapshot else {}
-        if not buffers and not self.chunks and self.peers is None:
+        lazy = self._chunks is None and self._load_chunks is not None
+        if not buffers and not lazy and not self.chunks and self.peers is None:
             return None
-        return Resident(snapshot, buffers, self.name_key, self.chunks, self.peers)
+        return Resident(snapshot, buffers, self.name_key, self._chunks, self.peers,
+                        self._load_chunks)
 
     def held(self) -> int:
-        """Bytes of the state this memory holds (the larger of the two views of it)."""
-        return max(sum(b.numel() for b in self.buffers.values()),
-                   sum(len(v) for v in self.chunks.values()))
+        """Bytes of the state this memory holds (the larger of the two views of it; the
+        leaves alone where the chunks are mapped only on first use)."""
+        leaves = sum(b.numel() for b in self.buffers.values())
+        if self._chunks is None:
+            return leaves
+        return max(leaves, sum(len(v) for v in self._chunks.values()))
 
     def get(self, path: str, nbytes: int) -> torch.Tensor | None:
         buf = self.buffers.get(path)
         return buf if buf is not None and buf.numel() == nbytes else None
 
-    def count(self, n: int, memory: bool, peer: bool = False) -> None:
+    def count(self, n: int, source: Source) -> None:
         with self._lock:
-            if peer:
+            if source is Source.PEER:
                 self.from_peers += n
-            elif memory:
+            elif source is Source.MEMORY:
                 self.from_memory += n
             else:
                 self.from_store += n
 
     def take(self, repo: Repository, d: str, n: int, dest: memoryview,
-             src: memoryview | None) -> None:
-        """Chunk ``d`` into ``dest``: from ``src`` (this memory) when it matches its digest,
-        else read from the store."""
-        self.count(n, take_chunk(repo, d, n, dest, src, self.name_key))
+             src: memoryview | None, source: Source = Source.MEMORY) -> None:
+        """Chunk ``d`` into ``dest``: from ``src`` (memory; None: ``dest`` holds it already)
+        when it matches its digest, counted as ``source``, else read from the store."""
+        served = take_chunk(repo, d, n, dest, src, self.name_key)
+        self.count(n, source if served else Source.STORE)
 
 
 def read_from(repo: Repository, resident: Resident | None, d: str, n: int,
               dest: memoryview) -> None:
-    """Chunk ``d`` into ``dest``: from the node's memory where ``resident`` holds it (checked
-    against its digest), else from the store; counted by ``resident``."""
-    src = resident.chunks.get(d) if resident is not None else None
-    if resident is not None and src is not None and len(src) == n:
+    """Chunk ``d`` into ``dest``: from the node's memory where ``resident`` holds it, else
+    from another node's memory through this node's ``ciuic run`` (which fetches it once for
+    all of the node's ranks), checked against its digest either way, else from the store;
+    counted by ``resident``. A chunk another rank of the node fetched counts as this node's
+    memory: "from other nodes' memory" counts the bytes that crossed the network."""
+    if resident is None:
+        read_chunk(repo, d, n, dest)
+        return
+    src = resident.chunks.get(d)
+    if src is not None and len(src) == n:
         resident.take(repo, d, n, dest, src)
         return
-    if resident is not None and resident.peers is not None and resident.peers.read(d, dest):
-        # checked here: what another node sent is taken only when it matches its digest
-        checked = take_chunk(repo, d, n, dest, None, resident.name_key)
-        resident.count(n, memory=checked, peer=checked)
+    came = resident.peers.read(d, dest) if resident.peers is not None else None
+    if came is not None:
+        resident.take(repo, d, n, dest, None, Source.PEER if came == "fetched"
+                      else Source.MEMORY)
         return
     read_chunk(repo, d, n, dest)
-    if resident is not None:
-        resident.count(n, memory=False)
+    resident.count(n, Source.STORE)
 
 
 def host_copy(tier: HostTier | None, name_key: bytes | None,
-              peers: PeerReader | None = None) -> Resident | None:
+              peers: NodeReads | None = None) -> Resident | None:
     """What ``ciuic run`` holds in host memory for a restore: the buffers a previous process of
     this rank left (adopted by this one), the chunks every rank of the node published, and
     (``peers``) what the other nodes hold. None outside ``ciuic run`` or without its tier; a
-    Resident holding nothing counts the bytes read from the store."""
+    Resident holding nothing counts the bytes read from the store. A rank alone on its node
+    (no other ranks, no other nodes) asks for the node's chunks only when its own leaves do
+    not serve a read, and not at all when it left none: the node's index then holds nothing
+    for it."""
     if tier is None or not tier.enabled:
         return None
     own = dict(tier.adopted) if tier.snapshot is not None else {}
+    if peers is None and _alone_on_node():
+        if not own:
+            return Resident(tier.snapshot, own, name_key, {})
+        return Resident(tier.snapshot, own, name_key, None, None, tier.node_chunks)
     return Resident(tier.snapshot, own, name_key, tier.node_chunks(), peers)
+
+
+def _alone_on_node() -> bool:
+    """Whether this process is the only rank on its node (not under torchrun, or torchrun
+    with one process per node)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) <= 1
+    except ValueError:
+        return False
 
 
 def lend_staging(staging: StagingArea, model: Any) -> BufferFor | None:

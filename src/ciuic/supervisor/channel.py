@@ -51,7 +51,7 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> N
     fd = os.memfd_create("ciuic-message", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         _write_all(fd, data)
-        _seal(fd)
+        seal(fd)
         socket.send_fds(sock, [json.dumps({_PAYLOAD: len(data)}).encode()], [*fds, fd])
     finally:
         os.close(fd)
@@ -63,7 +63,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _seal(fd: int) -> None:
+def seal(fd: int) -> None:
+    """No more writes, growth or shrinking of memfd ``fd`` (created with
+    ``MFD_ALLOW_SEALING``, and mapped writable nowhere any more)."""
     seals = getattr(os, "F_SEAL_WRITE", 8) | getattr(os, "F_SEAL_SHRINK", 2) | getattr(
         os, "F_SEAL_GROW", 4)
     with contextlib.suppress(OSError, AttributeError):  # a kernel without seals: a copy anyway
@@ -96,10 +98,11 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 class Link:
     """A training process's connection to its supervisor (every call is thread-safe)."""
 
-    def __init__(self, name: str, rank: int) -> None:
+    def __init__(self, name: str, rank: int, timeout: float = 30.0) -> None:
+        self.name = name
         self.rank = rank
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.settimeout(30.0)
+        self._sock.settimeout(timeout)
         self._sock.connect("\0" + name)
         self._lock = threading.Lock()
 

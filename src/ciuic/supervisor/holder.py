@@ -102,6 +102,7 @@ class Holder(NodeService):
             self._release(why)
 
     def _release(self, why: str) -> None:
+        self.fetched.clear()
         ranks, self._ranks = self._ranks, {}
         for r in ranks.values():
             for b in r.buffers.values():
@@ -139,14 +140,24 @@ class Holder(NodeService):
                     return
                 if message is None:
                     return
+                owned = message.get("op") == "fetch"  # its descriptor is closed once sent
                 try:
-                    reply, out = self._handle(message, fds)
+                    if owned:
+                        for fd in fds:
+                            os.close(fd)
+                        reply, out = self._fetch(message)
+                    else:
+                        reply, out = self._handle(message, fds)
                 except Exception as e:  # a malformed request: answered, never fatal here
                     reply, out = {"ok": False, "why": f"{type(e).__name__}: {e}"}, []
                 try:
                     send(conn, reply, out)
                 except OSError:
                     return
+                finally:
+                    if owned:
+                        for fd in out:
+                            os.close(fd)
 
     def _handle(self, m: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         """The reply to one request, and descriptors to send with it. Takes ``fds``: each is
@@ -262,6 +273,7 @@ class Holder(NodeService):
                 raise ValueError(f"bytes {off}..{off + n} of buffer {i} are not published")
         r.snapshot, r.step, r.ids = str(m["snapshot"]), int(m["step"]), ids
         r.leaves, r.chunks = leaves, chunks
+        self.fetched.clear()  # what the restore before this snapshot fetched
         self._generation += 1
         self._published.notify_all()
         return {"ok": True}

@@ -16,11 +16,13 @@ import time
 from typing import Any
 
 from ciuic.format.chunks import HEADER_BYTES as SKEW
+from ciuic.supervisor.fetched import Fetched
 from ciuic.supervisor.peers import (
     ChunkHost,
     Node,
     PeerClient,
     PeerError,
+    PeerReader,
     PeerServer,
     Receiving,
     push,
@@ -51,6 +53,9 @@ class NodeService(ChunkHost):
         self._nodes: list[Node] = []
         self._me: int | None = None
         self.replicas = Replicas(self._room, self._lock)
+        #: chunks this node's ranks read from other nodes, fetched once for all of them
+        self.fetched = Fetched(self._lock, self._room)
+        self._reader: PeerReader | None = None  # this start's reads of other nodes' memory
         self._generation = 0  # bumped whenever what the ranks published changes
         self._published = threading.Condition(self._lock)
         #: (node, chunks, bytes) of the last replicas sent (bounded: a supervisor lives long)
@@ -85,10 +90,16 @@ class NodeService(ChunkHost):
 
     def _join(self, m: dict[str, Any]) -> dict[str, Any]:
         """The job's nodes, this one's group rank and this start's token, from a rank."""
-        self._token = str(m["token"])
-        self._me = int(m["me"])
-        self._nodes = sorted({Node(int(g), str(h), int(p)) for g, h, p in m["nodes"]},
-                             key=lambda n: n.rank)
+        token, me = str(m["token"]), int(m["me"])
+        nodes = sorted({Node(int(g), str(h), int(p)) for g, h, p in m["nodes"]},
+                       key=lambda n: n.rank)
+        if (token, me, nodes) != (self._token, self._me, self._nodes):
+            # a new start (the lock is held): its reads use its token
+            if self._reader is not None:
+                self._reader.close()
+            self._reader = None
+            self.fetched.clear()
+        self._token, self._me, self._nodes = token, me, nodes
         self.replicas.keys = [bytes.fromhex(k) for k in m.get("keys", [])]
         if not self._pinging and len(self._nodes) > 1:
             self._pinging = True
@@ -99,9 +110,33 @@ class NodeService(ChunkHost):
     def _close_nodes(self) -> None:
         with self._lock:
             self._published.notify_all()
+            self.fetched.clear()
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
         if self._server is not None:
             self._server.close()
         self.replicas.close()
+
+    def _fetch(self, m: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """A rank's ``fetch {d, n}``: the descriptor of a chunk this node lacks, fetched from
+        the node that holds it once for all of this node's ranks (:mod:`~ciuic.supervisor.
+        fetched`); ``fetched``: whether this request made it cross the network. The caller
+        closes the descriptor once sent."""
+        d, n = str(m["d"]), int(m["n"])
+        if n <= 0:
+            raise ValueError(f"a chunk of {n} bytes")
+        with self._lock:
+            reader = self._reader
+            if reader is None and self._token is not None and self._me is not None \
+                    and len(self._nodes) > 1:
+                reader = self._reader = PeerReader(self._nodes, self._me, self._token)
+        if reader is None:
+            return {"ok": False, "why": "this node knows no other nodes"}, []
+        got = self.fetched.get(d, n, reader.read)
+        if got is None:
+            return {"ok": False, "why": "no other node holds it"}, []
+        return {"ok": True, "fetched": got[1]}, [got[0]]
 
     def _replica_index(self) -> tuple[list[list[Any]], list[list[int]]]:
         """The complete replicas' chunks as the ranks' index lists them: [digest, bytes,
@@ -133,13 +168,17 @@ class NodeService(ChunkHost):
     def _room(self, nbytes: int) -> bool:
         if self.budget is None or self.released is not None:
             return False
-        return self._ranks_held() + self.replicas.held() + nbytes <= self.budget
+        return (self._ranks_held() + self.replicas.held() + self.fetched.held() + nbytes
+                <= self.budget)
 
     def _make_room(self, nbytes: int) -> None:
         """Before a rank's buffer of ``nbytes``: drop the other nodes' replicas when they
         keep it from fitting ``--host-memory`` (this node's own copy comes first; call with
         the lock held)."""
         assert self.budget is not None
+        if self._ranks_held() + self.replicas.held() + self.fetched.held() + nbytes \
+                > self.budget:
+            self.fetched.clear()  # they served a restore: the node's own copy comes first
         theirs = self.replicas.held()
         if theirs and self._ranks_held() + theirs + nbytes > self.budget:
             self.replicas.clear()

@@ -210,6 +210,10 @@ class PeerServer:
         self._sock = socket.create_server((bind, port), reuse_port=False)
         self.port = int(self._sock.getsockname()[1])
         self._closed = False
+        #: chunks and bytes served to other nodes (``get``), since the server started
+        self.served = 0
+        self.served_bytes = 0
+        self._count = threading.Lock()
         threading.Thread(target=self._accept, name="ciuic-peers", daemon=True).start()
 
     def close(self) -> None:
@@ -269,6 +273,8 @@ class PeerServer:
                     _sendfile(conn, at[0], at[1], n)
                 finally:
                     os.close(at[0])
+                with self._count:
+                    self.served, self.served_bytes = self.served + 1, self.served_bytes + n
         elif op == "put_begin":
             if receiving is not None:
                 receiving.abandon()
