@@ -457,3 +457,52 @@ def test_the_servers_snapshot_listing_says_where_runs_stopped_and_why(tmp_path: 
     assert any(re.search(r"then run \w+ stopped at step [56]: signal: SIGKILL \(killed\)", n)
                for n in notes), notes
     assert any(re.search(r"resumed by run \w+ \(restart 1 by ciuic run\)", n) for n in notes)
+
+
+def test_a_generations_cause_that_arrives_after_the_next_one_started_is_said_then(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun restarted the workers (new processes in the heartbeat slots) before this
+    node's ciuic run had any cause for the stop: it says the cause is not known yet, and names
+    it once torchrun's line for the failed worker arrives (it said 'not known' for good)."""
+    import logging
+
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.holder import Holder
+
+    holder = Holder(budget=None)
+    sup = Supervisor(Options(["true"]))
+    start = Start(0, time.monotonic())
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(4)]
+
+    def poll(pids: list[int]) -> None:
+        for slot, pid in enumerate(pids):
+            beat.Beacon(holder.beats, slot, slot, pid).step(6)
+        beats = beat.read(holder.beats)
+        sup._note(start, beats)
+        alive = {w.pid for w in workers if w.poll() is None}
+        sup._workers(start, beats, alive, holder, time.monotonic())
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+            poll([workers[0].pid, workers[1].pid])  # generation 1
+            first = workers[0].pid
+            for w in workers[:2]:
+                w.kill()
+                w.wait()
+            poll([workers[2].pid, workers[3].pid])  # generation 2, before any cause
+            said = caplog.text
+            assert ("the workers stopped at step 6: the cause is not known yet" in said
+                    and "(generation 2)" in said), said
+            assert holder.restart is not None and not holder.restart["cause"]
+            sup._failed.append(f"[default0]: failed (exitcode: -9) local_rank: 0 (pid: {first})")
+            poll([workers[2].pid, workers[3].pid])
+        assert ("the cause of the workers' stop at step 6 (the end of generation 1): local "
+                "rank 0: SIGKILL (killed)" in caplog.text), caplog.text
+        assert holder.restart["cause"] == "local rank 0: SIGKILL (killed)"
+        assert start.unknown is None
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        holder.close()

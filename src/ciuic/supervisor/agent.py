@@ -50,6 +50,8 @@ from ciuic.words import counted
 
 log = logging.getLogger("ciuic.run")
 TAIL_LINES = 60
+#: how long a generation's cause not known when it was said is waited for
+CAUSE_WAIT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -98,6 +100,10 @@ class Start:
     hang_cause: Cause | None = None  # a hung worker stopped alone (several nodes), not told
     stopping: set[int] = field(default_factory=set)  # workers stopped for a hang
     hang_pending: float | None = None  # when a hang on several nodes was first detected
+    #: a generation's end said before its cause was known: (its step, its number, when said);
+    #: the cause is said when it arrives (a torchrun line, another node's word), or that it
+    #: is still not known after ``CAUSE_WAIT_S``
+    unknown: tuple[int | None, int, float] | None = None
 
 
 def _pdeathsig() -> None:
@@ -118,6 +124,9 @@ class Supervisor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._wake = threading.Event()
         self.holder: Holder | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: torchrun's lines for failed workers not yet told in a cause (_say_stopped)
+        self._failed: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -215,9 +224,8 @@ class Supervisor:
         holder.clear_beats()
         holder.restart = None  # this start's workers learn it from their environment
         oom = OomWatch()
-        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        #: torchrun's lines for failed workers not yet told in a cause (_say_stopped)
-        self._failed: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._tail = collections.deque(maxlen=TAIL_LINES)
+        self._failed = collections.deque(maxlen=TAIL_LINES)
         try:
             proc = subprocess.Popen(o.command, env=self._env(), stderr=subprocess.PIPE,
                                     start_new_session=True, preexec_fn=_pdeathsig)
@@ -283,13 +291,21 @@ class Supervisor:
         generation, naming the rank or the node; and stop this node's workers when another
         node's ciuic run has not answered for ``--peer-timeout`` (a link down: their
         collectives would wait far longer), so that torchrun restarts them."""
+        found: tuple[str, str] | None = None
+
+        def cause() -> tuple[str, str]:  # the first cause: read once a poll at most
+            nonlocal found
+            if found is None:
+                found = self._worker_cause(beats, alive, holder, now)
+            return found
+
         for b in beats:
             pid, gen = start.workers.get(b.slot, (None, 0))
             if b.pid == pid or b.pid not in alive:
                 continue
             if gen == start.generation and pid is not None:  # the next generation's first
                 if not start.said:
-                    self._say_stopped(start, beats, alive, holder, now)
+                    self._say_stopped(start, holder, now, cause())
                 start.generation += 1
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
@@ -297,6 +313,8 @@ class Supervisor:
         # (a worker whose manager closed is done, not gone: its job finished)
         gone = [b for b in beats if start.workers.get(b.slot, (None,))[0] == b.pid
                 and b.busy != beat.BUSY[7] and b.pid not in alive]
+        if start.unknown is not None and not gone:  # (a cause now may be this generation's)
+            self._late_cause(start, holder, now, cause())
         if gone and start.gone_since is None:
             start.gone_since = now
         if gone and not start.said:
@@ -304,13 +322,12 @@ class Supervisor:
             # emergency snapshot: seconds); a worker that exited with a status may have failed
             # in a collective because of another node's loss: give that node's cause (its ping
             # answer, each second) time to arrive
-            _, kind = self._worker_cause(beats, alive, holder, now)
-            kind = "signal" if start.hang_cause is not None else kind
+            kind = "signal" if start.hang_cause is not None else cause()[1]
             waited = now - (start.gone_since or now)
             alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
             if (kind in ("node", "signal", "peer") or (kind == "exit" and (alone or waited >= 8))
                     or waited >= 30):
-                self._say_stopped(start, beats, alive, holder, now)
+                self._say_stopped(start, holder, now, cause())
                 self._failed.clear()  # told: the next generation's failures are its own
         for rank, (node, why, since) in list(holder.trouble.items()):
             live = [b.pid for b in beats if b.pid in alive]
@@ -345,22 +362,52 @@ class Supervisor:
         mine = start.hang_seen_s or 0.0  # (as of now: _hung measured it this poll)
         return silent <= mine + 0.05 or pending >= patience + 1.5
 
-    def _say_stopped(self, start: Start, beats: list[beat.Beat], alive: set[int], holder: Holder,
-                     now: float) -> None:
+    def _say_stopped(self, start: Start, holder: Holder, now: float,
+                     found: tuple[str, str]) -> None:
+        """Say why the current generation's workers stopped (``found``: the first cause and
+        its kind, from :meth:`_worker_cause`)."""
         start.said = True
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
-        cause, kind = self._worker_cause(beats, alive, holder, now)
+        cause, kind = found
         if start.hang_cause is not None:  # this node stopped a hung worker: that is the cause
             cause, kind, start.hang_cause = str(start.hang_cause), "signal", None
-        if kind in ("signal", "exit", "none"):  # this node's: the others name it too (ping)
+        if kind in ("signal", "exit", "none") and cause:  # this node's: the others name it
             holder.cause = (cause, now)
         # the next generation's workers learn it when they attach (manager/supervised.Restart)
         holder.restart = {"number": start.number + start.generation, "cause": cause,
                           "stopped_at": start.step, "pids": sorted(
                               pid for pid, gen in start.workers.values()
                               if gen == start.generation)}
+        if not cause:  # the next generation started first: it is said when it arrives
+            start.unknown = (start.step, start.generation, now)
+            cause = ("the cause is not known yet (no failed worker in torchrun's output, no "
+                     "dead worker seen, no word from another node)")
         log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
                     "(generation %d)", where, cause, start.generation + 1)
+
+    def _late_cause(self, start: Start, holder: Holder, now: float,
+                    found: tuple[str, str]) -> None:
+        """The cause of a generation's end that was not known when it was said, once it is
+        (torchrun's line for a failed worker, another node gone or its word), or that it
+        still is not after ``CAUSE_WAIT_S``."""
+        assert start.unknown is not None
+        step, generation, since = start.unknown
+        where = f"at step {step}" if step is not None else "before its first step()"
+        cause, kind = found
+        if kind in ("node", "signal", "peer", "exit"):
+            start.unknown = None
+            self._failed.clear()  # told
+            if holder.restart is not None and not holder.restart.get("cause"):
+                holder.restart["cause"] = cause  # for the workers that attach from now on
+            if kind in ("signal", "exit"):
+                holder.cause = (cause, now)
+            log.warning("ciuic run: the cause of the workers' stop %s (the end of generation "
+                        "%d): %s", where, generation, cause)
+        elif now - since >= CAUSE_WAIT_S:
+            start.unknown = None
+            log.warning("ciuic run: the cause of the workers' stop %s (the end of generation "
+                        "%d) is still not known after %g s: torchrun named no failed worker, "
+                        "and no other node named a cause", where, generation, CAUSE_WAIT_S)
 
     def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float
                       ) -> tuple[str, str]:
@@ -368,7 +415,8 @@ class Supervisor:
         within the last 30 s ("node"), else a worker of this node killed by a signal
         ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it lost;
         this node's workers then failed in a collective), else a worker's exit status from
-        torchrun's line ("exit"), else the workers that are gone ("none")."""
+        torchrun's line ("exit"), else the workers that are gone ("none"; the text is
+        empty where none is: not known)."""
         for _, (node, why, since) in sorted(holder.trouble.items()):
             if now - since < 30.0:
                 return f"node {node.rank} ({node.host}): {why}", "node"
@@ -386,7 +434,7 @@ class Supervisor:
         if named:
             return f"{named[0][0]}: exit status {named[0][1]}", "exit"
         dead = [b for b in beats if b.pid not in alive]
-        return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead) or "not known", "none"
+        return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead), "none"
 
     def _note(self, start: Start, beats: list[beat.Beat]) -> None:
         for b in beats:
