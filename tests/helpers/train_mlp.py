@@ -46,6 +46,35 @@ def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object, obje
     return model, optimizer, scheduler, None, TensorDataset(x, y)
 
 
+class Batches:
+    """The loader's batches, epoch after epoch."""
+
+    def __init__(self, loader: DataLoader[tuple[torch.Tensor, ...]]) -> None:
+        self.loader = loader
+        self.it = iter(loader)
+
+    def next(self) -> tuple[torch.Tensor, ...]:
+        try:
+            return next(self.it)  # type: ignore[no-any-return]
+        except StopIteration:
+            self.it = iter(self.loader)
+            return next(self.it)  # type: ignore[no-any-return]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+               batches: Batches) -> float:
+    """One step of the test job; returns its loss."""
+    x, y = batches.next()
+    loss = nn.functional.cross_entropy(model(x), y)
+    # exercise every RNG that a resume must restore
+    noise = float(np.random.rand()) * 1e-3 + torch.rand(()).item() * 1e-3
+    optimizer.zero_grad()
+    (loss + noise).backward()
+    optimizer.step()
+    scheduler.step()  # type: ignore[attr-defined]
+    return float(loss.item())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -74,23 +103,12 @@ def main() -> int:
             last = manager.restore(model, optimizer, scheduler=scheduler, sampler=sampler)
             start = 0 if last is None else last + 1
     print(f"START {start}", flush=True)
-    batches = iter(loader)
+    batches = Batches(loader)
     for step in range(start, a.steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
-        loss = nn.functional.cross_entropy(model(x), y)
-        # exercise every RNG that a resume must restore
-        noise = float(np.random.rand()) * 1e-3 + torch.rand(()).item() * 1e-3
-        optimizer.zero_grad()
-        (loss + noise).backward()
-        optimizer.step()
-        scheduler.step()
+        loss = train_step(model, optimizer, scheduler, batches)
         if manager is not None:
             manager.step(step, model, optimizer, scheduler=scheduler, sampler=sampler,
-                         loss=loss.item())
+                         loss=loss)
         print(f"STEP {step}", flush=True)
         if a.sleep_in_step:
             time.sleep(a.sleep_in_step)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -33,21 +34,14 @@ from urllib.parse import parse_qs, urlparse
 
 from ciuic import knobs
 from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.store import s3dialect
 from ciuic.store.base import Data, Store, check_key, check_prefix, joined, size
 from ciuic.threads import Pools
 from ciuic.words import listed
 
 T = TypeVar("T")
 
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
-           "AllAccessDisabled", "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _CONDITIONAL_MODES = ("auto", "always", "never")
-
-
-def _code(e: Exception) -> str:
-    response = getattr(e, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
 
 
 class S3Store(Store):
@@ -106,6 +100,8 @@ class S3Store(Store):
         self._conditional_ok: bool | None = {"always": True, "never": False}.get(
             self.conditional)
         self._fallback_lock = threading.Lock()
+        #: whether the server accepted these credentials once (s3dialect.translate)
+        self._accepted = False
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -117,32 +113,30 @@ class S3Store(Store):
         return f"{base}/{key}" if key else base
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one boto3 call and turn its failures into ciuic's errors."""
+        """Run one boto3 call and turn its failures into ciuic's errors (s3dialect.translate
+        names the real cause of a misleading answer)."""
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+        started = time.monotonic()
         try:
-            return fn()
+            result = fn()
         except ClientError as e:
-            code = _code(e)
-            where = self.location(key)
-            if code in _NOT_FOUND:
-                raise ObjectNotFound(f"{where} not found") from None
-            if code == "NoSuchBucket":
-                raise StoreAccessError(
-                    f"bucket {self.bucket!r} does not exist at {self._endpoint}: create it "
-                    f"(for example `aws s3 mb s3://{self.bucket}`) or fix the store URL") from e
-            if code in _ACCESS:
-                raise StoreAccessError(
-                    f"{what} {where} was refused ({code}): check the AWS credentials "
-                    "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) and the bucket's "
-                    "policy") from e
-            raise StoreError(f"{what} {where} failed: {code or e}") from e
+            error = s3dialect.translate(
+                e, what=what, where=self.location(key), endpoint=self._endpoint,
+                bucket=self.bucket, elapsed_s=time.monotonic() - started,
+                accepted=self._accepted)
+            if isinstance(error, ObjectNotFound):
+                self._accepted = True  # a 404 is an authenticated answer
+                raise error from None
+            raise error from e
         except NoCredentialsError as e:
             raise StoreAccessError(
                 f"{what} {self.location(key)}: no AWS credentials found; set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from e
         except BotoCoreError as e:
             raise StoreError(f"{what} {self.location(key)} failed at {self._endpoint}: {e}") from e
+        self._accepted = True
+        return result
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -176,7 +170,7 @@ class S3Store(Store):
         blob = memoryview(joined(data))
         name = self._key(key)
         upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
-        step = self._part_bytes
+        step = s3dialect.part_bytes(self._part_bytes, nbytes)
 
         def send(start: int) -> dict[str, Any]:
             number = start // step + 1
@@ -214,7 +208,7 @@ class S3Store(Store):
             self._upload(key, data, conditional=True)
             return True
         except ClientError as e:
-            code = _code(e)
+            code = s3dialect.code(e)
             if code in ("PreconditionFailed", "412"):
                 return False
             if code == "ConditionalRequestConflict":  # a racing create: exactly one wins
@@ -266,7 +260,7 @@ class S3Store(Store):
                                            Range=f"bytes=0-{self._part_bytes - 1}")
             total = int(str(resp["ContentRange"]).rpartition("/")[2])
         except ClientError as e:
-            if _code(e) != "InvalidRange":
+            if s3dialect.code(e) != "InvalidRange":
                 raise
             resp, total = self._client.get_object(Bucket=self.bucket, Key=name), 0
         except KeyError:  # a server that ignored the Range header: the whole object came

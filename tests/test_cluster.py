@@ -1,0 +1,276 @@
+"""ciuic on a real Ceph cluster (tests/cluster.py: 1 monitor, 3 OSDs, pools of 3 replicas with
+min_size 2, radosgw for S3), started once for the module: the store contract, the conditional
+commit and a race of two writer processes, the S3 dialect, and storage nodes failing under a
+training job (slow). Skipped, with the reason, where Ceph is not installed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ciuic import knobs
+from ciuic.errors import StoreAccessError, StoreError
+from ciuic.store import Store, open_store
+from ciuic.store.conformance import StoreConformance
+from ciuic.store.retry import RetryingStore
+from ciuic.store.s3 import S3Store
+from tests import cluster
+from tests.cluster import Cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ceph() -> Iterator[Cluster]:
+    try:
+        cl = cluster.start()
+    except cluster.ClusterUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in cl.env.items():
+                mp.setenv(k, v)
+            yield cl
+    finally:
+        cl.close()
+
+
+@pytest.fixture
+def ceph_url(ceph: Cluster) -> str:
+    return ceph.url(ceph.make_bucket())
+
+
+@pytest.fixture
+def healed(ceph: Cluster) -> Iterator[Cluster]:
+    """The cluster, with every OSD started again and every placement group clean afterwards."""
+    try:
+        yield ceph
+    finally:
+        for i in ceph.down():
+            ceph.start_osd(i)
+        ceph.wait_clean()
+
+
+class TestCephStore(StoreConformance):
+    @pytest.fixture
+    def store(self, ceph_url: str) -> Iterator[Store]:
+        with open_store(ceph_url) as s:
+            yield s
+
+
+# -- the commit ------------------------------------------------------------------------------
+
+RACER = """
+import sys, time
+from ciuic.store import open_store
+url, me, start, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+s = open_store(url)
+assert s._supports_conditional(), "no conditional PUT"
+time.sleep(max(0.0, start - time.time()))
+for i in range(n):
+    print(i, s.create(f"jobs/p/j/manifests/{i:03d}.json", f"writer {me}".encode()), flush=True)
+"""
+
+
+def test_two_writer_processes_racing_for_one_job_never_both_commit(ceph_url: str) -> None:
+    """Two processes, each its own connections, create the same 40 manifests at the same
+    instant: each manifest has exactly one creator, and holds that creator's bytes."""
+    s = open_store(ceph_url)
+    assert isinstance(s, S3Store) and s.conditional == "auto"
+    assert s._supports_conditional() is True  # radosgw honours If-None-Match: * (412)
+    n, start = 40, time.time() + 4
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, ceph_url, me, str(start), str(n)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for me in ("a", "b")]
+    outs = {me: p.communicate(timeout=120) for me, p in zip("ab", procs, strict=True)}
+    assert all(p.returncode == 0 for p in procs), outs
+    won = {me: {int(line.split()[0]) for line in out.splitlines() if line.endswith("True")}
+           for me, (out, _) in outs.items()}
+    assert won["a"].isdisjoint(won["b"]) and won["a"] | won["b"] == set(range(n)), won
+    for i in range(n):
+        winner = "a" if i in won["a"] else "b"
+        assert s.get(f"jobs/p/j/manifests/{i:03d}.json") == f"writer {winner}".encode()
+
+
+# -- the dialect -----------------------------------------------------------------------------
+
+def test_a_part_size_below_s3s_minimum_is_raised_to_it(ceph_url: str) -> None:
+    """radosgw refuses a multipart upload whose parts are under 5 MiB (EntityTooSmall), as AWS
+    does; moto accepted them. A 1 MiB part knob is raised to 5 MiB."""
+    blob = os.urandom(11 << 20)
+    with knobs.override(s3_multipart_threshold_bytes=1 << 20, s3_part_bytes=1 << 20):
+        s = open_store(ceph_url)
+        s.put("big/one", blob)
+        assert s.get("big/one") == blob
+        assert s.create("big/two", blob) is True and s.create("big/two", b"x") is False
+    assert isinstance(s, S3Store)
+    head = s._client.head_object(Bucket=s.bucket, Key="ciuic/big/one")
+    assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 1 MiB
+
+
+def test_listing_beyond_one_page_is_whole_and_sorted(ceph_url: str) -> None:
+    """radosgw answers at most 1,000 keys a page, as AWS does."""
+    s = open_store(ceph_url)
+    keys = [f"chunks/{i % 7:02x}/{i:05d}" for i in range(1100)]
+    s.put_many([(k, b"") for k in keys])
+    assert list(s.list("chunks/")) == sorted(keys)
+    assert s.children("chunks/") == [f"{i:02x}" for i in range(7)]
+
+
+def test_bad_credentials_are_still_a_credentials_error(ceph: Cluster, ceph_url: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A healthy cluster's refusal comes at once and is what it says."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    s = RetryingStore(open_store(ceph_url), attempts=3, backoff_s=5)
+    with pytest.raises(StoreAccessError, match=r"SignatureDoesNotMatch|refused"):
+        s.put("k", b"1")  # not retried: three attempts with 5 s backoff would take 15 s
+
+
+# -- storage nodes fail ----------------------------------------------------------------------
+
+def _train(url: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tests.cluster_train", "--store", url, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={k: v for k, v in os.environ.items() if k != "CIUIC_HOME"})
+
+
+def _wait_for(proc: subprocess.Popen[str], pattern: str, seen: list[str],
+              timeout: float = 240) -> None:
+    """Read the job's standard output into ``seen`` until a line matches ``pattern``."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the job ended before {pattern!r}: {proc.wait()} "
+                                 f"{proc.stderr.read() if proc.stderr else ''}")
+        seen.append(line.rstrip("\n"))
+        if re.fullmatch(pattern, seen[-1]):
+            return
+    raise AssertionError(f"no {pattern!r} within {timeout:g} s")
+
+
+def _states(lines: list[str]) -> dict[int, str]:
+    return {int(s): d for _, s, d in (ln.split() for ln in lines if ln.startswith("STATE "))}
+
+
+def _restores_bit_exact(url: str, states: dict[int, str]) -> list[int]:
+    """Restore every committed snapshot of the job into a fresh model; compare each with the
+    state the job had at its step. Returns the committed steps."""
+    from ciuic import ResumableSampler, SnapshotManager
+    from ciuic.chain.repo import Repository
+    from tests.helpers.train_mlp import build, digest_state
+
+    repo = Repository.open(url)
+    steps = sorted(repo.read_manifest("tests", "mlp", sid).step
+                   for sid in repo.manifest_ids("tests", "mlp"))
+    repo.close()
+    assert steps and set(steps) <= set(states), (steps, sorted(states))
+    for step in steps:
+        model, optimizer, scheduler, _, dataset = build(seed=99)
+        with SnapshotManager("tests", job="restorer", store=url, handle_signals=False) as m:
+            assert m.restore(model, optimizer, scheduler=scheduler,
+                             sampler=ResumableSampler(dataset), snapshot=f"mlp@{step}") == step
+        assert digest_state(model, optimizer) == states[step], f"step {step} differs"
+    return steps
+
+
+def _verify_deep(url: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "ciuic", "--store", url, "verify", "--deep"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_training_goes_on_while_a_storage_node_is_killed_and_brought_back(
+        healed: Cluster, ceph_url: str, reference_digest: str) -> None:
+    """Snapshots every 2 steps; OSD 2 killed (SIGKILL) at step 8 and started again at step 24:
+    the job ends with the uninterrupted job's state, every committed snapshot restores bit for
+    bit (also with another OSD down), `ciuic verify --deep` passes."""
+    seen: list[str] = []
+    job = _train(ceph_url, "--sleep", "0.3")
+    _wait_for(job, "STEP 8", seen)
+    healed.kill_osd(2)
+    _wait_for(job, "STEP 24", seen)
+    healed.start_osd(2)
+    out, err = job.communicate(timeout=300)
+    seen += out.splitlines()
+    assert job.returncode == 0, err
+    assert f"DIGEST {reference_digest}" in seen
+    assert "failed" not in err, err  # one node down: no snapshot failed
+    healed.wait_clean()
+    healed.kill_osd(0)  # restore with one node down
+    steps = _restores_bit_exact(ceph_url, _states(seen))
+    assert len(steps) >= 15 and max(steps) == 39, steps
+    resumed = _train(ceph_url, "--steps", "44")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "START 40" in out.splitlines(), err
+    assert "verified" in _verify_deep(ceph_url).lower()
+
+
+@pytest.mark.slow
+def test_with_too_few_nodes_a_snapshot_fails_clearly_and_training_goes_on(
+        healed: Cluster, ceph_url: str) -> None:
+    """Two of three OSDs killed: the pools are below min_size. radosgw answers after `rados osd
+    op timeout` with 403 InvalidAccessKeyId / 405: the snapshot fails within the retry bounds
+    with a message that names the store and the real cause, training goes on, and once the
+    OSDs are back the next snapshot commits."""
+    seen: list[str] = []
+    stop = Path(healed.base) / f"stop-{os.getpid()}"
+    job = _train(ceph_url, "--sleep", "0.2", "--steps", "100000", "--until", str(stop),
+                 "--on-busy", "skip", "--attempts", "2", "--timeout", "60")
+    _wait_for(job, "STEP 6", seen)
+    healed.kill_osd(1)
+    healed.kill_osd(2)
+    killed_at = int(seen[-1].split()[1])
+    assert job.stderr is not None
+    failure = ""
+    deadline = time.monotonic() + 400
+    while not failure and time.monotonic() < deadline:
+        line = job.stderr.readline()
+        assert line, "the job ended"
+        if "snapshot at step" in line and "failed" in line:
+            failure = line
+    assert failure, "no snapshot failed"
+    assert "s3://" in failure and "min_size" in failure and "ceph health" in failure, failure
+    healed.start_osd(1)
+    healed.start_osd(2)
+    time.sleep(8)  # a few snapshots' worth of steps with every OSD back
+    stop.touch()
+    out, err = job.communicate(timeout=300)
+    seen += out.splitlines()
+    assert job.returncode == 0, err
+    steps_run = [int(ln.split()[1]) for ln in seen if ln.startswith("STEP ")]
+    assert max(steps_run) > killed_at + 20  # trained on through the outage
+    steps = _restores_bit_exact(ceph_url, _states(seen))
+    assert max(steps) == max(steps_run) and any(s > killed_at for s in steps), steps
+
+
+@pytest.mark.slow
+def test_a_read_below_min_size_names_the_cause_not_the_credentials(healed: Cluster,
+                                                                    ceph_url: str) -> None:
+    """The same store, before and after two OSDs die: a GET answered 405, a HEAD 403 and a PUT
+    403 InvalidAccessKeyId become transient errors that say what happened; a fresh client,
+    which never saw its credentials accepted, is told the same from how long the answer took."""
+    s = open_store(ceph_url)
+    s.put("k", b"1")
+    healed.kill_osd(1)
+    healed.kill_osd(2)
+    for call in (lambda: s.get("k"), lambda: s.has("k"), lambda: s.put("k2", b"2")):
+        with pytest.raises(StoreError) as e:
+            call()
+        assert not isinstance(e.value, StoreAccessError), e.value
+        assert "credentials are not the cause" in str(e.value) and "min_size" in str(e.value)
+    fresh = open_store(ceph_url)
+    with pytest.raises(StoreError) as e:
+        fresh.get("k")
+    assert not isinstance(e.value, StoreAccessError), e.value
+    assert "where a real refusal comes at once" in str(e.value)
