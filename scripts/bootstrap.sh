@@ -22,5 +22,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     .venv/bin/python -m pip install --quiet "torchtitan==0.3.0"
   fi
+  # megatron-core for tests/test_megatron.py (one 2.6 MB wheel, ~2 s; its deps are installed
+  # already); psutil, which it does not declare, or its dist_checkpointing.save hangs
+  .venv/bin/python -m pip install --quiet "megatron-core==0.16.1" psutil
   echo "$want" > "$stamp"
 fi
