@@ -114,6 +114,17 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
+def fresh(folder: Path) -> None:
+    """Before a run: exit where simulated nodes cannot be made, remove what a crashed run left
+    (its netns, its bridge), and empty ``folder``."""
+    why = unavailable()
+    if why:
+        sys.exit(why)
+    remove_leftovers()
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+
+
 def wait_for(what: Any, timeout: float, why: str) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -326,12 +337,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" /
                    f"recovery_nodes-{time.strftime('%F')}.json")
     a = p.parse_args()
-    why = unavailable()
-    if why:
-        sys.exit(why)
-    remove_leftovers()
-    shutil.rmtree(a.dir, ignore_errors=True)
-    a.dir.mkdir(parents=True)
+    fresh(a.dir)
     meta: dict[str, Any] = {"machine": machine(), "when": time.strftime("%F %T %Z"),
                             "ciuic": ciuic_source(),
                             "gib": a.gib, "every": a.every, "step_sleep": a.step_sleep,

@@ -72,6 +72,11 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     ciuic run --hang-timeout 300 -- torchrun --nproc-per-node 8 train.py
     On several nodes, one on each (docs/multinode.md):
     ciuic run -- torchrun --nnodes 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 ...
+
+    A torchrun of several nodes with the c10d rendezvous gets --rdzv-conf
+    keep_alive_interval=2,keep_alive_max_attempt=3 added (torch's default is 5 and 3): the
+    survivors of a lost node restart after about 6 s of its silence instead of 15 s. A
+    --rdzv-conf that sets either is left as it is.
     """
     from ciuic.supervisor.agent import Options, Supervisor
 
@@ -100,6 +105,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     advice = torchrun_advice(command)
     if advice:
         log.warning("ciuic run: %s", advice)
+    command, added = with_keep_alive(command)
+    if added:
+        log.info("ciuic run: %s", added)
     options = Options(command, max_restarts=max_restarts,
                       hang_timeout_s=hang_timeout or None,
                       startup_timeout_s=startup_timeout or None, grace_s=grace,
@@ -108,13 +116,75 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     raise click.exceptions.Exit(Supervisor(options).run())
 
 
+#: torch's c10d rendezvous keeps a lost node's place until its keep-alive lapses, interval x
+#: attempts (torch's default 5 s x 3): the survivors wait that long before they restart. What
+#: ``ciuic run`` passes in ``--rdzv-conf`` where a torchrun of several nodes sets neither
+#: (docs/multinode.md, "The rendezvous keep-alive": measured, and why this margin).
+KEEP_ALIVE = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+
+
+def _torchrun_at(command: list[str]) -> int | None:
+    """Where torchrun is in ``command`` (``torchrun`` or ``-m torch.distributed.run``)."""
+    for i, arg in enumerate(command):
+        if arg.endswith("torchrun") or arg == "torch.distributed.run":
+            return i
+    return None
+
+
+def _option(args: list[str], name: str) -> tuple[int, str] | None:
+    """(index, value) of the last ``--name VALUE`` / ``--name=VALUE`` (or its snake_case
+    spelling) in torchrun's own arguments ``args`` (those before the training script)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg.endswith(".py") and not arg.startswith("-"):
+            break  # the training script: what follows is its own
+        for spelled in (name, "--" + name[2:].replace("-", "_")):
+            if arg == spelled and i + 1 < len(args):
+                found = (i + 1, args[i + 1])
+            elif arg.startswith(spelled + "="):
+                found = (i, arg.split("=", 1)[1])
+    return found
+
+
+def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
+    """``command`` with :data:`KEEP_ALIVE` added to its ``--rdzv-conf`` where it runs torchrun
+    on several nodes with the c10d rendezvous and sets neither of the two itself (a value the
+    user gave is never changed), and a line saying what was added (None: nothing)."""
+    at = _torchrun_at(command)
+    if at is None:
+        return command, None
+    args = command[at + 1:]
+    nnodes = (_option(args, "--nnodes") or (0, "1"))[1]
+    several = nnodes.split(":")[-1].isdigit() and int(nnodes.split(":")[-1]) > 1
+    backend = (_option(args, "--rdzv-backend") or (0, "static"))[1]
+    if not several or backend != "c10d":
+        return command, None
+    conf = _option(args, "--rdzv-conf")
+    given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
+                                         if "=" in kv)
+    if set(KEEP_ALIVE) & set(given):
+        return command, None
+    added = ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items())
+    if conf is None:
+        args = ["--rdzv-conf", added, *args]
+    else:
+        i, value = conf
+        joined = f"{value},{added}" if value else added
+        args[i] = joined if args[i] == value else args[i].split("=", 1)[0] + "=" + joined
+    lapse = int(KEEP_ALIVE["keep_alive_interval"]) * int(KEEP_ALIVE["keep_alive_max_attempt"])
+    said = (f"torchrun's c10d rendezvous gets --rdzv-conf {added}: a lost node's place is "
+            f"freed after {lapse} s without its keep-alive instead of torch's 15 s (set either "
+            "in --rdzv-conf to choose)")
+    return [*command[:at + 1], *args], said
+
+
 def torchrun_advice(command: list[str]) -> str | None:
     """What to change in a torchrun command of several nodes, or None: without restarts of its
     own, torchrun gives up at the first failed worker and every node's torchrun is started
     again, a new rendezvous from scratch, where it could restart its workers in place."""
     def value(name: str) -> str | None:
         for i, arg in enumerate(command):
-            for spelled in (name, name.replace("-", "_")):
+            for spelled in (name, "--" + name[2:].replace("-", "_")):
                 if arg == spelled and i + 1 < len(command):
                     return command[i + 1]
                 if arg.startswith(spelled + "="):
