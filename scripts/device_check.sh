@@ -21,7 +21,8 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD
     nproc; free -g; df -hT /tmp "$PWD"
 } 2>&1 | tee "$OUT/machine.txt"
 python3 -m pytest -q -p no:cacheprovider --timeout 240 tests/test_cuda.py tests/test_engine.py \
-    tests/test_overlap.py tests/test_floatcodec.py tests/test_unchanged.py 2>&1 | tee "$OUT/tests.log"
+    tests/test_overlap.py tests/test_floatcodec.py tests/test_unchanged.py \
+    tests/test_cuda_megatron.py 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 BENCH_DIR=${BENCH_DIR:-$PWD/.bench-tmp}  # on the checkout's disk, not a RAM /tmp
 PYTHONWARNINGS=ignore python3 bench/run.py --state h200 --rounds "${BENCH_ROUNDS:-3}" --deadline-s "${BENCH_DEADLINE_S:-240}" \

@@ -8,6 +8,8 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 PY=.venv/bin/python
 # what ciuic needs beyond what the device image has (torch, numpy, click, rich, pytest, ...)
 names="blake3 zstandard SQLAlchemy alembic Mako cryptography cffi pycparser"
+# tests/test_cuda_megatron.py: megatron-core (and psutil, which it does not declare), safetensors
+names="$names megatron-core psutil safetensors"
 rm -rf .whl && mkdir -p .whl
 for name in $names; do
     version=$($PY -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')

@@ -39,7 +39,7 @@ def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProce
 
 
 #: what ciuic's integrations resume: each says "Resuming the WHAT after global step N"
-INTEGRATIONS = ("Trainer", "Lightning fit", "Accelerate loop", "DeepSpeed loop")
+INTEGRATIONS = ("Trainer", "Lightning fit", "Accelerate loop", "DeepSpeed loop", "Megatron loop")
 
 
 def resumed_at(run: subprocess.CompletedProcess[str] | str, what: str, *,

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/helpers/mg_train.py --out DIR --mode ciuic|megatron
         [--tp N] [--pp N] [--dist-opt] [--kill-at STEP] [--every N] [--steps N]
+        [--device cuda] [--no-loader-state]
 
 ``GPTModel`` with the local layer spec (no fused kernels), learned absolute positions, fp32,
 dropout; Megatron's DDP wrapper, its Adam (``--dist-opt``: the distributed optimizer) and an
@@ -13,6 +14,9 @@ checkpoint, the trained batches skipped). ``--kill-at`` SIGKILLs every rank at t
 iteration (once the last due snapshot is committed). At a normal end rank 0 writes
 DIR/final-MODE.safetensors: every rank's model and optimizer tensors, as Megatron's sharded
 state dict names them.
+
+``--device cuda`` (tests/test_cuda_megatron.py): NCCL, bf16 parameters, deterministic kernels,
+Megatron's real CUDA RNG tracker, no CPU shims.
 """
 
 from __future__ import annotations
@@ -58,26 +62,31 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    model_parallel_cuda_manual_seed(123, inference_rng_tracker=True)
+    cuda = a.device == "cuda"
+    # on the CPU the tracker cannot fork a CUDA generator: the inference tracker keeps none
+    model_parallel_cuda_manual_seed(123, inference_rng_tracker=not cuda)
     torch.manual_seed(123)
+    dtype = torch.bfloat16 if cuda else torch.float32
     config = TransformerConfig(
         num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
-        hidden_dropout=0.2, attention_dropout=0.1, params_dtype=torch.float32,
+        hidden_dropout=0.2, attention_dropout=0.1, params_dtype=dtype, bf16=cuda,
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        pipeline_dtype=torch.float32)
+        pipeline_dtype=dtype)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=VOCAB, max_sequence_length=SEQ,
                    pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage(),
                    position_embedding_type="learned_absolute")
+    if cuda:
+        gpt.cuda()
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(use_distributed_optimizer=a.dist_opt,
                                               bucket_size=None), gpt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=0.01, min_lr=0.001, weight_decay=0.01,
-                        use_distributed_optimizer=a.dist_opt, bf16=False, fp16=False,
+                        use_distributed_optimizer=a.dist_opt, bf16=cuda, fp16=False,
                         clip_grad=1.0), [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=0.01, min_lr=0.001,
                                     lr_warmup_steps=2, lr_decay_steps=a.steps,
@@ -88,9 +97,10 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def forward_step(iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(iterator)
-    tokens, labels = batch["tokens"], batch["labels"]
-    positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
-    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    device = next(model.parameters()).device
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    positions = torch.arange(SEQ, device=device).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device), diagonal=1)
     out = model(tokens, positions, causal, labels=labels)
 
     def loss(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -129,7 +139,7 @@ def tensors(model: Any, opt: Any) -> dict[str, torch.Tensor]:
             if x.flattened_range is not None:
                 name += f"[{x.flattened_range.start}]"
             box = (1,) * x.prepend_axis_num + tuple(x.local_shape)  # (layer axis, ...)
-            out[name] = x.data.detach().clone().contiguous().reshape(box)
+            out[name] = x.data.detach().cpu().clone().contiguous().reshape(box)
 
     visit(sd)
     return out
@@ -145,10 +155,20 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--steps", type=int, default=18)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    # after a data-parallel change a saved loader position is another sampler's: the loop
+    # skips the trained batches itself, from the iteration, as Megatron-LM does
+    p.add_argument("--no-loader-state", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
-    mg_cpu.install()
-    dist.init_process_group("gloo")
+    if a.device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        mg_cpu.install()
+        dist.init_process_group("gloo")
     torch.set_num_threads(1)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -168,8 +188,10 @@ def main() -> int:
 
         snapshots = MegatronSnapshots(model, opt, "tests", job="mg", scheduler=sched,
                                       store=out / "store", save_interval=a.every,
-                                      loaders=[loader], handle_signals=False)
+                                      loaders=[] if a.no_loader_state else [loader],
+                                      handle_signals=False)
         iteration = snapshots.restore()
+        skip = iteration % per_epoch if a.no_loader_state else 0
     elif (out / "mg" / "latest").exists():
         iteration = own_load(out, model, opt, sched)
         skip = iteration % per_epoch

@@ -215,10 +215,8 @@ class MegatronSnapshots:
     def _load(self, info: SnapshotInfo, saved: dict[str, Any]) -> bool:
         """Load the saved state into the live objects; whether the layout was the same."""
         _, trees = read_body(self.manager.repo, info)
-        parts = trees.get("ranks")
-        if not isinstance(parts, list):
-            raise StateMismatch("the snapshot is not a multi-rank one; MegatronSnapshots "
-                                "restores what it wrote under torchrun")
+        # a multi-rank body lists every rank's part; a single process's (one GPU) is its part
+        parts = trees.get("ranks", [trees])
         here = layout()
         same = len(parts) == self.manager.coll.world_size and saved["layout"] == here
         if saved.get("sharding_type") != self.sharding_type:
@@ -245,11 +243,13 @@ class MegatronSnapshots:
                         "layout change they start from the seed of this run")
         return same
 
-    def step(self, iteration: int, **metrics: Any) -> bool:
+    def step(self, iteration: int, *, snapshot: bool | None = None, **metrics: Any) -> bool:
         """Call after each iteration (optimizer and scheduler stepped) with the number of
-        iterations done; snapshots when due. ``metrics`` are recorded with it."""
+        iterations done; snapshots when due (``snapshot=True``: now; ``False``: not now).
+        ``metrics`` are recorded with it."""
         self.iteration = int(iteration)
-        return self.manager.step(self.iteration, **self._extras(), **metrics)
+        return self.manager.step(self.iteration, snapshot=snapshot, **self._extras(),
+                                 **metrics)
 
     def finish(self) -> SnapshotInfo | None:
         """The end of training: snapshot the last iteration unless a snapshot holds it, wait
