@@ -149,8 +149,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                                                for x in ranks))
                 add(f"{snap}.plan_cpu_s", statistics.mean(
                     calls(x, snap, "all_gather")[0]["cpu"] for x in ranks))
-                add(f"{snap}.owners_cpu_s", statistics.mean(
-                    calls(x, snap, "plan.owners")[0]["cpu"] for x in ranks))
+                add(f"{snap}.owners_cpu_s", statistics.mean(  # 0: the plan was cached
+                    sum(c["cpu"] for c in calls(x, snap, "plan.owners")) for x in ranks))
                 gather = [calls(x, snap, "gather")[0]["sent"] for x in ranks]
                 add(f"{snap}.gather_sent_bytes", statistics.mean(gather))
                 add(f"{snap}.gather_rank0_bytes", world * max(gather))
@@ -179,7 +179,14 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                                                                 for x in ranks))
             add("restore.chunks_per_rank", statistics.mean(x["read_chunks"] for x in ranks))
             s = rnd["store"]
-            for key in ("body_bytes", "manifest_bytes", "shard_descriptors",
+            # a body in parts: what a restoring rank read of it (the index, and its parts)
+            sizes = sorted(s.get("part_sizes", []))
+            add("restore.body_read_bytes_per_rank", s["body_bytes"] + statistics.mean(
+                sum(sizes[-n:]) if n else 0 for n, _ in (x.get("restore_parts", [0, 0])
+                                                         for x in ranks)))
+            add("restore.parts_per_rank", statistics.mean(
+                x.get("restore_parts", [0, 0])[0] for x in ranks))
+            for key in ("body_bytes", "parts_bytes", "manifest_bytes", "shard_descriptors",
                         "plain_descriptors", "inline", "chunk_refs", "parse_cpu_s",
                         "parse_peak_bytes"):
                 add(key, s[key])
@@ -198,8 +205,8 @@ def table(results: dict[str, Any]) -> None:
           "over rounds of the slowest rank. CPU: seconds per rank (mean over ranks, median over "
           "rounds) without the cyclic GC's pauses, and rank 0's share (its CPU over the mean)")
     print(f"{'W':>3} {'model':<5} {'stall':>20} {'commit (2PC)':>20} {'save CPU':>8} "
-          f"{'r0x':>5} {'restore':>20} {'rest. CPU':>9} {'r0x':>5} {'body KB':>8} "
-          f"{'manif B':>7} {'plan rx KB':>10}")
+          f"{'r0x':>5} {'restore':>20} {'rest. CPU':>9} {'r0x':>5} {'index KB':>8} "
+          f"{'parts KB':>8} {'read/rank KB':>12} {'manif B':>7} {'plan rx KB':>10}")
     for w, res in results.items():
         if w == "synthetic":
             continue
@@ -211,22 +218,28 @@ def table(results: dict[str, Any]) -> None:
                   f"{s['warm.cpu_nogc_mean_s'][1]:8.3f} {s['warm.rank0_share_nogc'][1]:5.2f} "
                   f"{f(s, 'restore_s'):>20} {s['restore.cpu_nogc_mean_s'][1]:9.3f} "
                   f"{s['restore.rank0_share_nogc'][1]:5.2f} {s['body_bytes'][1] / 1e3:8.1f} "
+                  f"{s['parts_bytes'][1] / 1e3:8.1f} "
+                  f"{s['restore.body_read_bytes_per_rank'][1] / 1e3:12.1f} "
                   f"{s['manifest_bytes'][1]:7.0f} {s['warm.plan_received_bytes'][1] / 1e3:10.1f}")
 
 
 def synthetic(tensors: int, world: int, rows: int = 64, cols: int = 128) -> dict[str, Any]:
     """Rank 0's and one rank's per-shard work at a world size beyond this machine, in one
     process: ``tensors`` FSDP-sharded tensors over ``world`` ranks, one chunk per shard (what
-    the reports, the body and the plan hold; no chunk is written or read). Times are CPU
-    seconds (``time.process_time``); run it with Python's cyclic GC off (its pauses are
-    reported by the torchrun runs)."""
+    the reports, the body's index and parts and the plan hold; no chunk is written or read).
+    The body is in parts (docs/format.md, body format 3): each rank encodes its part, rank 0
+    decodes W reports and encodes the index, a restoring rank decodes the index and its own
+    part. Times are CPU seconds (``time.process_time``); run it with Python's cyclic GC off
+    (its pauses are reported by the torchrun runs)."""
     import torch
 
     from ciuic.distributed.messages import Plan, Report
     from ciuic.format import manifest as mf
     from ciuic.format.descriptor import TensorDescriptor
     from ciuic.format.digest import digest
-    from ciuic.format.shards import Written, assemble, overlap, plan
+    from ciuic.format.parts import BodyPart, shards_by_path, with_shards
+    from ciuic.format.shards import assemble, overlap, plan, shard_of
+    from ciuic.format.stats import Stats
     from ciuic.format.tree import Leaf, walk_leaves
 
     clock = time.process_time
@@ -234,45 +247,61 @@ def synthetic(tensors: int, world: int, rows: int = 64, cols: int = 128) -> dict
              "norm": "2.2546"}
     rng = {"python": {"$tuple": [3, {"$tuple": [2**31 + i for i in range(625)]}, None]}}
     nbytes = rows * cols * 4
-    reports = [json.dumps(Report(new=nbytes * tensors, tensors=0, states={"rng": rng}, written=[
-        Written(f"optimizer/state/t{t}/exp_avg", [r * rows, 0], TensorDescriptor.from_json(
+    path = "optimizer/state/t{}/exp_avg".format
+    out: dict[str, Any] = {"tensors": tensors, "world": world, "shards": tensors * world}
+
+    def part_of(r: int) -> BodyPart:
+        return BodyPart(r, {path(t): [shard_of([r * rows, 0], TensorDescriptor.from_json(
             {"dtype": "float32", "shape": [rows, cols], "nbytes": nbytes,
-             "chunks": [[f"{(t * world + r):064x}", nbytes]], "stats": stats}))
-        for t in range(tensors)]).to_json()) for r in range(world)]
-    out: dict[str, Any] = {"tensors": tensors, "world": world, "shards": tensors * world,
-                           "report_bytes": len(reports[0])}
-    # rank 0: decode the gathered reports, assemble, encode the body, digest it
+             "chunks": [[f"{(t * world + r):064x}", nbytes]], "stats": stats})).to_json()]
+            for t in range(tensors)}, {"rng": rng})
+
+    # every rank at each snapshot: its part of the body (its own shards, its RNG)
+    mid = world // 2
+    c0 = clock()
+    encoded = part_of(mid).encode()
+    out["rank.encode_part_s"] = clock() - c0
+    out["part_bytes"] = len(encoded)
+    reports = [json.dumps(Report(new=nbytes * tensors, part=(f"{r:064x}", len(encoded)))
+                          .to_json()) for r in range(world)]
+    out["report_bytes"] = len(reports[0])
+    # rank 0: decode the gathered reports (a part's name each), the index, its digest
     c0 = clock()
     decoded = [Report.from_json(json.loads(x)) for x in reports]
     out["rank0.decode_reports_s"] = clock() - c0
-    leaves = [Leaf(f"optimizer/state/t{t}/exp_avg", torch.empty(0), {},
+    leaves = [Leaf(path(t), torch.empty(0, rows * world, cols), {},
                    shard=([rows * world, cols], [0, 0])) for t in range(tensors)]
+    whole = Stats(rows * cols * world, 0, 0, 0.0, 5.08, -0.0311, 0.0312)
     c0 = clock()
-    assemble(leaves, [w for rep in decoded for w in rep.written])
+    assemble(leaves, [], {path(t): (rows * cols * world, whole) for t in range(tensors)})
     out["rank0.assemble_s"] = clock() - c0
     states = {"optimizer": {"state": {f"t{t}": {"exp_avg": {"$tensor": leaf.descriptor}}
                                       for t, leaf in enumerate(leaves)}},
-              "ranks": [rep.states for rep in decoded], "dist": {"layout": "dcp-fqn",
-                                                                  "world_size": world}}
+              "dist": {"layout": "dcp-fqn", "world_size": world,
+                       "parts": [list(rep.part) for rep in decoded]}}
     del decoded
     c0 = clock()
-    body = mf.encode_body(states, distributed=True)
+    body = mf.encode_body(states, distributed=True, split=True)
     out["rank0.encode_body_s"] = clock() - c0
     c0 = clock()
     name = digest(body)
     out["digest_s"] = clock() - c0
     out["body_bytes"] = len(body)
+    out["body_bytes_all_parts"] = len(body) + world * len(encoded)
     del states, leaves
-    # every rank at restore: the whole body, every descriptor, every shard against its box
+    # every rank at restore: the index and its own part, its shards against its box
     c0 = clock()
     trees = mf.decode_body(body, "body", name)
+    own = BodyPart.decode(encoded, "part", digest(encoded))
     out["rank.decode_body_s"] = clock() - c0
+    out["rank.body_read_bytes"] = len(body) + len(encoded)
     c0 = clock()
-    descs = [TensorDescriptor.from_json(d, p) for p, kind, d
+    found = shards_by_path([own])
+    descs = [TensorDescriptor.from_json(with_shards(d, found.get(p, [])), p) for p, kind, d
              in walk_leaves(trees["optimizer"], "optimizer") if kind == "tensor"]
     out["rank.descriptors_s"] = clock() - c0
     c0 = clock()
-    box = [world // 2 * rows, 0]
+    box = [mid * rows, 0]
     hits = sum(1 for d in descs for sh in d.shards or ()
                if overlap(list(sh.offsets), list(sh.shape), box, [rows, cols]))
     out["rank.overlap_scan_s"] = clock() - c0
@@ -341,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 gc.enable()
         results["synthetic"] = syn
         print("one process, CPU s per shard (us): " + "; ".join(
-            f"W={x['world']} ({x['shards']} shards, body {x['body_bytes'] / 1e6:.0f} MB): "
+            f"W={x['world']} ({x['shards']} shards, index {x['body_bytes'] / 1e6:.1f} MB, "
+            f"a part {x['part_bytes'] / 1e6:.2f} MB): "
             + ", ".join(f"{k} {v / x['shards'] * 1e6:.1f}" for k, v in x.items()
                         if k.endswith("_s")) for x in syn))
     if a.json:

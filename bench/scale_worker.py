@@ -94,6 +94,7 @@ def _gc_clock(phase: str, info: dict[str, int]) -> None:
 def instrument() -> None:
     gc.callbacks.append(_gc_clock)
     import ciuic.chain.health as health
+    import ciuic.chain.read as read
     import ciuic.distributed.collective as collective
     import ciuic.distributed.load as load
     import ciuic.distributed.save as save
@@ -104,7 +105,7 @@ def instrument() -> None:
     from ciuic.catalog import Catalog
     from ciuic.engine.staging import StagingArea
 
-    for name in ("all_gather", "gather", "broadcast"):
+    for name in ("all_gather", "gather", "broadcast", "all_reduce"):
         wrap(collective.Collective, name, name, collective=True)
     encode = collective._encode
 
@@ -129,6 +130,7 @@ def instrument() -> None:
     wrap(recovery.Recovery, "candidates", "restore.candidates")
     wrap(recovery, "read_body", "restore.read_body")
     wrap(recovery, "prepare", "restore.prepare")
+    wrap(read.Parts, "_fetch", "restore.body_part")
     wrap(load, "_read_targets", "restore.boxes")
     wrap(load, "load_trees", "restore.own_part")
     wrap(recovery.Recovery, "agree", "restore.agree")
@@ -179,6 +181,10 @@ def store_bytes(store: Path, job: str, sid: str) -> dict[str, Any]:
     raw = (jobdir / "bodies" / f"{json.loads(manifest.read_bytes())['body']}.json").read_bytes()
     body = json.loads(raw)
     states = body["states"]
+    # a body in parts (format 3): the index, and each rank's part (its shards, its RNG)
+    parts = [json.loads((jobdir / "bodies" / f"{d}.json").read_bytes())
+             for d, _ in states.get("dist", {}).get("parts", [])]
+    part_sizes = [n for _, n in states.get("dist", {}).get("parts", [])]
     shards = plain = inline = refs = 0
 
     def walk(x: Any) -> None:
@@ -186,11 +192,9 @@ def store_bytes(store: Path, job: str, sid: str) -> dict[str, Any]:
         if isinstance(x, dict):
             t = x.get("$tensor")
             if isinstance(t, dict):
-                if "shards" in t:
-                    shards += len(t["shards"])
-                    refs += sum(len(s.get("chunks", ())) for s in t["shards"])
-                    inline += sum(1 for s in t["shards"] if "inline" in s)
-                elif "inline" in t:
+                if "shards" in t or "split" in t:
+                    return  # counted from the parts, below (or from the shards)
+                if "inline" in t:
                     inline += 1
                 else:
                     plain += 1
@@ -203,6 +207,11 @@ def store_bytes(store: Path, job: str, sid: str) -> dict[str, Any]:
                 walk(v)
 
     walk(states)
+    every = [s for p in parts for ss in p["shards"].values() for s in ss]
+    every += [s for _, _, d in _leaves(states) if "shards" in d for s in d["shards"]]
+    shards = len(every)
+    refs += sum(len(s.get("chunks", ())) for s in every)
+    inline += sum(1 for s in every if "inline" in s)
     c0 = time.process_time()
     json.loads(raw)  # what each rank's restore does with the body, before anything else
     parse_cpu = time.process_time() - c0
@@ -214,12 +223,19 @@ def store_bytes(store: Path, job: str, sid: str) -> dict[str, Any]:
     part = {k: len(json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode())
             for k, v in states.items()}
     return {"chunks_both": len(chunks), "chunk_bytes_both": sum(chunks),
-            "body_bytes": len(raw), "manifest_bytes": manifest.stat().st_size,
+            "body_bytes": len(raw), "parts_bytes": sum(part_sizes), "part_sizes": part_sizes,
+            "manifest_bytes": manifest.stat().st_size,
             "body_parts": part,
             "shard_descriptors": shards, "plain_descriptors": plain, "inline": inline,
             "chunk_refs": refs, "parse_cpu_s": parse_cpu, "parse_peak_bytes": parse_peak,
             "catalog_bytes": (store / "catalog.db").stat().st_size
             if (store / "catalog.db").exists() else 0}
+
+
+def _leaves(states: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    from ciuic.format.tree import walk_leaves
+
+    return walk_leaves({k: v for k, v in states.items() if k != "dist"})
 
 
 def measure_save(m: Any, step: int, model: nn.Module, opt: torch.optim.Optimizer
@@ -282,6 +298,7 @@ def rounds_of(mode: str, model: nn.Module, opt: torch.optim.Optimizer, store: Pa
     assert step == 3, step
     mine = {"rank": rank, "cold": cold, "warm": warm, "restore": restore,
             "cpu_restore": cpu_restore, "read_chunk_bytes": READ[0], "read_chunks": READ[1],
+            "restore_parts": list(m2.stats.restore_parts),
             "restore_gc_s": GC[0], "restore_gc2": GC[1], "restore_gc2_s": GC[2],
             "restore_calls": list(CALLS)}
     m2.close(final=False)

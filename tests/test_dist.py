@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ciuic import ResumableSampler, SnapshotManager, StateHolder, knobs
-from ciuic.chain.read import read_body
+from ciuic.chain.read import Parts, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format.stats import of_descriptor
 from ciuic.format.tree import walk_leaves
@@ -192,6 +192,8 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
     ok(torchrun(after, store, tmp_path / "restored", "--mode", "fsdp", "--steps", "9",
                 "--dump"))
     assert report(tmp_path / "restored")["restored_step"] == 8
+    # another layout: the boxes of the ranks that saved lie in every part of the body
+    assert report(tmp_path / "restored", after - 1)["restore_parts"] == [before, before]
     saved = full(tmp_path / "saved" / "full.pt")
     same(saved, full(tmp_path / "restored" / "full.pt"))
     # the sharded snapshot consolidated into one file
@@ -222,6 +224,39 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
         assert stats is not None and "shards" in desc, path
         assert stats.norm == pytest.approx(float(want.norm()), rel=1e-4), path
         assert (stats.lo, stats.hi) == (float(want.min()), float(want.max())), path
+
+
+def test_hsdp_ranks_restore_from_their_own_parts_of_the_body(tmp_path: Path) -> None:
+    """On the layout that saved it, a rank reads the body's index, its own part and the parts
+    of the ranks that wrote the boxes it shares (HSDP: 2 replicas x 2 shards, each box written
+    once), never every rank's: what a rank reads does not grow with the world size."""
+    ok(torchrun(4, tmp_path / "ref", tmp_path / "r", "--mode", "hsdp", "--steps", "10"))
+    store = tmp_path / "store"
+    killed = torchrun(4, store, tmp_path / "o1", "--mode", "hsdp", "--steps", "10",
+                      "--kill-rank", "2", "--kill-at", "6")
+    assert killed.returncode != 0
+    ok(torchrun(4, store, tmp_path / "o2", "--mode", "hsdp", "--steps", "10"))
+    reports = [report(tmp_path / "o2", r) for r in range(4)]
+    restored = reports[0]["restored_step"]
+    assert restored in (0, 4) and reports[0]["start"] == restored + 1  # (4: if committed)
+    assert reports[0]["digest"] == report(tmp_path / "r")["digest"]
+    read = [r["restore_parts"] for r in reports]
+    assert all(of == 4 and 1 <= n <= 3 for n, of in read), read
+    with Repository.open(store) as repo:
+        info = repo.resolve(f"tests/dist@{restored}")
+        m, index = read_body(repo, info, parts=False)
+        parts = Parts.of(repo, m, index)
+        assert parts is not None and len(parts) == 4
+        written = [p.shards for p in parts.all()]
+        _, whole = read_body(repo, info)
+    split = [p for p, _, d in walk_leaves({"model": index["model"]}) if d.get("split")]
+    assert split and not any("shards" in d for _, _, d in walk_leaves(index["model"]))
+    for path, _kind, desc in walk_leaves({"model": whole["model"]}):
+        # 2 boxes (the shard dimension), each written once although 2 ranks hold it
+        assert len(desc["shards"]) == 2, path
+        assert sum(len(w.get(path, [])) for w in written) == 2, path
+    # the ranks that wrote nothing of a tensor name the parts that hold their boxes
+    assert any(p.reads for p in parts.all())
 
 
 def test_ddp_snapshot_restores_into_a_plain_single_process_model_and_exports(

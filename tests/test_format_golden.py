@@ -105,3 +105,30 @@ def test_chunk_frame_layout_and_check() -> None:
     assert e.value.key == chunk_key(d)
     with pytest.raises(CorruptObject, match=r"truncated|length"):
         unframe(chunk_key(d), blob[:-5], d, len(plain))
+
+
+GOLDEN_PART = (b'{"format":3,"kind":"ciuic.part","rank":1,"reads":[0],"shards":{"model/w":'
+               b'[{"inline":"AAAAAA==","nbytes":4,"offsets":[2],"shape":[2]}]},'
+               b'"state":{"rng":{"seed":3}}}')
+
+
+def test_golden_body_part_and_split_index() -> None:
+    """A body in parts (format 3): a rank's part and the index's split descriptor."""
+    from ciuic.format.parts import BodyPart
+
+    part = BodyPart(1, {"model/w": [{"offsets": [2], "shape": [2], "nbytes": 4,
+                                     "inline": "AAAAAA=="}]}, {"rng": {"seed": 3}}, (0,))
+    assert part.encode() == GOLDEN_PART
+    assert digest(GOLDEN_PART) == (
+        "ae30b9b0049bdfe7bccc07d37fe6bdb6d220402c3940f8df050983c32ca415b9")
+    assert BodyPart.decode(GOLDEN_PART, "k", digest(GOLDEN_PART)) == part
+    index = mf.encode_body({"model": {"w": {"$tensor": {"dtype": "float32", "nbytes": 16,
+                                                        "shape": [4], "split": True}}},
+                            "dist": {"layout": "dcp-fqn", "parts": [["ab" * 32, 120]],
+                                     "world_size": 1}},
+                           salt="0011223344556677", distributed=True, split=True)
+    assert index == (
+        b'{"format":3,"kind":"ciuic.body","salt":"0011223344556677","states":{"dist":{"layout":'
+        b'"dcp-fqn","parts":[["' + b"ab" * 32 + b'",120]],"world_size":1},"model":{"w":'
+        b'{"$tensor":{"dtype":"float32","nbytes":16,"shape":[4],"split":true}}}}}')
+    assert mf.decode_body(index, "k", digest(index))["dist"]["world_size"] == 1

@@ -1,7 +1,7 @@
 """A deterministic multi-rank training job for the torchrun tests (gloo, CPU).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/helpers/dist_train.py \
-        --store DIR --out DIR --mode ddp|fsdp --steps 12 [--save-every 4] [--kill-rank 1 ...]
+        --store DIR --out DIR --mode ddp|fsdp|hsdp --steps 12 [--save-every 4] [--kill-rank 1 ...]
 
 Each rank writes ``OUT/rank<r>.json``: where it started, its manager's stats, and the full
 (unsharded) model and optimizer state's digest plus (``--dump``) the full tensors in
@@ -33,11 +33,13 @@ def build(mode: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank
     model: nn.Module = nn.Sequential(nn.Linear(16, 37), nn.ReLU(), nn.Dropout(0.2),
                                      nn.Linear(37, 5))
-    if mode == "fsdp":
+    if mode in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        # hsdp: 2 replicas, each sharded over half the ranks (each box held by 2 ranks)
+        mesh = (init_device_mesh("cpu", (world,)) if mode == "fsdp" else
+                init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -72,7 +74,7 @@ def main() -> int:
     p.add_argument("--store", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--job", default="dist")
-    p.add_argument("--mode", default="ddp", choices=["ddp", "fsdp"])
+    p.add_argument("--mode", default="ddp", choices=["ddp", "fsdp", "hsdp"])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--no-snapshots", action="store_true")
@@ -143,6 +145,7 @@ def main() -> int:
                    "bytes_new": s.bytes_new, "bytes_written": s.bytes_written,
                    "restored_step": manager.restored.step if manager.restored else None,
                    "first_staged": first_staged, "last_staged": s.last_staged_bytes,
+                   "restore_parts": list(s.restore_parts),
                    # what a snapshot copies of this rank's own state (RNG, sampler)
                    "own_bytes": sum(leaf.nbytes for leaf in capture(
                        None, None, {"sampler": sampler, "loss": 0.0}).leaves),

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from ciuic import knobs
-from ciuic.chain.read import body_states, chunk_refs
+from ciuic.chain.read import body_keys, body_states, chunk_refs
 from ciuic.chain.repo import Repository, list_manifests
 from ciuic.chain.runs import IDENTITY, pid_alive
 from ciuic.errors import CiuicError, IntegrityError, ObjectNotFound, StoreError, UnreadableObject
@@ -142,7 +142,9 @@ def referenced(repo: Repository, progress: Callable[[str], None] | None = None
         bkey = layout.body_key(mk.project, mk.job, m.body)
         bodies.add(bkey)
         try:
-            refs = chunk_refs(body_states(repo, m))
+            states = body_states(repo, m)
+            bodies.update(body_keys(m, states))  # a split body's parts
+            refs = chunk_refs(states)
         except UnreadableObject as e:
             if not store.has(bkey):
                 continue  # pruned

@@ -282,10 +282,13 @@ class HealthTracker:
     _problems: list[Problem] = field(default_factory=list)
 
     def judge(self, repo: Repository, project: str, job: str, parent: str,
-              states: dict[str, Any], metrics: dict[str, Any]) -> HealthVerdict:
+              states: dict[str, Any], metrics: dict[str, Any],
+              more: dict[str, st.Stats] | None = None) -> HealthVerdict:
+        """The verdict on a snapshot of ``states`` (their descriptors' statistics, and
+        ``more``: those of tensors the states do not hold, by path)."""
         if parent != self.last_id or not parent:
             self._rebuild(repo, project, job, parent)
-        stats = tensor_stats(states)
+        stats = tensor_stats(states) | (more or {})
         self._judged = {p: s.norm for p, s in stats.items()}  # the baseline, if committed
         record, self._problems = assess(stats, metrics, list(self.losses), self.norms,
                                         self.policy)

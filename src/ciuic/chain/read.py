@@ -19,6 +19,7 @@ from ciuic.format import manifest as mf
 from ciuic.format.crypto import SEALED_OVERHEAD
 from ciuic.format.digest import Buffer, digest
 from ciuic.format.info import SnapshotInfo
+from ciuic.format.parts import BodyPart, listed_parts, merge
 from ciuic.format.tree import walk_leaves
 from ciuic.store import Store
 
@@ -28,14 +29,17 @@ from ciuic.store import Store
 READ_THREADS = 16
 
 
-def read_body(repo: Repository, info: SnapshotInfo) -> tuple[mf.Manifest, dict[str, Any]]:
-    """The verified manifest and body trees of a snapshot."""
+def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True
+              ) -> tuple[mf.Manifest, dict[str, Any]]:
+    """The verified manifest and body trees of a snapshot. ``parts=False``: a split body's
+    index alone (its sharded descriptors ``"split"``, no ``ranks``; see :class:`Parts`)."""
     m = repo.read_manifest(info.project, info.job, info.id)
-    return m, body_states(repo, m)
+    return m, body_states(repo, m, parts=parts)
 
 
-def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
-    """The verified states of a manifest's body. ObjectNotFound when it was pruned."""
+def body_states(repo: Repository, m: mf.Manifest, *, parts: bool = True) -> dict[str, Any]:
+    """The verified states of a manifest's body, a split body's parts merged in (unless
+    ``parts`` is False). ObjectNotFound when it was pruned."""
     key = layout.body_key(m.project, m.job, m.body)
 
     def read(store: Store) -> dict[str, Any]:
@@ -50,7 +54,90 @@ def body_states(repo: Repository, m: mf.Manifest) -> dict[str, Any]:
                                 f"{m.body_bytes}")
         return mf.decode_body(data, key, m.body, name_key)
 
-    return repo.read_verified(key, read)
+    states = repo.read_verified(key, read)
+    if parts:
+        listed = _listed(states, key)
+        if listed is not None:
+            merge(states, Parts(repo, m, listed).all(), key)
+    return states
+
+
+def body_keys(m: mf.Manifest, states: dict[str, Any]) -> list[str]:
+    """The objects that hold a snapshot's body: the body (a split body's index), then its
+    parts."""
+    key = layout.body_key(m.project, m.job, m.body)
+    listed = _listed(states, key) or []
+    return [key, *(layout.body_key(m.project, m.job, d) for d, _ in listed)]
+
+
+def _listed(states: dict[str, Any], key: str) -> list[tuple[str, int]] | None:
+    try:
+        return listed_parts(states)
+    except CorruptObject as e:
+        raise CorruptObject(key, e.reason) from None
+
+
+class Parts:
+    """A split body's parts (docs/format.md, body format 3), each read and verified once, on
+    demand: a rank restoring on the layout it saved reads its own (and those it names)."""
+
+    def __init__(self, repo: Repository, m: mf.Manifest, listed: list[tuple[str, int]]
+                 ) -> None:
+        self.repo, self.m, self.listed = repo, m, listed
+        self._read: dict[int, BodyPart] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, repo: Repository, m: mf.Manifest, states: dict[str, Any]) -> Parts | None:
+        """The parts of a split body's index ``states``; None for a body in one piece."""
+        listed = _listed(states, layout.body_key(m.project, m.job, m.body))
+        return None if listed is None else cls(repo, m, listed)
+
+    def __len__(self) -> int:
+        return len(self.listed)
+
+    @property
+    def count(self) -> int:
+        """The parts read so far."""
+        return len(self._read)
+
+    def get(self, rank: int) -> BodyPart:
+        with self._lock:
+            part = self._read.get(rank)
+        if part is None:
+            part = self._fetch(rank)
+            with self._lock:
+                self._read[rank] = part
+        return part
+
+    def all(self) -> list[BodyPart]:
+        todo = [r for r in range(len(self.listed)) if r not in self._read]
+        if len(todo) > 1:
+            with ThreadPoolExecutor(min(READ_THREADS, len(todo)),
+                                    thread_name_prefix="ciuic-read") as pool:
+                list(pool.map(self.get, todo))
+        return [self.get(r) for r in range(len(self.listed))]
+
+    def _fetch(self, rank: int) -> BodyPart:
+        d, n = self.listed[rank]
+        key = layout.body_key(self.m.project, self.m.job, d)
+
+        def read(store: Store) -> BodyPart:
+            try:
+                blob = store.get(key)
+            except ObjectNotFound:
+                raise CorruptObject(key, f"missing (rank {rank}'s part of the body of the "
+                                         f"snapshot at step {self.m.step})") from None
+            data, name_key = self.repo.open_meta(key, blob)
+            if len(data) != n:
+                raise CorruptObject(key, f"size {len(data)} differs from the body's {n}")
+            return BodyPart.decode(data, key, d, name_key)
+
+        part = self.repo.read_verified(key, read)
+        if part.rank != rank:
+            raise CorruptObject(key, f"rank {rank}'s part of the body says it is rank "
+                                     f"{part.rank}'s")
+        return part
 
 
 def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:

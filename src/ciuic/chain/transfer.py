@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
-from ciuic.chain.read import body_states, check_chunk_blob, chunk_refs
+from ciuic.chain.read import body_keys, body_states, check_chunk_blob, chunk_refs
 from ciuic.chain.repo import Repository, commit_order, list_manifests
 from ciuic.errors import IntegrityError, ObjectNotFound, SnapshotNotFound, UnreadableObject
 from ciuic.format import layout
@@ -83,10 +83,11 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
     for sid in order:
         m = manifests[sid]
         try:
-            chunks.update(chunk_refs(body_states(src, m)))
+            states = body_states(src, m)
         except UnreadableObject:
             continue  # pruned (or its body lost): the manifest alone keeps the chain
-        bodies.append(layout.body_key(project, job, m.body))
+        chunks.update(chunk_refs(states))
+        bodies.extend(body_keys(m, states))
 
     def check_chunk(key: str, blob: bytes) -> None:
         d = layout.digest_of_key(key)

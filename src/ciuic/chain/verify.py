@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from ciuic.chain.read import (
     READ_THREADS,
+    body_keys,
     body_states,
     check_chunk_blob,
     chunk_refs,
@@ -79,6 +80,7 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
         return report
     targets = [only] if only is not None else list(manifests)
     cache = _chunk_cache if _chunk_cache is not None else {}
+    checked_bodies: set[str] = set()  # the bodies and their parts read whole
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-verify") as pool:
         for n, sid in enumerate(targets):
             if progress:
@@ -107,6 +109,7 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
             except IntegrityError as e:
                 problems.append(Problem.of(sid, m.step, bkey, e))
                 continue
+            checked_bodies.update(body_keys(m, states))
             refs = chunk_refs(states)
             fresh = {d: size for d, size in refs.items() if d not in cache}
             bad = {layout.name_of(key): Problem("", None, key, "missing") if e is None
@@ -120,7 +123,7 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
                 if hit is not None:
                     problems.append(replace(hit, snapshot=sid, step=m.step))
     if deep and only is None:
-        checked_bodies = {layout.body_key(project, job, m.body) for m in manifests.values()}
+        checked_bodies.update(layout.body_key(project, job, m.body) for m in manifests.values())
         problems.extend(_unreferenced_bodies(repo, project, job, checked_bodies))
         problems.extend(_unreferenced_chunks(repo, cache))
         report.chunks_checked = sum(1 for _ in cache)

@@ -441,6 +441,11 @@ class SnapshotContent:
     world_size: int = 1
     #: a multi-rank body (format 2: sharded descriptors, per-rank states)
     distributed: bool = False
+    #: the index of a body in parts (format 3: docs/format.md, "Distributed snapshots")
+    split: bool = False
+    #: statistics the health verdict judges beside the states' (a split body's per-rank
+    #: tensors, which its parts hold), by path
+    stats: dict[str, st.Stats] = field(default_factory=dict)
 
 
 def write_snapshot(w: SnapshotWrite, captured: Captured) -> tuple[mf.Manifest, str]:
@@ -465,11 +470,12 @@ def commit_snapshot(w: SnapshotWrite, content: SnapshotContent) -> tuple[mf.Mani
     if health is not None:
         try:
             verdict = health.judge(repo, w.project, w.job, w.parent, content.states,
-                                   content.metrics)
+                                   content.metrics, content.stats)
         except Exception:  # advisory: a defect in judging never loses the snapshot
             log.exception("snapshot health could not be judged; the snapshot is written "
                           "without a verdict (please report this)")
-    body = mf.encode_body(content.states, distributed=content.distributed)
+    body = mf.encode_body(content.states, distributed=content.distributed,
+                          split=content.split)
     body_digest = codec.name(body)
     failpoint("body.put")
     bkey = layout.body_key(w.project, w.job, body_digest)

@@ -136,6 +136,14 @@ class Collective:
 
         return result
 
+    def all_reduce(self, t: torch.Tensor, op: str, *, data: bool = False) -> torch.Tensor:
+        """The element-wise ``"sum"`` or ``"max"`` of ``t`` over every rank (in place; ``t``
+        itself in a single process)."""
+        if self.enabled:
+            ops = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
+            tdist.all_reduce(t, op=ops[op], group=self._group(data))
+        return t
+
     # -- error-propagating steps -------------------------------------------------------------
 
     def run(self, what: str, fn: Callable[[], T], *, data: bool = False) -> T:

@@ -13,16 +13,19 @@ saved (docs/architecture.md, "Multi-rank").
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from ciuic.chain.read import READ_THREADS
+from ciuic.chain.read import READ_THREADS, Parts
 from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.parts import shards_by_path, with_shards
+from ciuic.format.shards import overlap
 from ciuic.format.tree import (
     decode,
     dtensor_shard,
@@ -40,22 +43,28 @@ log = logging.getLogger("ciuic")
 
 
 def is_distributed(states: Mapping[str, Any]) -> bool:
-    """Whether a body's states are a multi-rank snapshot's."""
-    return "dist" in states and "ranks" in states
+    """Whether a body's states are a multi-rank snapshot's (format 2, or a split body's
+    index: format 3)."""
+    dist = states.get("dist")
+    return isinstance(dist, dict) and ("ranks" in states or "parts" in dist)
 
 
 def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
             extras: Mapping[str, Any], rank: int, world_size: int,
-            resident: Resident | None = None) -> Prepared:
+            resident: Resident | None = None, parts: Parts | None = None) -> Prepared:
     """Read this rank's part of a multi-rank snapshot into fresh memory and check it against
     the live objects. Nothing live changes until ``apply()``. ``resident``: chunks in host
-    memory (``ciuic run``), taken from there where they match their digests."""
+    memory (``ciuic run``), taken from there where they match their digests. ``parts``: the
+    parts of a split body (``trees`` is its index), read as they are needed."""
     saved_world = int(trees["dist"]["world_size"])
-    parts = trees["ranks"]
-    if not isinstance(parts, list) or len(parts) != saved_world:
-        raise StateMismatch(f"the snapshot lists {len(parts)} rank parts for a world of "
+    listed = len(parts) if parts is not None else len(trees.get("ranks") or [])
+    if listed != saved_world:
+        raise StateMismatch(f"the snapshot lists {listed} rank parts for a world of "
                             f"{saved_world}")
-    part = parts[rank % saved_world]
+    if parts is not None:
+        part, first = parts.get(rank % saved_world).state, parts.get(0).state
+    else:
+        part, first = trees["ranks"][rank % saved_world], trees["ranks"][0]
     if saved_world != world_size and rank == 0:
         log.warning("the snapshot was taken on %s, this job runs %d: model and "
                     "optimizer are resharded; per-rank state (RNG, data position, extras) of "
@@ -63,7 +72,7 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
                     world_size, saved_world)
     # a state that rank 0 alone saved (what a framework hands rank 0 only: its checkpoint
     # dict, DeepSpeed's client_state) is every rank's: each reads it from rank 0's part
-    part = {**{k: v for k, v in parts[0].items() if k not in part}, **part}
+    part = {**{k: v for k, v in first.items() if k not in part}, **part}
     missing = [n for n in extras if n not in part]
     if missing:
         raise StateMismatch(f"the snapshot has no state for {missing} (it has: "
@@ -88,7 +97,8 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     elif optimizer is not None:
         raise ConfigurationError("restoring an optimizer from a multi-rank snapshot needs its "
                                  "model too (optimizer state is named by parameter names)")
-    loaded = _read_targets(repo, trees, targets, resident)
+    shards = None if parts is None else _Near(parts, rank, saved_world, world_size)
+    loaded = _read_targets(repo, trees, targets, resident, shards)
     own = load_trees(repo, part, resident=resident)
     hyper: list[dict[str, Any]] | None = None
     if opt_empty and optimizer is not None:
@@ -125,10 +135,11 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
 
 
 def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, Any],
-                  resident: Resident | None) -> dict[str, Any]:
+                  resident: Resident | None, near: _Near | None = None) -> dict[str, Any]:
     """For each target state dict, the saved values, every tensor read as the box this rank's
     target holds (a DTensor's local shard, else the whole tensor), as new tensors shaped and
-    placed like the target's."""
+    placed like the target's. ``near``: a split body's parts (its sharded descriptors'
+    shards are there)."""
     from ciuic.restore.boxread import read_box
 
     live: dict[str, torch.Tensor] = {}
@@ -147,6 +158,11 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
     if missing or unexpected or changed:
         raise StateMismatch(mismatch_message("model and optimizer", missing, unexpected,
                                               changed))
+    split = {p: d for p, d in saved.items() if d.get("split") is True}
+    if split:
+        if near is None:
+            raise StateMismatch("the snapshot's body is in parts, but none was given to read")
+        saved.update(near.shards(split, {p: _box(live[p], p) for p in split}))
     boxes: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
             ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors:
@@ -170,6 +186,52 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
         return _placed(boxes[path], live[path])
 
     return {name: decode(trees[name], name, load_leaf) for name in targets}
+
+
+def _box(t: torch.Tensor, path: str) -> tuple[list[int], list[int]]:
+    """The box of its global tensor that a live tensor holds (offsets, shape)."""
+    shard = dtensor_shard(t, path)
+    if shard is None:
+        return [0] * t.dim(), list(t.shape)
+    return list(shard[1]), list(t.to_local().shape)  # type: ignore[attr-defined]
+
+
+class _Near:
+    """Where a rank finds the shards of a split body's tensors: on the layout that saved it,
+    in its own part (and the parts it names: boxes another rank wrote once for both), else in
+    every part (another world size, or a box no near part covers)."""
+
+    def __init__(self, parts: Parts, rank: int, saved_world: int, world_size: int) -> None:
+        self.parts, self.rank = parts, rank
+        self.same = saved_world == world_size
+        self.saved_world = saved_world
+
+    def shards(self, split: dict[str, dict[str, Any]],
+               boxes: dict[str, tuple[list[int], list[int]]]) -> dict[str, dict[str, Any]]:
+        """The split descriptors with the shards this rank's boxes need."""
+        if self.same:
+            mine = self.parts.get(self.rank % self.saved_world)
+            found = shards_by_path([mine, *(self.parts.get(r) for r in mine.reads)])
+            out = {p: with_shards(d, found.get(p, [])) for p, d in split.items()}
+            if all(_covers(out[p]["shards"], *boxes[p]) for p in out):
+                return out
+            log.info("rank %d's part of the body does not hold all its boxes: reading every "
+                     "rank's part", self.rank)
+        found = shards_by_path(self.parts.all())
+        return {p: with_shards(d, found.get(p, [])) for p, d in split.items()}
+
+
+def _covers(shards: list[dict[str, Any]], off: list[int], shape: list[int]) -> bool:
+    """Whether the shards hold every element of the box (they never overlap)."""
+    held = 0
+    for s in shards:
+        o, n = s.get("offsets"), s.get("shape")
+        if not (isinstance(o, list) and isinstance(n, list) and len(o) == len(n) == len(off)):
+            return False
+        meet = overlap(o, n, off, shape)
+        if meet is not None:
+            held += math.prod(meet[1])
+    return held == math.prod(shape)
 
 
 def _placed(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

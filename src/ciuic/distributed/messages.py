@@ -57,8 +57,10 @@ class Plans:
 
 @dataclass(frozen=True)
 class Report:
-    """What a rank wrote: the bytes of its new chunks, its per-rank states (their tensors'
-    descriptors set) and the descriptor of each global piece it owns; or its error."""
+    """What a rank wrote: the bytes of its new chunks, its part of the body (digest and bytes:
+    the descriptors of its shards and its per-rank states), the statistics of its per-rank
+    float tensors (for the health verdict, by path under ``ranks/<rank>/``) and the descriptor
+    of each replicated global tensor it owns; or its error."""
 
     error: str | None = None
     new: int = 0
@@ -66,11 +68,13 @@ class Report:
     tensors: int = 0
     own_bytes: int = 0
     written: list[Written] = field(default_factory=list)
-    states: dict[str, Any] = field(default_factory=dict)
+    part: tuple[str, int] = ("", 0)
+    #: [path, elements, stats JSON] of each per-rank float tensor
+    stats: list[list[Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"error": self.error, "new": self.new, "tensors": self.tensors,
-                "own_bytes": self.own_bytes, "states": self.states,
+                "own_bytes": self.own_bytes, "part": list(self.part), "stats": self.stats,
                 "written": [{"path": w.path, "offsets": w.offsets, "desc": w.desc.to_json()}
                             for w in self.written]}
 
@@ -78,8 +82,10 @@ class Report:
     def from_json(cls, obj: dict[str, Any]) -> Report:
         if obj["error"] is not None:
             return cls(error=str(obj["error"]))
+        d, n = obj["part"]
         return cls(new=int(obj["new"]), tensors=int(obj["tensors"]),
-                   own_bytes=int(obj["own_bytes"]), states=dict(obj["states"]),
+                   own_bytes=int(obj["own_bytes"]), part=(str(d), int(n)),
+                   stats=[list(x) for x in obj["stats"]],
                    written=[Written(str(w["path"]),
                                     None if w["offsets"] is None else list(w["offsets"]),
                                     TensorDescriptor.from_json(w["desc"], str(w["path"])))

@@ -4,11 +4,15 @@ Every rank, on its background thread and ciuic's own ``data`` gloo group:
 
 1. *plan*: every rank sends the metas of its global tensors; every rank computes the same owners
    (:mod:`ciuic.distributed.plan`: replicas written once, the writing spread across ranks);
-2. *write*: every rank writes the chunks of the pieces it owns and of its per-rank states,
-   syncs them (durable), and sends its descriptors to the coordinator (rank 0);
-3. *commit*: only if every rank wrote, the coordinator assembles one body (global states with
-   sharded descriptors, ``ranks``: every rank's per-rank states, ``dist``: the layout), writes it
-   and creates the manifest (the commit point), then tells every rank the outcome.
+2. *write*: every rank writes the chunks of the pieces it owns and of its per-rank states, and
+   its *part* of the body (the descriptors of its shards, its per-rank states:
+   :mod:`ciuic.format.parts`), syncs them (durable), and sends the coordinator (rank 0) its
+   part's digest and the descriptors of the replicated tensors it wrote; two all-reduces give
+   each sharded tensor's whole statistics and the elements written of it;
+3. *commit*: only if every rank wrote, the coordinator writes the body's *index* (global states
+   whose sharded descriptors say ``"split"``, ``dist``: the layout and every rank's part) and
+   creates the manifest (the commit point), then tells every rank the outcome. What it receives
+   and writes grows with the tensors plus the ranks, not their product.
 
 A rank that fails reports its error in step 2; a rank that dies fails the collective. Either
 way nothing is committed, and every rank raises a :class:`~ciuic.errors.RankError` naming the
@@ -19,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Any
+
+import torch
 
 from ciuic.chain.gc import InflightSave
 from ciuic.chain.writer import SnapshotContent, SnapshotWrite, commit_snapshot, write_leaves
@@ -32,7 +39,9 @@ from ciuic.format import canonical, layout
 from ciuic.format import manifest as mf
 from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.digest import digest
-from ciuic.format.shards import Written, assemble, plan
+from ciuic.format.parts import BodyPart
+from ciuic.format.shards import Written, assemble, plan, shard_of
+from ciuic.format.stats import Stats
 from ciuic.format.tree import Leaf
 from ciuic.store import Store
 from ciuic.words import counted, listed
@@ -91,8 +100,9 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
     store = repo.store
     inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided
     entered = False
+    owned: list[Leaf] = []
     try:
-        # 2. write: our pieces and our per-rank states, durable
+        # 2. write: our pieces, our per-rank states and our part of the body, durable
         report: Report
         new = 0
         try:
@@ -114,22 +124,25 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             new = write_leaves(repo, owned + own, cache, w.codec, w.compression,
                                stats=w.health is not None).new
             captured.written = {leaf.path: _described(leaf) for leaf in owned + own}
+            part = _write_part(w, coll.rank, captured, owned, owners)
             failpoint("chunks.sync")
             store.sync()
             failpoint("dist.written")
             report = Report(
                 new=new, tensors=len(own), own_bytes=sum(leaf.nbytes for leaf in own),
-                written=[Written(leaf.path, leaf.shard[1] if leaf.shard else None,
-                                 _described(leaf)) for leaf in owned],
-                states={n: captured.states[n] for n in captured.rank_names})
+                written=[Written(leaf.path, None, _described(leaf)) for leaf in owned
+                         if leaf.shard is None],
+                part=part, stats=_rank_stats(coll.rank, own))
         except Exception as e:
             report = Report(error=_error(e))
+            owned = []
+        whole = _whole(coll, captured.global_leaves, owned)
         reports = coll.gather(report.to_json(), data=True)
         # 3. commit (coordinator), then everyone learns the outcome
         decided: dict[str, Any] | None = None
         if reports is not None:
             decided = _commit(w, captured, [Report.from_json(r) for r in reports],
-                              coll.world_size).to_json()
+                              coll.world_size, whole).to_json()
         outcome = Outcome.from_json(coll.broadcast(decided, data=True))
     finally:
         if entered:
@@ -146,22 +159,96 @@ def _described(leaf: Leaf) -> TensorDescriptor:
     return leaf.described
 
 
+def _write_part(w: SnapshotWrite, rank: int, captured: DistCaptured, owned: list[Leaf],
+                owners: dict[str, int]) -> tuple[str, int]:
+    """Write this rank's part of the body (docs/format.md, body format 3): the descriptors of
+    the shards it wrote, its per-rank states, and the ranks that wrote the boxes it holds but
+    did not write. Returns its digest and bytes."""
+    shards: dict[str, list[dict[str, Any]]] = {}
+    for leaf in owned:
+        if leaf.shard is not None:
+            shards.setdefault(leaf.path, []).append(
+                shard_of(leaf.shard[1], _described(leaf)).to_json())
+    reads = sorted({owners[leaf_key(leaf)] for leaf in captured.global_leaves
+                    if leaf.shard is not None} - {rank})
+    part = BodyPart(rank, shards, {n: captured.states[n] for n in captured.rank_names},
+                    tuple(reads))
+    data = part.encode()
+    name = w.codec.name(data)
+    key = layout.body_key(w.project, w.job, name)
+    failpoint("part.put")
+    w.repo.store.put(key, w.codec.meta(key, data))
+    return name, len(data)
+
+
+def _rank_stats(rank: int, own: list[Leaf]) -> list[list[Any]]:
+    """[path, elements, stats] of this rank's per-rank float tensors, named as the health
+    verdict names them (``ranks/<rank>/<state>/...``)."""
+    out: list[list[Any]] = []
+    for leaf in own:
+        d = _described(leaf)
+        if d.stats is not None:
+            out.append([f"ranks/{rank}/{leaf.path}", math.prod(d.shape), dict(d.stats)])
+    return out
+
+
+def _whole(coll: Collective, leaves: list[Leaf], owned: list[Leaf]
+           ) -> dict[str, tuple[int, Stats | None]]:
+    """Each sharded tensor's elements written by every rank together and its statistics
+    combined, by path: two all-reduces of a row per sharded tensor (every rank calls it, even
+    after a local failure), so the coordinator never gathers the shards' descriptors."""
+    paths = sorted({leaf.path for leaf in leaves if leaf.shard is not None})
+    if not paths:
+        return {}
+    row = {p: i for i, p in enumerate(paths)}
+    sums = torch.zeros(len(paths), 6, dtype=torch.float64)  # volume, counted, nan, inf, sum, sq
+    tops = torch.full((len(paths), 2), -math.inf, dtype=torch.float64)  # max, -min
+    for leaf in owned:
+        if leaf.shard is None:
+            continue
+        d, i = _described(leaf), row[leaf.path]
+        n = math.prod(d.shape)
+        sums[i, 0] += n
+        s = Stats.from_json(d.stats, n) if d.stats is not None else None
+        if s is None:
+            continue
+        sums[i, 1:] += torch.tensor([n, s.nan, s.inf, s.total, s.sumsq], dtype=torch.float64)
+        if s.lo is not None and s.hi is not None:
+            tops[i] = torch.maximum(tops[i], torch.tensor([s.hi, -s.lo], dtype=torch.float64))
+    sums = coll.all_reduce(sums, "sum", data=True)
+    tops = coll.all_reduce(tops, "max", data=True)
+    out: dict[str, tuple[int, Stats | None]] = {}
+    for p, i in row.items():
+        volume, counted_, nan, inf, total, sumsq = (float(x) for x in sums[i])
+        hi, neg_lo = (float(x) for x in tops[i])
+        stats = None
+        if counted_ == volume and volume > 0:
+            finite = math.isfinite(hi)
+            stats = Stats(int(counted_), int(nan), int(inf), total, sumsq,
+                          -neg_lo if finite else None, hi if finite else None)
+        out[p] = (int(volume), stats)
+    return out
+
+
 def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
-            world_size: int) -> Outcome:
+            world_size: int, whole: dict[str, tuple[int, Stats | None]]) -> Outcome:
     failures = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if failures:
         return Outcome(failures)
     try:
-        assemble(captured.global_leaves, [piece for rep in reports for piece in rep.written])
+        assemble(captured.global_leaves, [piece for rep in reports for piece in rep.written],
+                 whole)
         states: dict[str, Any] = {n: captured.states[n] for n in GLOBAL if n in captured.states}
-        states["ranks"] = [rep.states for rep in reports]
-        states["dist"] = {"layout": LAYOUT, "world_size": world_size}
+        states["dist"] = {"layout": LAYOUT, "world_size": world_size,
+                          "parts": [list(rep.part) for rep in reports]}
         total = sum(_described(leaf).nbytes for leaf in captured.global_leaves)
         total += sum(rep.own_bytes for rep in reports)
         tensors = len(captured.global_leaves) + sum(rep.tensors for rep in reports)
+        stats = {path: s for rep in reports for path, n, obj in rep.stats
+                 if (s := Stats.from_json(obj, int(n))) is not None}
         m, sid = commit_snapshot(w, SnapshotContent(
             states, captured.metrics, tensors, total, sum(rep.new for rep in reports),
-            world_size=world_size, distributed=True))
+            world_size=world_size, distributed=True, split=True, stats=stats))
     except Exception as e:
         return Outcome({0: _error(e)})
     return Outcome(sid=sid, manifest=m.encode().decode())

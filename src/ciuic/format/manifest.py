@@ -22,6 +22,7 @@ from typing import Any
 from ciuic.errors import CorruptObject, UnsupportedFormat
 from ciuic.format import canonical, tree
 from ciuic.format.digest import digest, is_digest
+from ciuic.format.parts import SPLIT_BODY_FORMAT
 
 FORMAT_VERSION = 1
 #: The manifest format that records the snapshot's health (``"health"``; its body's float
@@ -218,16 +219,18 @@ def _no_leaf(path: str, kind: str, desc: dict[str, Any]) -> Any:
 
 
 def encode_body(states: dict[str, Any], salt: str | None = None,
-                distributed: bool = False) -> bytes:
+                distributed: bool = False, split: bool = False) -> bytes:
     """Canonical bytes of a body holding ``states`` (already-encoded trees).
 
     The random ``salt`` makes every snapshot's body a distinct object, so pruning one snapshot
     never deletes a body another snapshot with bit-identical state still uses. A multi-rank
     snapshot's body is format 2 (it may hold sharded descriptors, which format-1 readers would
-    misread): readers of format 1 only refuse it with "upgrade ciuic".
+    misread): readers of format 1 only refuse it with "upgrade ciuic". ``split``: the index of a
+    body in parts (format 3, :mod:`ciuic.format.parts`).
     """
     salt = secrets.token_hex(8) if salt is None else salt
-    fmt = DIST_BODY_FORMAT if distributed else FORMAT_VERSION
+    fmt = (SPLIT_BODY_FORMAT if split else DIST_BODY_FORMAT if distributed
+           else FORMAT_VERSION)
     return canonical.dumps({"format": fmt, "kind": BODY_KIND, "salt": salt, "states": states})
 
 
@@ -237,7 +240,8 @@ def decode_body(data: bytes, key: str, expected_digest: str,
     actual = digest(data, key=name_key)
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
-    obj = _load(data, key, BODY_KIND, "body", (FORMAT_VERSION, DIST_BODY_FORMAT))
+    obj = _load(data, key, BODY_KIND, "body",
+                (FORMAT_VERSION, DIST_BODY_FORMAT, SPLIT_BODY_FORMAT))
     states = obj.get("states")
     if not isinstance(states, dict):
         raise CorruptObject(key, "body has no states")

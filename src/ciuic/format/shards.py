@@ -30,7 +30,7 @@ import torch
 
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format.descriptor import Shard, TensorDescriptor
-from ciuic.format.stats import of_descriptor
+from ciuic.format.stats import Stats, of_descriptor
 from ciuic.format.tree import Leaf, dtype_name, torch_dtype
 
 Meta = dict[str, Any]
@@ -102,11 +102,20 @@ class Written:
     desc: TensorDescriptor
 
 
-def assemble(leaves: list[Leaf], written: list[Written]) -> None:
+def shard_of(offsets: list[int], desc: TensorDescriptor) -> Shard:
+    """A written piece of a sharded tensor as a shard of it: its box's offsets and its bytes."""
+    return Shard(offsets=tuple(offsets), shape=desc.shape, nbytes=desc.nbytes,
+                 inline=desc.inline, chunks=desc.chunks, stats=desc.stats)
+
+
+def assemble(leaves: list[Leaf], written: list[Written],
+             split: dict[str, tuple[int, Stats | None]] | None = None) -> None:
     """Set the coordinator's global-state descriptors from every owner's pieces.
 
     ``leaves``: the coordinator's leaves of the global states (their descriptors are the
-    tree's); ``written``: every owner's pieces.
+    tree's); ``written``: every owner's pieces. ``split``: a body in parts (format 3) -- each
+    sharded tensor's shards are in the ranks' parts, and this gives, by path, the elements its
+    shards hold together and its whole statistics; its descriptor says ``"split"``.
     """
     plain: dict[str, TensorDescriptor] = {}
     sharded: dict[str, list[tuple[str, Shard]]] = {}  # (dtype, shard)
@@ -114,15 +123,14 @@ def assemble(leaves: list[Leaf], written: list[Written]) -> None:
         if w.offsets is None:
             plain[w.path] = w.desc
         else:
-            d = w.desc
-            sharded.setdefault(w.path, []).append((d.dtype, Shard(
-                offsets=tuple(w.offsets), shape=d.shape, nbytes=d.nbytes, inline=d.inline,
-                chunks=d.chunks, stats=d.stats)))
+            sharded.setdefault(w.path, []).append((w.desc.dtype, shard_of(w.offsets, w.desc)))
     for leaf in leaves:
         if leaf.shard is None:
             desc = plain.get(leaf.path)
             if desc is None:
                 raise IntegrityError(f"{leaf.path}: no rank wrote this tensor")
+        elif split is not None:
+            desc = _split(leaf, *split.get(leaf.path, (0, None)))
         else:
             shape, _ = leaf.shard
             pieces = sorted(sharded.get(leaf.path, []), key=lambda s: s[1].offsets)
@@ -137,6 +145,20 @@ def assemble(leaves: list[Leaf], written: list[Written]) -> None:
             if whole is not None:
                 desc = dataclasses.replace(desc, stats=whole.to_json())
         leaf.describe(desc)
+
+
+def _split(leaf: Leaf, volume: int, stats: Stats | None) -> TensorDescriptor:
+    """The index's descriptor of a sharded tensor whose shards are in the ranks' parts."""
+    assert leaf.shard is not None
+    shape, _ = leaf.shard
+    if volume != math.prod(shape):
+        raise IntegrityError(f"{leaf.path}: the ranks' shards hold {volume} of its "
+                             f"{math.prod(shape)} elements")
+    dtype = meta_of(leaf)["dtype"]
+    return TensorDescriptor(dtype=dtype, shape=tuple(shape),
+                            nbytes=math.prod(shape) * torch_dtype(dtype).itemsize,
+                            stats=None if stats is None else stats.to_json(),
+                            extra={"split": True})
 
 
 def check_tiling(path: str, shape: list[int], shards: list[Shard]) -> None:

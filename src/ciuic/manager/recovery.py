@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ciuic.chain import runs
-from ciuic.chain.read import read_body
+from ciuic.chain.read import Parts, read_body
 from ciuic.chain.repo import list_jobs
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.load import is_distributed, prepare
@@ -236,10 +236,14 @@ class Recovery:
         """Check a snapshot against the live objects (a snapshot that does not fit touches
         nothing), then read and verify it (``prepare_local``, or this rank's part of a
         multi-rank snapshot); the result's ``apply()`` loads the objects."""
-        _, trees = read_body(self.repo, info)
+        m, trees = read_body(self.repo, info, parts=False)  # a split body's own part later
         if is_distributed(trees):
-            return prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
-                           self.coll.world_size, resident)
+            parts = Parts.of(self.repo, m, trees)
+            prepared = prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
+                               self.coll.world_size, resident, parts)
+            if parts is not None:
+                self._pipeline.stats.restore_parts = (parts.count, len(parts))
+            return prepared
 
         def reading_into() -> None:
             self.read_into = info.short_id

@@ -29,3 +29,6 @@ class ManagerStats:
     #: whether chunks are compressed, and why ("auto: raw (measured 0.61 s/GiB raw against
     #: 1.20 s/GiB compressed)"; "off (pinned)")
     compression: str = ""
+    #: the last multi-rank restore of a body in parts (docs/format.md, body format 3): the
+    #: parts this rank read, and how many the body has (the same layout: its own and rank 0's)
+    restore_parts: tuple[int, int] = (0, 0)
