@@ -57,12 +57,13 @@ SMALL = {
     "osd memory cache min": str(64 << 20),
     "bluestore cache autotune": "false",
     "bluestore cache size": str(64 << 20),
-    "bluestore block size": str(4 << 30),  # sparse: only what is written takes space
     "bluestore block create": "true",
     "bluestore fsck on mount": "false",
     "osd op num shards": "1",
     "osd op num threads per shard": "2",
     "rgw thread pool size": "64",
+    "rgw gc obj min wait": "10",  # deleted objects' space back soon (the benchmark's rounds)
+    "rgw gc processor period": "10",
 }
 
 
@@ -191,8 +192,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _conf(base: Path, fsid: str, mon: str, rgw_port: int) -> str:
+def _conf(base: Path, fsid: str, mon: str, rgw_port: int, block_bytes: int) -> str:
     settings = {
+        "bluestore block size": str(block_bytes),  # sparse: only what is written takes space
         "fsid": fsid,
         "mon host": mon,
         "auth cluster required": "none",
@@ -229,9 +231,9 @@ def _conf(base: Path, fsid: str, mon: str, rgw_port: int) -> str:
     return "[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
 
 
-def start(osds: int = 3, base: Path | None = None) -> Cluster:
-    """Start a cluster of ``osds`` OSDs; raise :class:`ClusterUnavailable` where Ceph is not
-    installed (run scripts/services.sh as root)."""
+def start(osds: int = 3, base: Path | None = None, block_bytes: int = 4 << 30) -> Cluster:
+    """Start a cluster of ``osds`` OSDs, each on a sparse file of ``block_bytes``; raise
+    :class:`ClusterUnavailable` where Ceph is not installed (run scripts/services.sh as root)."""
     lacking = missing_binaries()
     if lacking:
         raise ClusterUnavailable(
@@ -245,7 +247,7 @@ def start(osds: int = 3, base: Path | None = None) -> Cluster:
     mon_port, rgw_port = free_port(), free_port()
     mon = f"v2:127.0.0.1:{mon_port}"
     conf = base / "ceph.conf"
-    conf.write_text(_conf(base, fsid, mon, rgw_port))
+    conf.write_text(_conf(base, fsid, mon, rgw_port, block_bytes))
     cluster = Cluster(base, conf, f"http://127.0.0.1:{rgw_port}", osds)
     try:
         _bootstrap(cluster, fsid, mon)
@@ -307,8 +309,8 @@ def _wait_http(c: Cluster, url: str, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def running(osds: int = 3) -> Iterator[Cluster]:
-    cluster = start(osds)
+def running(osds: int = 3, block_bytes: int = 4 << 30) -> Iterator[Cluster]:
+    cluster = start(osds, block_bytes=block_bytes)
     try:
         yield cluster
     finally:

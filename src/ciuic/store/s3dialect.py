@@ -6,11 +6,13 @@ the accents ciuic handles, so that :mod:`ciuic.store.s3` stays about transfers:
 - **Multipart limits**: at most 10,000 parts, each but the last at least 5 MiB (AWS, radosgw's
   ``rgw_multipart_min_part_size``, MinIO): :func:`part_bytes` picks a part size within them.
 - **Error codes that do not say what happened**: Ceph's radosgw answers ``403
-  InvalidAccessKeyId`` (PUT, listing), a bare ``403`` (HEAD) or ``405 MethodNotAllowed`` (GET)
+  InvalidAccessKeyId`` (PUT, listing), a bare ``400`` (PUT), ``403`` or ``408`` (HEAD) or
+  ``405 MethodNotAllowed`` (GET)
   when it cannot read its own records in time, because the storage cluster under it has too few
   OSDs up for a pool's ``min_size`` (``rados osd op timeout`` bounds that wait; without it the
   request hangs until the OSDs return). The same credentials were accepted a moment before, and
-  the answer comes after seconds, not milliseconds: :func:`translate` says so, and makes it a
+  the answer comes after seconds, not milliseconds (any refusal that slow is taken for one of
+  these): :func:`translate` says so, and makes it a
   transient :class:`~ciuic.errors.StoreError` (retried within bounds) rather than a permanent
   :class:`~ciuic.errors.StoreAccessError`.
 - **Throttling and overload**: ``503 SlowDown`` (AWS, radosgw's rate limits), ``503
@@ -33,7 +35,9 @@ ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
           "AllAccessDisabled", "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 #: what radosgw answers when its storage cannot answer it in time
 MISLEADING = {"InvalidAccessKeyId", "403", "MethodNotAllowed", "405"}
-THROTTLED = {"SlowDown", "503", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed",
+#: radosgw's answer to a HEAD (no body, so no code) that waited ``rados osd op timeout``
+TIMED_OUT = {"408", "RequestTimeout"}
+THROTTLED = {"SlowDown", "503", "ServiceUnavailable", "RequestTimeout",
              "InternalError", "500", "502", "504", "ServiceUnavailableException"}
 #: a refusal that took this long was no authentication check: a server that waited on its
 #: storage (radosgw's ``rados osd op timeout`` is 5 to 10 s in the settings docs/storage.md gives)
@@ -73,15 +77,22 @@ def translate(e: Exception, *, what: str, where: str, endpoint: str, bucket: str
         return StoreAccessError(
             f"bucket {bucket!r} does not exist at {endpoint}: create it (for example `aws s3 "
             f"mb s3://{bucket}`) or fix the store URL")
-    if c in MISLEADING and (accepted or elapsed_s >= SLOW_ANSWER_S):
-        why = ("although it accepted these credentials before" if accepted else
-               "after waiting, where a real refusal comes at once")
+    slow = elapsed_s >= SLOW_ANSWER_S
+    refused = st is not None and 400 <= st < 500
+    if (c in MISLEADING and accepted) or (slow and (c in MISLEADING or c in TIMED_OUT
+                                                    or refused)):
+        if c in ACCESS:
+            why = (", although it accepted these credentials before" if accepted else
+                   ", after waiting, where a real refusal comes at once")
+            blame = "The credentials are not the cause"
+        else:
+            why, blame = "", "The request is not the cause"
         return StoreError(
-            f"{what} {where} failed: {endpoint} answered {answer} after {elapsed_s:.1f} s, "
-            f"{why}. The credentials are not the cause: Ceph's radosgw answers so when it "
-            "cannot read its own records in time, because the storage cluster under it has too "
-            "few OSDs up for a pool's min_size (or its monitors lost quorum). Check the "
-            "cluster (`ceph health detail`, `ceph osd tree`); see docs/storage.md")
+            f"{what} {where} failed: {endpoint} answered {answer} after {elapsed_s:.1f} s{why}. "
+            f"{blame}: Ceph's radosgw answers so when it cannot read its own records in time, "
+            "because the storage cluster under it has too few OSDs up for a pool's min_size "
+            "(or its monitors lost quorum). Check the cluster (`ceph health detail`, `ceph osd "
+            "tree`); see docs/storage.md")
     if c in ACCESS:
         return StoreAccessError(
             f"{what} {where} was refused ({answer}): check the AWS credentials "

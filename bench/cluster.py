@@ -1,0 +1,161 @@
+"""The 1 GiB reference state to a real Ceph cluster and back (issue 34, item 4): ciuic against
+boto3's own transfer of the same bytes as one object, and an incremental snapshot.
+
+    .venv/bin/python bench/cluster.py [--rounds 3] [--scale 1] [--json FILE]
+
+Starts the test cluster of tests/cluster.py (1 monitor, 1 manager, 3 BlueStore OSDs on sparse
+files, radosgw; pools of 3 replicas, min_size 2; Debian's Ceph, scripts/services.sh) on
+127.0.0.1, with OSD files large enough for the rounds. Each round, interleaved, each system in
+a fresh bucket:
+
+- boto3: ``upload_file`` of one file holding the state's tensor bytes, then ``download_file``
+  of it, both with ``TransferConfig``'s defaults (multipart above 8 MiB, 10 threads); the file
+  is in the page cache.
+- ciuic: a synchronous ``save()`` of the state (until it is committed: every object
+  acknowledged by radosgw, so on ``min_size`` OSDs), an incremental one with 10 % of the
+  tensors changed, and a ``restore()`` by a new manager into new tensors (every chunk's digest
+  checked), compared with the state.
+
+Prints min / median / max of each and the throughput; the load of the machine (other suites
+share its cores) is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.run import nbytes, reference_state  # noqa: E402
+from tests import cluster  # noqa: E402
+
+from ciuic import SnapshotManager, StateHolder  # noqa: E402
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def fmt(xs: list[float]) -> str:
+    s = summary(xs)
+    return f"{s['min']:6.2f} / {s['median']:6.2f} / {s['max']:6.2f} s"
+
+
+def empty(cl: cluster.Cluster, bucket: str) -> None:
+    """Delete a bucket's objects (radosgw frees their space in its garbage collection)."""
+    c: Any = cl.client()
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            c.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+
+def boto3_round(cl: cluster.Cluster, blob: Path, back: Path) -> tuple[float, float]:
+    c: Any = cl.client()
+    bucket = cl.make_bucket()
+    t0 = time.perf_counter()
+    c.upload_file(str(blob), bucket, "state.bin")
+    t_up = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    c.download_file(bucket, "state.bin", str(back))
+    t_down = time.perf_counter() - t0
+    assert back.stat().st_size == blob.stat().st_size
+    empty(cl, bucket)
+    return t_up, t_down
+
+
+def ciuic_round(cl: cluster.Cluster, state: dict[str, torch.Tensor]
+                ) -> tuple[float, float, float, int]:
+    """(full save s, incremental save s, restore s, incremental bytes sent)."""
+    bucket = cl.make_bucket()
+    url = cl.url(bucket, "bench")
+    with tempfile.TemporaryDirectory() as home:
+        os.environ["XDG_CACHE_HOME"] = home
+        m = SnapshotManager("bench", store=url, asynchronous=False, handle_signals=False)
+        t0 = time.perf_counter()
+        m.save(1, state=StateHolder(state))
+        t_full = time.perf_counter() - t0
+        names = sorted(state)
+        for name in names[::10]:  # 10 % of the tensors change
+            state[name].add_(1e-3)
+        t0 = time.perf_counter()
+        inc = m.save(2, state=StateHolder(state))
+        t_inc = time.perf_counter() - t0
+        m.close()
+        back = StateHolder()
+        r = SnapshotManager("bench", store=url, handle_signals=False)
+        t0 = time.perf_counter()
+        assert r.restore(state=back) == 2
+        t_restore = time.perf_counter() - t0
+        r.close()
+        assert all(torch.equal(back.state[k], v) for k, v in state.items()), "restore differs"
+        for name in names[::10]:
+            state[name].sub_(1e-3)
+    empty(cl, bucket)
+    return t_full, t_inc, t_restore, inc.new_bytes
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--scale", type=int, default=1, help="1 = the 1 GiB reference state")
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    logging.getLogger("ciuic").setLevel(logging.ERROR)
+    state = reference_state(a.scale)
+    size = nbytes(state)
+    times: dict[str, list[float]] = {}
+    loads: list[float] = []
+    inc_bytes = 0
+    with tempfile.TemporaryDirectory() as tmp, \
+            cluster.running(block_bytes=max(8 << 30, 4 * size * a.rounds)) as cl:
+        os.environ.update(cl.env)
+        blob, back = Path(tmp) / "state.bin", Path(tmp) / "back.bin"
+        with blob.open("wb") as f:
+            for t in state.values():
+                f.write(t.numpy().tobytes())
+        started, memory = cl.started_s, cl.rss_bytes()
+        warm = cl.make_bucket()  # radosgw creates its data pool at the first object written
+        cl.client().put_object(Bucket=warm, Key="warm-up", Body=b"x")  # type: ignore[attr-defined]
+        for _ in range(a.rounds):
+            loads.append(os.getloadavg()[0])
+            up, down = boto3_round(cl, blob, back)
+            times.setdefault("boto3 upload_file", []).append(up)
+            times.setdefault("boto3 download_file", []).append(down)
+            full, inc, restore, inc_bytes = ciuic_round(cl, state)
+            times.setdefault("ciuic save (full)", []).append(full)
+            times.setdefault("ciuic save (10 % changed)", []).append(inc)
+            times.setdefault("ciuic restore", []).append(restore)
+            back.unlink()
+    print(f"state {size / 2**20:.0f} MiB in {len(state)} tensors, {a.rounds} rounds, Ceph "
+          f"(3 OSDs, 3 replicas) up in {started:.1f} s, {memory / 2**20:.0f} MiB resident; "
+          f"{platform.machine()} {os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f}")
+    out: dict[str, Any] = {"state_bytes": size, "tensors": len(state), "rounds": a.rounds,
+                           "cluster_start_s": started, "cluster_rss_bytes": memory,
+                           "load_1min": loads, "incremental_bytes": inc_bytes, "systems": {}}
+    for name, xs in times.items():
+        moved = inc_bytes if "changed" in name else size
+        mbs = moved / statistics.median(xs) / 1e6
+        print(f"{name:28} {fmt(xs)}  {mbs:6.0f} MB/s")
+        out["systems"][name] = {**summary(xs), "mb_per_s": mbs}
+    print(f"the incremental snapshot sent {inc_bytes / 2**20:.0f} MiB of {size / 2**20:.0f} MiB")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
