@@ -11,24 +11,24 @@ Every ``--every`` iterations one of the two saves, alternately (ciuic first); th
 (min / median / max over the saves of every round, rank 0 and rank 1 pooled): the time the
 call kept the training loop waiting (ciuic: ``snapshots.step``; Megatron: ``save`` and
 ``schedule_async_request``, its directory made beforehand, untimed); and the median
-iteration without a save. Each run is its own process group, killed whole at its end (Megatron's
-writer process would otherwise outlive a failed run).
+iteration without a save. Every process a run started is SIGKILLed at its end (Megatron's writer
+processes outlive their rank).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ds_stall import port, summary  # beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
+import mg_run
 
 WORKER = Path(__file__).with_name("megatron_stall_worker.py")
 
@@ -38,17 +38,9 @@ def run_round(base: Path, r: int, steps: int, every: int) -> list[dict[str, Any]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(port()), str(WORKER), "--dir", str(base / f"r{r}"),
                "--steps", str(steps), "--every", str(every), "--json", str(out)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env, start_new_session=True)
-    try:
-        _, stderr = p.communicate(timeout=1800)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    if p.returncode:
-        raise SystemExit(f"round {r} failed:\n{stderr[-3000:]}")
+    done = mg_run.run(command, {**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"round {r} failed:\n{done.stderr[-3000:]}")
     ranks: list[dict[str, Any]] = json.loads(out.read_text())
     return ranks
 

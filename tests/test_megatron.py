@@ -4,15 +4,13 @@ SIGKILLed mid-epoch, run again, every rank's model and optimizer tensors compare
 uninterrupted run's, at TP=2, PP=2 and TP1xDP2 with the distributed optimizer; a restore onto
 another layout (TP2 -> TP1xDP2); Megatron's own ``dist_checkpointing`` resume alongside.
 
-The CPU shims megatron-core needs live in tests/helpers/mg_cpu.py only. Every run is its own
-process group, killed whole at its end: a killed rank leaves nothing behind (Megatron's async
-save would leave its writer process)."""
+The CPU shims megatron-core needs live in tests/helpers/mg_cpu.py only. Every process a run
+started is SIGKILLed at its end (tests/helpers/mg_run.py): Megatron's checkpoint writer
+processes outlive a killed rank, and held the output pipes open until the test timed out."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.framework_runs import final, finished, free_port, resumed_at
+from tests.helpers import mg_run
 
 pytest.importorskip("megatron.core", reason="pip install 'ciuic[megatron]'")
 pytest.importorskip("safetensors.torch")
@@ -29,20 +28,12 @@ HELPER = Path(__file__).parent / "helpers" / "mg_train.py"
 
 def train(out: Path, *args: str, failpoints: str = "", timeout: float = 300, ranks: int = 2
           ) -> subprocess.CompletedProcess[str]:
-    """One run of the helper on ``ranks`` ranks, in a process group of its own that is
-    SIGKILLed once the run ended (or timed out)."""
+    """One run of the helper on ``ranks`` ranks; every process it started is SIGKILLed at its
+    end (tests/helpers/mg_run.py)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_port", str(free_port()), str(HELPER), "--out", str(out), *args]
     env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
-    p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    return subprocess.CompletedProcess(command, p.returncode, stdout, stderr)
+    return mg_run.run(command, env, timeout)
 
 
 def differences(a: dict[str, object], b: dict[str, object]) -> dict[str, float]:
