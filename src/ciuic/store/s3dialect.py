@@ -11,8 +11,9 @@ the accents ciuic handles, so that :mod:`ciuic.store.s3` stays about transfers:
   when it cannot read its own records in time, because the storage cluster under it has too few
   OSDs up for a pool's ``min_size`` (``rados osd op timeout`` bounds that wait; without it the
   request hangs until the OSDs return). The same credentials were accepted a moment before, and
-  the answer comes after seconds, not milliseconds (any refusal that slow is taken for one of
-  these): :func:`translate` says so, and makes it a
+  the answer comes after seconds, not milliseconds (any refusal that slow without a code of its
+  own is taken for one of these; a named one such as ``SignatureDoesNotMatch`` or
+  ``AccessDenied`` is what it says): :func:`translate` says so, and makes it a
   transient :class:`~ciuic.errors.StoreError` (retried within bounds) rather than a permanent
   :class:`~ciuic.errors.StoreAccessError`.
 - **Throttling and overload**: ``503 SlowDown`` (AWS, radosgw's rate limits), ``503
@@ -78,9 +79,11 @@ def translate(e: Exception, *, what: str, where: str, endpoint: str, bucket: str
             f"bucket {bucket!r} does not exist at {endpoint}: create it (for example `aws s3 "
             f"mb s3://{bucket}`) or fix the store URL")
     slow = elapsed_s >= SLOW_ANSWER_S
-    refused = st is not None and 400 <= st < 500
+    # a refusal with no code of its own (a HEAD's, or radosgw's bare 400); a named one such as
+    # SignatureDoesNotMatch or AccessDenied needs the records radosgw could not read
+    bare = st is not None and 400 <= st < 500 and (not c or c.isdigit())
     if (c in MISLEADING and accepted) or (slow and (c in MISLEADING or c in TIMED_OUT
-                                                    or refused)):
+                                                    or bare)):
         if c in ACCESS:
             why = (", although it accepted these credentials before" if accepted else
                    ", after waiting, where a real refusal comes at once")
