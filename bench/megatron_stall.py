@@ -2,7 +2,7 @@
 ``dist_checkpointing.save`` (the ``torch_dist`` strategy, an ``AsyncCallsQueue``) against
 ciuic's MegatronSnapshots, on the same model, in one run, interleaved: 2 ranks under torchrun
 (CPU, gloo), a GPTModel at TP=2 (local layer spec, fp32; 4 layers, hidden 512, vocab 8192:
-about 17 M parameters, 200 MB with Adam's moments, half per rank).
+about 21 M parameters, 250 MB with Adam's moments, half per rank).
 
     .venv/bin/python bench/megatron_stall.py [--rounds 1] [--steps 48] [--every 4] [--json F]
 
