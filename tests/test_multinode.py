@@ -275,6 +275,12 @@ class Job:
         return text, text2
 
 
+def mib(size: str) -> float:
+    """MiB of a size as ciuic logs it ("0 B", "0.11 MiB", "1.02 GiB")."""
+    n, unit = size.split()
+    return float(n) * {"B": 2**-20, "MiB": 1, "GiB": 1024}[unit]
+
+
 def recovered_from(text: str) -> tuple[str, str, str]:
     """(this node's memory, other nodes', the store) of rank 0's recovery log line."""
     read = re.search(r"Read (.+) from host memory, (.+) from other nodes' memory and (.+) from "
@@ -302,8 +308,11 @@ def test_a_lost_node_is_restored_from_the_replica_in_its_peers_memory(
     nodes[2].kill_all()
     run.procs[1] = run.start(nodes[2])
     text, _ = run.end()
-    _, peer, store_bytes = recovered_from(text)
+    memory, peer, store_bytes = recovered_from(text)
     assert store_bytes == "0 B" and peer != "0 B"
+    if model == "ddp":  # every rank needs the whole state: node 2 took it over the wire once
+        whole = (mib(memory) + mib(peer)) / 4  # (its second rank's reads are node 2's memory)
+        assert mib(peer) == pytest.approx(whole, abs=0.01), (memory, peer)
     # node 1's ciuic run names the cause: node 2 (group rank 1) gone, not its own workers'
     # failed collectives
     assert re.search(r"ciuic run: the workers stopped at step 1\d: node 1 \([\d.]+\): its ciuic "

@@ -347,7 +347,9 @@ class Supervisor:
         that waits in a collective for a hung one falls silent too, on every node: the node
         whose worker has been silent longest stops it (each node's silence travels in its ping
         answers: waited for 1.5 s, two pings), and one stop per generation is enough. The
-        others wait for torchrun's restart; up to one more ``--hang-timeout``, then they act."""
+        others wait for torchrun's restart; up to one more ``--hang-timeout`` and ``--grace``
+        (the stopping node's wait between SIGTERM and SIGKILL, before which no worker fails),
+        then they act."""
         if start.stopping:
             return False  # this generation's hung worker is being stopped
         if start.hang_pending is None:
@@ -358,7 +360,8 @@ class Supervisor:
         silent, stopped = holder.other_hangs(now)
         patience = self.o.hang_timeout_s or 0.0
         if stopped is not None and stopped < patience + pending:
-            return pending >= 2 * patience + 1.5  # the other node's stop restarts everyone
+            # the other node's stop restarts everyone
+            return pending >= 2 * patience + self.o.grace_s + 1.5
         mine = start.hang_seen_s or 0.0  # (as of now: _hung measured it this poll)
         return silent <= mine + 0.05 or pending >= patience + 1.5
 
