@@ -107,9 +107,9 @@ def test_chunk_frame_layout_and_check() -> None:
         unframe(chunk_key(d), blob[:-5], d, len(plain))
 
 
-GOLDEN_PART = (b'{"format":3,"kind":"ciuic.part","rank":1,"reads":[0],"shards":{"model/w":'
-               b'[{"inline":"AAAAAA==","nbytes":4,"offsets":[2],"shape":[2]}]},'
-               b'"state":{"rng":{"seed":3}}}')
+GOLDEN_PART = (b'{"format":3,"kind":"ciuic.part","others":{"model/v":0},"rank":1,"reads":[0],'
+               b'"shards":{"model/w":[{"inline":"AAAAAA==","nbytes":4,"offsets":[2],'
+               b'"shape":[2]}]},"state":{"rng":{"seed":3}}}')
 
 
 def test_golden_body_part_and_split_index() -> None:
@@ -117,10 +117,11 @@ def test_golden_body_part_and_split_index() -> None:
     from ciuic.format.parts import BodyPart
 
     part = BodyPart(1, {"model/w": [{"offsets": [2], "shape": [2], "nbytes": 4,
-                                     "inline": "AAAAAA=="}]}, {"rng": {"seed": 3}}, (0,))
+                                     "inline": "AAAAAA=="}]}, {"rng": {"seed": 3}}, (0,),
+                    {"model/v": 0})
     assert part.encode() == GOLDEN_PART
     assert digest(GOLDEN_PART) == (
-        "ae30b9b0049bdfe7bccc07d37fe6bdb6d220402c3940f8df050983c32ca415b9")
+        "99781f3a43f31edc23af6fd2281521461a43ec06be74870a94fb6df588461c4d")
     assert BodyPart.decode(GOLDEN_PART, "k", digest(GOLDEN_PART)) == part
     index = mf.encode_body({"model": {"w": {"$tensor": {"dtype": "float32", "nbytes": 16,
                                                         "shape": [4], "split": True}}},

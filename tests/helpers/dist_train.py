@@ -146,6 +146,8 @@ def main() -> int:
                    "restored_step": manager.restored.step if manager.restored else None,
                    "first_staged": first_staged, "last_staged": s.last_staged_bytes,
                    "restore_parts": list(s.restore_parts),
+                   # plans made from every rank's metas (a restored plan is adopted)
+                   "plans_made": manager._pipeline.plans().made,
                    # what a snapshot copies of this rank's own state (RNG, sampler)
                    "own_bytes": sum(leaf.nbytes for leaf in capture(
                        None, None, {"sampler": sampler, "loss": 0.0}).leaves),

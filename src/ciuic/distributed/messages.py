@@ -53,6 +53,16 @@ class Plans:
     joint: str = ""
     owners: dict[str, int] = field(default_factory=dict)
     made: int = 0  # plans made (metas exchanged), for the tests and the benchmark"
+    #: the owner of a piece ``owners`` does not list (a plan adopted from a restored
+    #: snapshot lists only the pieces of this rank's that other ranks wrote); None: all listed
+    default: int | None = None
+
+    def owner(self, key: str) -> int:
+        """The rank that writes piece ``key``."""
+        found = self.owners.get(key, self.default)
+        if found is None:  # a programming error: the plan covers every piece
+            raise KeyError(f"the plan has no owner for {key}")
+        return found
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,11 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             names = [n for n in GLOBAL if n in captured.states]
             shape = canonical.dumps({n: captured.states[n] for n in names})
             metas = plan_metas(captured)
-            mine = Plan(step, seq, skeleton=digest(shape), layout=digest(canonical.dumps(metas)),
-                        known=plans.joint)
+            # in a canonical order: a restored optimizer lists its state in another order,
+            # and the plan does not depend on it
+            ordered = sorted(metas, key=lambda x: (x["path"], x["offsets"] or []))
+            mine = Plan(step, seq, skeleton=digest(shape),
+                        layout=digest(canonical.dumps(ordered)), known=plans.joint)
         except Exception as e:
             mine = Plan(step, seq, error=_error(e))
     everyone = [Plan.from_json(x) for x in coll.all_gather(mine.to_json(), data=True)]
@@ -95,7 +98,6 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
         gathered = coll.all_gather(metas, data=True)
         plans.joint, plans.owners = joint, plan(list(gathered))
         plans.made += 1
-    owners = plans.owners
 
     store = repo.store
     inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided
@@ -111,7 +113,7 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             cache.sync(inflight.epoch)
             glob = {id(leaf) for leaf in captured.global_leaves}
             owned = [leaf for leaf in captured.global_leaves
-                     if owners[leaf_key(leaf)] == coll.rank]
+                     if plans.owner(leaf_key(leaf)) == coll.rank]
             captured.owned = {leaf_key(leaf) for leaf in owned}
             lost = sorted(captured.owned & captured.unstaged)
             if lost:  # a safety net: only a layout change on another rank can cause it
@@ -124,7 +126,7 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             new = write_leaves(repo, owned + own, cache, w.codec, w.compression,
                                stats=w.health is not None).new
             captured.written = {leaf.path: _described(leaf) for leaf in owned + own}
-            part = _write_part(w, coll.rank, captured, owned, owners)
+            part = _write_part(w, coll.rank, captured, owned, plans)
             failpoint("chunks.sync")
             store.sync()
             failpoint("dist.written")
@@ -142,7 +144,7 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
         decided: dict[str, Any] | None = None
         if reports is not None:
             decided = _commit(w, captured, [Report.from_json(r) for r in reports],
-                              coll.world_size, whole).to_json()
+                              coll.world_size, whole, plans.joint).to_json()
         outcome = Outcome.from_json(coll.broadcast(decided, data=True))
     finally:
         if entered:
@@ -160,19 +162,22 @@ def _described(leaf: Leaf) -> TensorDescriptor:
 
 
 def _write_part(w: SnapshotWrite, rank: int, captured: DistCaptured, owned: list[Leaf],
-                owners: dict[str, int]) -> tuple[str, int]:
+                plans: Plans) -> tuple[str, int]:
     """Write this rank's part of the body (docs/format.md, body format 3): the descriptors of
-    the shards it wrote, its per-rank states, and the ranks that wrote the boxes it holds but
-    did not write. Returns its digest and bytes."""
+    the shards it wrote, its per-rank states, the ranks that wrote the boxes it holds but did
+    not write, and the plan's owner of each piece it holds but did not write. Returns its
+    digest and bytes."""
     shards: dict[str, list[dict[str, Any]]] = {}
     for leaf in owned:
         if leaf.shard is not None:
             shards.setdefault(leaf.path, []).append(
                 shard_of(leaf.shard[1], _described(leaf)).to_json())
-    reads = sorted({owners[leaf_key(leaf)] for leaf in captured.global_leaves
-                    if leaf.shard is not None} - {rank})
+    others = {key: owner for key, owner in ((leaf_key(leaf), plans.owner(leaf_key(leaf)))
+                                           for leaf in captured.global_leaves) if owner != rank}
+    reads = sorted({others[leaf_key(leaf)] for leaf in captured.global_leaves
+                    if leaf.shard is not None and leaf_key(leaf) in others})
     part = BodyPart(rank, shards, {n: captured.states[n] for n in captured.rank_names},
-                    tuple(reads))
+                    tuple(reads), others)
     data = part.encode()
     name = w.codec.name(data)
     key = layout.body_key(w.project, w.job, name)
@@ -231,7 +236,8 @@ def _whole(coll: Collective, leaves: list[Leaf], owned: list[Leaf]
 
 
 def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
-            world_size: int, whole: dict[str, tuple[int, Stats | None]]) -> Outcome:
+            world_size: int, whole: dict[str, tuple[int, Stats | None]], joint: str
+            ) -> Outcome:
     failures = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if failures:
         return Outcome(failures)
@@ -239,7 +245,7 @@ def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
         assemble(captured.global_leaves, [piece for rep in reports for piece in rep.written],
                  whole)
         states: dict[str, Any] = {n: captured.states[n] for n in GLOBAL if n in captured.states}
-        states["dist"] = {"layout": LAYOUT, "world_size": world_size,
+        states["dist"] = {"layout": LAYOUT, "world_size": world_size, "plan": joint,
                           "parts": [list(rep.part) for rep in reports]}
         total = sum(_described(leaf).nbytes for leaf in captured.global_leaves)
         total += sum(rep.own_bytes for rep in reports)

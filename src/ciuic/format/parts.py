@@ -5,13 +5,15 @@ tensors x ranks: rank 0 gathers and writes all of it, and every rank reads and p
 to find its own boxes (docs/multinode.md, "The model"). Body format 3 splits it:
 
 - each rank writes a **part** (``bodies/<digest>.json``, ``"kind": "ciuic.part"``): the
-  descriptors of the shards it wrote (by tensor path), its per-rank states, and ``reads``: the
+  descriptors of the shards it wrote (by tensor path), its per-rank states, ``reads``: the
   other ranks whose parts hold boxes of tensors this rank held but did not write (a replica
-  written once, as in HSDP);
+  written once, as in HSDP), and ``others``: who wrote each piece it held but did not write
+  (the plan, for this rank);
 - the coordinator writes the **index**, the body the manifest names: the global states, in which
   a sharded tensor's descriptor says ``"split": true`` instead of listing its shards (its dtype,
-  global shape, bytes and the whole tensor's statistics stay), and ``dist.parts``: every rank's
-  part as ``[digest, bytes]``, in rank order.
+  global shape, bytes and the whole tensor's statistics stay), ``dist.parts``: every rank's
+  part as ``[digest, bytes]``, in rank order, and ``dist.plan``: the digest of every rank's
+  layout the plan was made from.
 
 A restore on the same layout reads the index and its own part (and those its part names); a
 tool that reads everything, or a restore on another layout, merges every part into the view a
@@ -20,7 +22,7 @@ format-2 body gives (:func:`merge`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic.errors import CorruptObject
@@ -43,11 +45,16 @@ class BodyPart:
     state: dict[str, Any]
     #: the other ranks whose parts hold boxes this rank held but did not write
     reads: tuple[int, ...] = ()
+    #: the plan's owner of each global piece this rank held but another rank wrote (by
+    #: piece key); its other pieces it wrote itself. A rank restored on the same layout
+    #: adopts the plan instead of exchanging every rank's metas again.
+    others: dict[str, int] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return canonical.dumps({"format": SPLIT_BODY_FORMAT, "kind": PART_KIND,
-                                "rank": self.rank, "reads": list(self.reads),
-                                "shards": self.shards, "state": self.state})
+                                "others": self.others, "rank": self.rank,
+                                "reads": list(self.reads), "shards": self.shards,
+                                "state": self.state})
 
     @classmethod
     def decode(cls, data: bytes, key: str, expected_digest: str,
@@ -74,12 +81,15 @@ class BodyPart:
             if not isinstance(reads, list) or not all(
                     isinstance(r, int) and not isinstance(r, bool) for r in reads):
                 raise ValueError("'reads' is not a list of ranks")
-            rank = obj["rank"]
+            rank, others = obj["rank"], obj.get("others", {})
             if not isinstance(rank, int) or isinstance(rank, bool):
                 raise ValueError("'rank' is not an integer")
+            if not isinstance(others, dict) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in others.values()):
+                raise ValueError("'others' is not an object of ranks")
         except (KeyError, ValueError) as e:
             raise CorruptObject(key, f"malformed body part: {e}") from None
-        return cls(rank, shards, state, tuple(reads))
+        return cls(rank, shards, state, tuple(reads), others)
 
 
 def listed_parts(states: dict[str, Any]) -> list[tuple[str, int]] | None:

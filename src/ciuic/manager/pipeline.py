@@ -297,6 +297,12 @@ class Pipeline(abc.ABC, Generic[C]):
         self.parent = info.id if same_job else ""
         self.last_committed_step = info.step
 
+    def adopt_plan(self, joint: str, others: dict[str, int]) -> None:
+        """A restored multi-rank snapshot's plan, for this rank (``others``: the owner of each
+        of its pieces another rank wrote), made from the layouts whose digest is ``joint``:
+        the next snapshot reuses it when no rank's layout changed. Only ranked pipelines
+        plan."""
+
     def close(self) -> None:
         self.wait()
         self._executor.shutdown(wait=True)

@@ -45,6 +45,11 @@ class RankedPipeline(Pipeline[DistCaptured]):
             self._plans = Plans()
         return self._plans
 
+    def adopt_plan(self, joint: str, others: dict[str, int]) -> None:
+        # the restored snapshot's owners: after a restart on the same layout the first snapshot
+        # exchanges digests, not every rank's metas (W x T of them per rank)
+        self._plans = Plans(joint=joint, owners=dict(others), default=self.coll.rank)
+
     def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> DistCaptured:
         return capture_dist(model, optimizer, extras)
 

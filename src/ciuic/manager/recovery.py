@@ -67,6 +67,9 @@ class Recovery:
         #: chunk bytes the last restore read from this node's memory, other nodes' and the
         #: store (summed over the ranks: rank 0's figure is the job's)
         self.read: tuple[int, int, int] = (0, 0, 0)
+        #: the plan of the multi-rank snapshot being restored, for this rank (joint layouts'
+        #: digest, owners of its pieces other ranks wrote), adopted once it is applied
+        self._plan: tuple[str, dict[str, int]] | None = None
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None) -> Restored | None:
@@ -162,6 +165,8 @@ class Recovery:
                          time.perf_counter() - t0,
                          f" (all {self.coll.world_size} ranks)" if self.coll.enabled else "")
             prepared.apply()
+            if self._plan is not None:
+                self._pipeline.adopt_plan(*self._plan)
             return Restored(info, prepared.values)
         raise RestoreError(
             f"job {project}/{job} has {counted(len(candidates), 'snapshot')} but none could be "
@@ -236,6 +241,7 @@ class Recovery:
         """Check a snapshot against the live objects (a snapshot that does not fit touches
         nothing), then read and verify it (``prepare_local``, or this rank's part of a
         multi-rank snapshot); the result's ``apply()`` loads the objects."""
+        self._plan = None
         m, trees = read_body(self.repo, info, parts=False)  # a split body's own part later
         if is_distributed(trees):
             parts = Parts.of(self.repo, m, trees)
@@ -243,6 +249,9 @@ class Recovery:
                                self.coll.world_size, resident, parts)
             if parts is not None:
                 self._pipeline.stats.restore_parts = (parts.count, len(parts))
+                plan = trees["dist"].get("plan")
+                if isinstance(plan, str) and len(parts) == self.coll.world_size:
+                    self._plan = (plan, parts.get(self.coll.rank).others)
             return prepared
 
         def reading_into() -> None:
