@@ -63,49 +63,64 @@ def empty(cl: cluster.Cluster, bucket: str) -> None:
             c.delete_objects(Bucket=bucket, Delete={"Objects": keys})
 
 
-def boto3_round(cl: cluster.Cluster, blob: Path, back: Path) -> tuple[float, float]:
+class Meter:
+    """Wall time, and CPU seconds of this process and of the cluster's daemons, of each phase."""
+
+    def __init__(self, cl: cluster.Cluster) -> None:
+        self.cl = cl
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[tuple[float, float]]] = {}  # (client, cluster)
+
+    def __call__(self, name: str, fn: Any) -> Any:
+        c0, k0, t0 = _own_cpu(), self.cl.cpu_s(), time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - t0
+        self.wall.setdefault(name, []).append(wall)
+        self.cpu.setdefault(name, []).append((_own_cpu() - c0, self.cl.cpu_s() - k0))
+        return out
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def boto3_round(m: Meter, blob: Path, back: Path) -> None:
+    cl = m.cl
     c: Any = cl.client()
     bucket = cl.make_bucket()
-    t0 = time.perf_counter()
-    c.upload_file(str(blob), bucket, "state.bin")
-    t_up = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    c.download_file(bucket, "state.bin", str(back))
-    t_down = time.perf_counter() - t0
+    m("boto3 upload_file", lambda: c.upload_file(str(blob), bucket, "state.bin"))
+    m("boto3 download_file", lambda: c.download_file(bucket, "state.bin", str(back)))
     assert back.stat().st_size == blob.stat().st_size
+    back.unlink()
     empty(cl, bucket)
-    return t_up, t_down
 
 
-def ciuic_round(cl: cluster.Cluster, state: dict[str, torch.Tensor]
-                ) -> tuple[float, float, float, int]:
-    """(full save s, incremental save s, restore s, incremental bytes sent)."""
+def ciuic_round(m: Meter, state: dict[str, torch.Tensor], compression: str) -> int:
+    """A full save, an incremental one, a restore; returns the incremental bytes sent."""
+    cl = m.cl
     bucket = cl.make_bucket()
     url = cl.url(bucket, "bench")
+    tag = f"ciuic compression={compression}"
     with tempfile.TemporaryDirectory() as home:
         os.environ["XDG_CACHE_HOME"] = home
-        m = SnapshotManager("bench", store=url, asynchronous=False, handle_signals=False)
-        t0 = time.perf_counter()
-        m.save(1, state=StateHolder(state))
-        t_full = time.perf_counter() - t0
+        w = SnapshotManager("bench", store=url, asynchronous=False, handle_signals=False,
+                            compression=compression)
+        m(f"{tag}: save (full)", lambda: w.save(1, state=StateHolder(state)))
         names = sorted(state)
         for name in names[::10]:  # 10 % of the tensors change
             state[name].add_(1e-3)
-        t0 = time.perf_counter()
-        inc = m.save(2, state=StateHolder(state))
-        t_inc = time.perf_counter() - t0
-        m.close()
+        inc = m(f"{tag}: save (10 % changed)", lambda: w.save(2, state=StateHolder(state)))
+        w.close()
         back = StateHolder()
         r = SnapshotManager("bench", store=url, handle_signals=False)
-        t0 = time.perf_counter()
-        assert r.restore(state=back) == 2
-        t_restore = time.perf_counter() - t0
+        assert m(f"{tag}: restore", lambda: r.restore(state=back)) == 2
         r.close()
         assert all(torch.equal(back.state[k], v) for k, v in state.items()), "restore differs"
         for name in names[::10]:
             state[name].sub_(1e-3)
     empty(cl, bucket)
-    return t_full, t_inc, t_restore, inc.new_bytes
+    return int(inc.new_bytes)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -113,13 +128,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scale", type=int, default=1, help="1 = the 1 GiB reference state")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--compression", nargs="+", default=["auto", "off"],
+                   help="ciuic's compression modes to measure (auto compresses on S3)")
     a = p.parse_args(argv)
     logging.getLogger("ciuic").setLevel(logging.ERROR)
     state = reference_state(a.scale)
     size = nbytes(state)
-    times: dict[str, list[float]] = {}
     loads: list[float] = []
-    inc_bytes = 0
+    inc_bytes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp, \
             cluster.running(block_bytes=max(8 << 30, 4 * size * a.rounds)) as cl:
         os.environ.update(cl.env)
@@ -130,28 +146,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         started, memory = cl.started_s, cl.rss_bytes()
         warm = cl.make_bucket()  # radosgw creates its data pool at the first object written
         cl.client().put_object(Bucket=warm, Key="warm-up", Body=b"x")  # type: ignore[attr-defined]
+        m = Meter(cl)
         for _ in range(a.rounds):
             loads.append(os.getloadavg()[0])
-            up, down = boto3_round(cl, blob, back)
-            times.setdefault("boto3 upload_file", []).append(up)
-            times.setdefault("boto3 download_file", []).append(down)
-            full, inc, restore, inc_bytes = ciuic_round(cl, state)
-            times.setdefault("ciuic save (full)", []).append(full)
-            times.setdefault("ciuic save (10 % changed)", []).append(inc)
-            times.setdefault("ciuic restore", []).append(restore)
-            back.unlink()
+            boto3_round(m, blob, back)
+            for compression in a.compression:
+                inc_bytes[compression] = ciuic_round(m, state, compression)
     print(f"state {size / 2**20:.0f} MiB in {len(state)} tensors, {a.rounds} rounds, Ceph "
           f"(3 OSDs, 3 replicas) up in {started:.1f} s, {memory / 2**20:.0f} MiB resident; "
           f"{platform.machine()} {os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'':44} {'min / median / max':24} {'MB/s':>6}  CPU s: client, cluster (medians)")
     out: dict[str, Any] = {"state_bytes": size, "tensors": len(state), "rounds": a.rounds,
                            "cluster_start_s": started, "cluster_rss_bytes": memory,
                            "load_1min": loads, "incremental_bytes": inc_bytes, "systems": {}}
-    for name, xs in times.items():
-        moved = inc_bytes if "changed" in name else size
-        mbs = moved / statistics.median(xs) / 1e6
-        print(f"{name:28} {fmt(xs)}  {mbs:6.0f} MB/s")
-        out["systems"][name] = {**summary(xs), "mb_per_s": mbs}
-    print(f"the incremental snapshot sent {inc_bytes / 2**20:.0f} MiB of {size / 2**20:.0f} MiB")
+    for name, xs in m.wall.items():
+        mbs = size / statistics.median(xs) / 1e6
+        client = statistics.median(c for c, _ in m.cpu[name])
+        daemons = statistics.median(k for _, k in m.cpu[name])
+        print(f"{name:44} {fmt(xs)}  {mbs:6.0f}  {client:6.1f} {daemons:6.1f}")
+        out["systems"][name] = {**summary(xs), "mb_per_s_of_the_state": mbs,
+                                "client_cpu_s": client, "cluster_cpu_s": daemons}
+    for compression, n in inc_bytes.items():
+        print(f"compression={compression}: the incremental snapshot sent {n / 2**20:.0f} MiB "
+              f"of {size / 2**20:.0f} MiB")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return out

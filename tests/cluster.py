@@ -17,6 +17,7 @@ below ``min_size`` waits until the OSDs come back, however long that is.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -119,6 +120,18 @@ class Cluster:
             raise RuntimeError(f"ceph {' '.join(args)} failed: {run.stderr.strip()[-2000:]}")
         return run.stdout
 
+    def start_gateway(self, name: str, **options: str) -> str:
+        """Start another radosgw on the same cluster with ``options`` (``rgw_...`` settings);
+        return its endpoint. Stopped with the cluster."""
+        port = free_port()
+        extra = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+        self._spawn(f"rgw.{name}", ["radosgw", "-f", "-c", str(self.conf), "-n",
+                                    f"client.rgw.{name}", f"--rgw-frontends=beast "
+                                    f"endpoint=127.0.0.1:{port}", *extra])
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_http(self, endpoint, 60, f"rgw.{name}")
+        return endpoint
+
     def kill_osd(self, i: int) -> None:
         """SIGKILL OSD ``i`` (a crashed storage node) and wait until the monitor marks it down."""
         proc = self.procs.pop(f"osd.{i}")
@@ -169,6 +182,15 @@ class Cluster:
                     if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) * 1024
         return total
+
+    def cpu_s(self) -> float:
+        """The CPU time (user and system) every running daemon has used, in seconds."""
+        total = 0
+        for proc in self.procs.values():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        return total / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -293,7 +315,7 @@ def _bootstrap(c: Cluster, fsid: str, mon: str) -> None:
          "ciuic tests", "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY)
 
 
-def _wait_http(c: Cluster, url: str, timeout: float) -> None:
+def _wait_http(c: Cluster, url: str, timeout: float, name: str = "rgw") -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -302,7 +324,7 @@ def _wait_http(c: Cluster, url: str, timeout: float) -> None:
         except urllib.error.HTTPError:
             return  # it answers (403 to an anonymous listing)
         except OSError:
-            rgw = c.procs["rgw"]
+            rgw = c.procs[name]
             if rgw.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"radosgw did not answer at {url}") from None
             time.sleep(0.3)

@@ -8,8 +8,9 @@ may override some of it for one store (handy for ``ciuic push`` to another clust
 
 Transfers: objects above ``s3_multipart_threshold_bytes`` go up as a multipart upload with parts
 sent in parallel and come back as parallel ranged GETs. Every call has connect and read timeouts
-and botocore's standard retry mode; :class:`~ciuic.store.retry.RetryingStore` adds ciuic's own
-bounded retries on top, as for every store.
+and botocore's adaptive retry mode (5 attempts, slowing down when the server throttles);
+:class:`~ciuic.store.retry.RetryingStore` adds ciuic's own bounded retries on top, as for every
+store. What servers answer differently (limits, error codes, throttling): ``s3dialect``.
 
 Commit: :meth:`S3Store.create` is a PUT with ``If-None-Match: *`` (AWS S3 since 2024, MinIO,
 Ceph RGW, moto), so exactly one of several racing writers wins. ``conditional=auto`` (the
@@ -86,7 +87,10 @@ class S3Store(Store):
             session = boto3.session.Session()
             config = Config(
                 connect_timeout=k.s3_connect_timeout_s, read_timeout=k.s3_read_timeout_s,
-                retries={"mode": "standard", "max_attempts": 3},
+                # adaptive: botocore's standard retries, and a client-side rate limit once the
+                # server throttles (503 SlowDown); 3 attempts lost writes to a throttling
+                # radosgw (docs/storage.md)
+                retries={"mode": "adaptive", "max_attempts": 5},
                 max_pool_connections=max(32, 2 * k.s3_concurrency),
             )
             client = session.client(
