@@ -51,9 +51,6 @@ class Fetched:
         #: digests no other node held, since the last clear (each is asked for once)
         self._absent: set[str] = set()
         self._epoch = 0
-        #: chunks fetched, and bytes, since the supervisor started (each crossed the network)
-        self.fetches = 0
-        self.fetched_bytes = 0
 
     def held(self) -> int:
         """Bytes kept (call with the lock held)."""
@@ -107,8 +104,6 @@ class Fetched:
                 return None
             seal(fd)
             with self._lock:
-                self.fetches += 1
-                self.fetched_bytes += n
                 if epoch == self._epoch and d not in self._kept and self._room(n):
                     self._kept[d] = _Kept(fd, n)
                     out, fd = os.dup(fd), None
