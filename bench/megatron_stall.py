@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ds_stall import port, summary  # beside this script
+from ds_stall import summary  # beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
 import mg_run
@@ -35,8 +35,8 @@ WORKER = Path(__file__).with_name("megatron_stall_worker.py")
 
 def run_round(base: Path, r: int, steps: int, every: int) -> list[dict[str, Any]]:
     out = base / f"round-{r}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(port()), str(WORKER), "--dir", str(base / f"r{r}"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(WORKER), "--dir", str(base / f"r{r}"),
                "--steps", str(steps), "--every", str(every), "--json", str(out)]
     done = mg_run.run(command, {**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=1800)
     if done.returncode:

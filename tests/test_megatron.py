@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.framework_runs import final, finished, free_port, resumed_at
+from tests.framework_runs import final, finished, resumed_at
 from tests.helpers import mg_run
 
 pytest.importorskip("megatron.core", reason="pip install 'ciuic[megatron]'")
@@ -30,8 +30,10 @@ def train(out: Path, *args: str, failpoints: str = "", timeout: float = 300, ran
           ) -> subprocess.CompletedProcess[str]:
     """One run of the helper on ``ranks`` ranks; every process it started is SIGKILLed at its
     end (tests/helpers/mg_run.py)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), str(HELPER), "--out", str(out), *args]
+    # --standalone: torchrun binds a free port itself (a port picked here and bound later
+    # could be another suite's by then)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(ranks), str(HELPER), "--out", str(out), *args]
     env = {**os.environ, "CIUIC_FAILPOINTS": failpoints, "PYTHONWARNINGS": "ignore"}
     return mg_run.run(command, env, timeout)
 
@@ -173,6 +175,20 @@ def test_megatron_own_resume_is_not_bit_exact_which_docs_integrations_records(
     print(f"Megatron's own resume: {len(diff)} of {len(ref)} tensors differ, max "
           f"{max(diff.values()):.3g}")
     assert diff  # no RNG is saved: dropout and the data's noise differ after the resume
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_snapshot_of_another_model_is_refused_with_what_differs(tmp_path: Path) -> None:
+    """Hidden size 16 saved, 32 asked for: every rank stops before loading anything, and the
+    message names the tensors whose global shape changed."""
+    finished(train(tmp_path, "--tp", "2", "--steps", "5"))
+    again = train(tmp_path, "--tp", "2", "--steps", "6", "--hidden", "32")
+    assert again.returncode != 0 and "ITERATION" not in again.stdout
+    assert "loading the Megatron state failed on 2 ranks" in again.stderr
+    assert "does not fit this model and optimizer" in again.stderr
+    assert ("embedding.word_embeddings.weight: snapshot float32 [32, 16], live float32 "
+            "[32, 32]") in again.stderr
 
 
 def test_misuse_is_a_clear_error(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/helpers/mg_train.py --out DIR --mode ciuic|megatron
         [--tp N] [--pp N] [--dist-opt] [--kill-at STEP] [--every N] [--steps N]
-        [--device cuda] [--no-loader-state]
+        [--device cuda] [--no-loader-state] [--hidden N]
 
 ``GPTModel`` with the local layer spec (no fused kernels), learned absolute positions, fp32,
 dropout; Megatron's DDP wrapper, its Adam (``--dist-opt``: the distributed optimizer) and an
@@ -68,7 +68,7 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any]:
     torch.manual_seed(123)
     dtype = torch.bfloat16 if cuda else torch.float32
     config = TransformerConfig(
-        num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
+        num_layers=2, hidden_size=a.hidden, num_attention_heads=4, use_cpu_initialization=True,
         hidden_dropout=0.2, attention_dropout=0.1, params_dtype=dtype, bf16=cuda,
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False,
@@ -155,6 +155,7 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--steps", type=int, default=18)
+    p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     # after a data-parallel change a saved loader position is another sampler's: the loop
     # skips the trained batches itself, from the iteration, as Megatron-LM does

@@ -199,12 +199,12 @@ def from_snapshot(live: dict[str, Any], own: dict[str, Any], saved: SavedPieces,
 
     _walk(sharded, check)
     if missing or changed:
+        problems = [f"not in the snapshot: {', '.join(sorted(set(missing))[:10])}"] * bool(
+            missing) + list(dict.fromkeys(changed))[:10]
         raise StateMismatch(
             "the snapshot's Megatron state does not fit this model and optimizer: "
-            + "; ".join([f"missing {', '.join(sorted(set(missing))[:10])}"] if missing else [])
-            + "; ".join(changed[:10])
-            + ". Restore with the model configuration (and the optimizer's sharding type) "
-              "that wrote it")
+            + "; ".join(problems) + ". Restore with the model configuration (and the "
+            "optimizer's sharding type) that wrote it")
     read: dict[Box, torch.Tensor] = {}
     others = [b for b in wanted if b not in mine]
     if others:
