@@ -80,3 +80,11 @@ def test_the_part_size_keeps_within_s3s_limits(wanted: int, nbytes: int, expecte
     part = s3dialect.part_bytes(wanted, nbytes)
     assert part == expected
     assert part >= 5 << 20 and -(-nbytes // part) <= 10_000
+
+
+def test_a_read_timeout_says_what_a_ceph_cluster_does_without_an_op_timeout() -> None:
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+    text = s3dialect.hint(ReadTimeoutError(endpoint_url="http://rgw:7480/b/k"))
+    assert "rados osd op timeout" in text and "min_size" in text
+    assert s3dialect.hint(ConnectTimeoutError(endpoint_url="http://rgw:7480/b/k")) == ""

@@ -138,7 +138,8 @@ class S3Store(Store):
                 f"{what} {self.location(key)}: no AWS credentials found; set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from e
         except BotoCoreError as e:
-            raise StoreError(f"{what} {self.location(key)} failed at {self._endpoint}: {e}") from e
+            raise StoreError(f"{what} {self.location(key)} failed at {self._endpoint}: {e}"
+                             f"{s3dialect.hint(e)}") from e
         self._accepted = True
         return result
 

@@ -51,6 +51,18 @@ def part_bytes(wanted: int, nbytes: int) -> int:
     return max(wanted, MIN_PART_BYTES, -(-nbytes // MAX_PARTS))
 
 
+def hint(e: Exception) -> str:
+    """What to add to a transport error's message: a read that timed out on a Ceph cluster is
+    most often radosgw holding the request while its pools are below min_size."""
+    from botocore.exceptions import ReadTimeoutError
+
+    if isinstance(e, ReadTimeoutError):
+        return (" (the server accepted the request and did not answer: a Ceph radosgw whose "
+                "pools are below min_size holds requests until enough OSDs return, unless its "
+                "`rados osd op timeout` is set; see docs/storage.md)")
+    return ""
+
+
 def code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
