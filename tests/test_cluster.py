@@ -103,8 +103,9 @@ def test_two_writer_processes_racing_for_one_job_never_both_commit(ceph_url: str
 # -- the dialect -----------------------------------------------------------------------------
 
 def test_a_part_size_below_s3s_minimum_is_raised_to_it(ceph_url: str) -> None:
-    """radosgw refuses a multipart upload whose parts are under 5 MiB (EntityTooSmall), as AWS
-    does; moto accepted them. A 1 MiB part knob is raised to 5 MiB."""
+    """radosgw refuses to complete a multipart upload whose parts are under 5 MiB
+    (EntityTooSmall), as AWS does: a part knob below that failed every large upload. A 1 MiB
+    knob is raised to 5 MiB."""
     blob = os.urandom(11 << 20)
     with knobs.override(s3_multipart_threshold_bytes=1 << 20, s3_part_bytes=1 << 20):
         s = open_store(ceph_url)
