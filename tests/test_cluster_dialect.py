@@ -1,6 +1,6 @@
 """What ciuic makes of the S3 dialects' answers (ciuic.store.s3dialect), decided from botocore's
 own ClientError as boto3 raises it; the real cluster's answers are in tests/test_cluster.py
-(slow). Runs without a cluster."""
+(slow). And the cluster fixture's reason to skip. Runs without a cluster."""
 
 from __future__ import annotations
 
@@ -88,3 +88,14 @@ def test_a_read_timeout_says_what_a_ceph_cluster_does_without_an_op_timeout() ->
     text = s3dialect.hint(ReadTimeoutError(endpoint_url="http://rgw:7480/b/k"))
     assert "rados osd op timeout" in text and "min_size" in text
     assert s3dialect.hint(ConnectTimeoutError(endpoint_url="http://rgw:7480/b/k")) == ""
+
+
+def test_without_ceph_the_cluster_tests_are_told_why(tmp_path: object,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Ceph is not installed, starting the cluster raises the reason the cluster tests
+    skip with (and what to run), before anything is started."""
+    from tests import cluster
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ceph-mon, radosgw, ... on it
+    with pytest.raises(cluster.ClusterUnavailable, match=r"ceph-mon.*scripts/services\.sh"):
+        cluster.start()
