@@ -191,6 +191,31 @@ def test_a_snapshot_of_another_model_is_refused_with_what_differs(tmp_path: Path
             "[32, 32]") in again.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_distributed_optimizer_onto_another_tp_is_refused_and_the_model_alone_restores(
+        tmp_path: Path) -> None:
+    """dp_reshardable keeps the distributed optimizer's state per TPxPP bucket: TP2 -> TP1xDP2
+    is refused on every rank, saying so and what to do; the model alone then restores."""
+    import torch
+
+    args = ("--dist-opt", "--no-loader-state")
+    finished(train(tmp_path, "--tp", "2", "--steps", "5", *args))
+    def model(out: Path) -> dict[str, object]:  # the dp_reshardable buckets have gaps
+        return _global({k: v for k, v in final(out).items() if "/optimizer." not in k})
+
+    before = model(tmp_path)
+    (tmp_path / "final-ciuic.safetensors").unlink()
+    refused = train(tmp_path, "--tp", "1", "--steps", "5", *args)
+    assert refused.returncode != 0 and "ITERATION" not in refused.stdout
+    assert "loading the Megatron state failed on 2 ranks" in refused.stderr
+    assert "restores onto another data-parallel size only" in refused.stderr
+    finished(train(tmp_path, "--tp", "1", "--steps", "5", "--model-only", *args))
+    after = model(tmp_path)
+    assert before.keys() == after.keys() and before
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
 def test_misuse_is_a_clear_error(tmp_path: Path) -> None:
     from ciuic.errors import ConfigurationError
     from ciuic.integrations.megatron import MegatronSnapshots

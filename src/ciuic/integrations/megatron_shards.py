@@ -201,10 +201,15 @@ def from_snapshot(live: dict[str, Any], own: dict[str, Any], saved: SavedPieces,
     if missing or changed:
         problems = [f"not in the snapshot: {', '.join(sorted(set(missing))[:10])}"] * bool(
             missing) + list(dict.fromkeys(changed))[:10]
-        raise StateMismatch(
-            "the snapshot's Megatron state does not fit this model and optimizer: "
-            + "; ".join(problems) + ". Restore with the model configuration (and the "
-            "optimizer's sharding type) that wrote it")
+        hint = ("Restore with the model configuration (and the optimizer's sharding type) "
+                "that wrote it")
+        if any(p.startswith("optimizer.distributed.") for p in problems):
+            hint = ("The distributed optimizer's state (dp_reshardable, kept per TPxPP bucket) "
+                    "restores onto another data-parallel size only: restore on the TP and PP "
+                    "that wrote it, or restore the model alone (optimizer=None) and start a "
+                    "new optimizer")
+        raise StateMismatch("the snapshot's Megatron state does not fit this model and "
+                            f"optimizer: {'; '.join(problems)}. {hint}")
     read: dict[Box, torch.Tensor] = {}
     others = [b for b in wanted if b not in mine]
     if others:
