@@ -214,7 +214,8 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _conf(base: Path, fsid: str, mon: str, rgw_port: int, block_bytes: int) -> str:
+def _conf(base: Path, fsid: str, mon: str, rgw_port: int, block_bytes: int,
+          bounded: bool) -> str:
     settings = {
         "bluestore block size": str(block_bytes),  # sparse: only what is written takes space
         "fsid": fsid,
@@ -248,14 +249,17 @@ def _conf(base: Path, fsid: str, mon: str, rgw_port: int, block_bytes: int) -> s
         "debug ms": "0",
         "rgw dns name": "127.0.0.1",
         "rgw frontends": f"beast endpoint=127.0.0.1:{rgw_port}",
-        **BOUNDED, **FAST_FAILURE, **SMALL,
+        **(BOUNDED if bounded else {}), **FAST_FAILURE, **SMALL,
     }
     return "[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
 
 
-def start(osds: int = 3, base: Path | None = None, block_bytes: int = 4 << 30) -> Cluster:
-    """Start a cluster of ``osds`` OSDs, each on a sparse file of ``block_bytes``; raise
-    :class:`ClusterUnavailable` where Ceph is not installed (run scripts/services.sh as root)."""
+def start(osds: int = 3, base: Path | None = None, block_bytes: int = 4 << 30,
+          bounded: bool = True) -> Cluster:
+    """Start a cluster of ``osds`` OSDs, each on a sparse file of ``block_bytes`` (without the
+    :data:`BOUNDED` settings if not ``bounded``: what a cluster configured without them does);
+    raise :class:`ClusterUnavailable` where Ceph is not installed (run scripts/services.sh as
+    root)."""
     lacking = missing_binaries()
     if lacking:
         raise ClusterUnavailable(
@@ -269,7 +273,7 @@ def start(osds: int = 3, base: Path | None = None, block_bytes: int = 4 << 30) -
     mon_port, rgw_port = free_port(), free_port()
     mon = f"v2:127.0.0.1:{mon_port}"
     conf = base / "ceph.conf"
-    conf.write_text(_conf(base, fsid, mon, rgw_port, block_bytes))
+    conf.write_text(_conf(base, fsid, mon, rgw_port, block_bytes, bounded))
     cluster = Cluster(base, conf, f"http://127.0.0.1:{rgw_port}", osds)
     try:
         _bootstrap(cluster, fsid, mon)
@@ -331,8 +335,9 @@ def _wait_http(c: Cluster, url: str, timeout: float, name: str = "rgw") -> None:
 
 
 @contextlib.contextmanager
-def running(osds: int = 3, block_bytes: int = 4 << 30) -> Iterator[Cluster]:
-    cluster = start(osds, block_bytes=block_bytes)
+def running(osds: int = 3, block_bytes: int = 4 << 30, bounded: bool = True
+            ) -> Iterator[Cluster]:
+    cluster = start(osds, block_bytes=block_bytes, bounded=bounded)
     try:
         yield cluster
     finally:

@@ -317,3 +317,31 @@ def test_with_too_few_nodes_a_snapshot_fails_clearly_and_training_goes_on(
     assert max(steps_run) > killed_at + 20  # trained on through the outage
     steps = _restores_bit_exact(ceph_url, _states(seen))
     assert max(steps) == max(steps_run) and any(x > killed_at for x in steps), steps
+
+
+@pytest.mark.slow
+def test_without_the_op_timeout_a_held_request_is_bounded_and_explained(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster configured without `rados osd op timeout`, two of its three OSDs killed:
+    radosgw holds a GET until they return. ciuic's read timeout ends it, within the store's
+    bounds, and the error says what a Ceph cluster below min_size does and which setting to
+    set."""
+    try:
+        cl = cluster.start(bounded=False)
+    except cluster.ClusterUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        for k, v in cl.env.items():
+            monkeypatch.setenv(k, v)
+        url = cl.url(cl.make_bucket())
+        open_store(url).put("k", b"1")
+        cl.kill_osd(1)
+        cl.kill_osd(2)
+        with knobs.override(s3_read_timeout_s=3.0):
+            held = RetryingStore(open_store(url), attempts=1, timeout_s=100)
+            with pytest.raises(StoreError) as e:
+                held.get("k")
+        assert "Read timeout" in str(e.value) and "rados osd op timeout" in str(e.value)
+        assert "did not finish in" not in str(e.value)  # botocore's bound, not the last resort
+    finally:
+        cl.close()
