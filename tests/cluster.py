@@ -335,9 +335,18 @@ def _wait_http(c: Cluster, url: str, timeout: float, name: str = "rgw") -> None:
 
 
 @contextlib.contextmanager
-def running(osds: int = 3, block_bytes: int = 4 << 30, bounded: bool = True
-            ) -> Iterator[Cluster]:
-    cluster = start(osds, block_bytes=block_bytes, bounded=bounded)
+def running(osds: int = 3, block_bytes: int = 4 << 30, bounded: bool = True,
+            or_skip: bool = False) -> Iterator[Cluster]:
+    """A cluster for the block, closed after it. ``or_skip``: in a test, skip it with the
+    reason where Ceph cannot start (:class:`ClusterUnavailable`)."""
+    try:
+        cluster = start(osds, block_bytes=block_bytes, bounded=bounded)
+    except ClusterUnavailable as e:
+        if not or_skip:
+            raise
+        import pytest
+
+        pytest.skip(str(e))
     try:
         yield cluster
     finally:

@@ -30,17 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ceph() -> Iterator[Cluster]:
-    try:
-        cl = cluster.start()
-    except cluster.ClusterUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in cl.env.items():
-                mp.setenv(k, v)
-            yield cl
-    finally:
-        cl.close()
+    with cluster.running(or_skip=True) as cl, pytest.MonkeyPatch.context() as mp:
+        for k, v in cl.env.items():
+            mp.setenv(k, v)
+        yield cl
 
 
 @pytest.fixture
@@ -326,11 +319,7 @@ def test_without_the_op_timeout_a_held_request_is_bounded_and_explained(
     radosgw holds a GET until they return. ciuic's read timeout ends it, within the store's
     bounds, and the error says what a Ceph cluster below min_size does and which setting to
     set."""
-    try:
-        cl = cluster.start(bounded=False)
-    except cluster.ClusterUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with cluster.running(bounded=False, or_skip=True) as cl:
         for k, v in cl.env.items():
             monkeypatch.setenv(k, v)
         url = cl.url(cl.make_bucket())
@@ -343,5 +332,4 @@ def test_without_the_op_timeout_a_held_request_is_bounded_and_explained(
                 held.get("k")
         assert "Read timeout" in str(e.value) and "rados osd op timeout" in str(e.value)
         assert "did not finish in" not in str(e.value)  # botocore's bound, not the last resort
-    finally:
-        cl.close()
+

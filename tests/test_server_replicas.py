@@ -36,14 +36,8 @@ KILL_AT_S, DOWN_S = 15.0, 4.0
 
 @pytest.fixture(scope="module")
 def ceph() -> Iterator[Cluster]:
-    try:
-        cl = cluster.start()
-    except cluster.ClusterUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with cluster.running(or_skip=True) as cl:
         yield cl
-    finally:
-        cl.close()
 
 
 @dataclass
