@@ -185,30 +185,18 @@ def store_bytes(store: Path, job: str, sid: str) -> dict[str, Any]:
     parts = [json.loads((jobdir / "bodies" / f"{d}.json").read_bytes())
              for d, _ in states.get("dist", {}).get("parts", [])]
     part_sizes = [n for _, n in states.get("dist", {}).get("parts", [])]
-    shards = plain = inline = refs = 0
-
-    def walk(x: Any) -> None:
-        nonlocal shards, plain, inline, refs
-        if isinstance(x, dict):
-            t = x.get("$tensor")
-            if isinstance(t, dict):
-                if "shards" in t or "split" in t:
-                    return  # counted from the parts, below (or from the shards)
-                if "inline" in t:
-                    inline += 1
-                else:
-                    plain += 1
-                    refs += len(t.get("chunks", ()))
-                return
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(states)
+    plain = inline = refs = 0
+    leaves = _leaves(states)
+    for _, kind, t in leaves:
+        if kind != "tensor" or "shards" in t or "split" in t:
+            continue  # a shard is counted from the parts or the shards, below
+        if "inline" in t:
+            inline += 1
+        else:
+            plain += 1
+            refs += len(t.get("chunks", ()))
     every = [s for p in parts for ss in p["shards"].values() for s in ss]
-    every += [s for _, _, d in _leaves(states) if "shards" in d for s in d["shards"]]
+    every += [s for _, _, d in leaves if "shards" in d for s in d["shards"]]
     shards = len(every)
     refs += sum(len(s.get("chunks", ())) for s in every)
     inline += sum(1 for s in every if "inline" in s)

@@ -24,7 +24,7 @@ from ciuic.chain.read import READ_THREADS, Parts
 from ciuic.chain.repo import Repository
 from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.format.descriptor import TensorDescriptor
-from ciuic.format.parts import shards_by_path, with_shards
+from ciuic.format.parts import BodyPart, shards_by_path, with_shards
 from ciuic.format.shards import overlap
 from ciuic.format.tree import (
     decode,
@@ -209,16 +209,18 @@ class _Near:
     def shards(self, split: dict[str, dict[str, Any]],
                boxes: dict[str, tuple[list[int], list[int]]]) -> dict[str, dict[str, Any]]:
         """The split descriptors with the shards this rank's boxes need."""
+        def filled(parts: list[BodyPart]) -> dict[str, dict[str, Any]]:
+            found = shards_by_path(parts)
+            return {p: with_shards(d, found.get(p, [])) for p, d in split.items()}
+
         if self.same:
             mine = self.parts.get(self.rank % self.saved_world)
-            found = shards_by_path([mine, *(self.parts.get(r) for r in mine.reads)])
-            out = {p: with_shards(d, found.get(p, [])) for p, d in split.items()}
+            out = filled([mine, *(self.parts.get(r) for r in mine.reads)])
             if all(_covers(out[p]["shards"], *boxes[p]) for p in out):
                 return out
             log.info("rank %d's part of the body does not hold all its boxes: reading every "
                      "rank's part", self.rank)
-        found = shards_by_path(self.parts.all())
-        return {p: with_shards(d, found.get(p, [])) for p, d in split.items()}
+        return filled(self.parts.all())
 
 
 def _covers(shards: list[dict[str, Any]], off: list[int], shape: list[int]) -> bool:

@@ -96,7 +96,8 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
     if any(x.known != joint for x in everyone):  # (the same answer on every rank)
         # a layout changed, or a rank has no plan of these layouts: made anew, from metas
         gathered = coll.all_gather(metas, data=True)
-        plans.joint, plans.owners = joint, plan(list(gathered))
+        # every piece's owner: an adopted plan's default owner no longer applies
+        plans.joint, plans.owners, plans.default = joint, plan(list(gathered)), None
         plans.made += 1
 
     store = repo.store
