@@ -41,3 +41,26 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
         assert 0 < inc["new_bytes"][0] < 0.5 * size, name
         assert 0 < inc["stall"][0] <= inc["durable"][0], name
         assert f"{name} incremental" in text
+
+
+def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/resume.py --quick: every system resumes the saved state bit for bit (the digest of
+    the restored model and optimizer is the setup's), continues with the same first step, and
+    reports every phase, in order."""
+    monkeypatch.delenv("CIUIC_ENCRYPTION_KEY", raising=False)
+    spec = importlib.util.spec_from_file_location("bench_resume", BENCH.with_name("resume.py"))
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out: dict[str, Any] = bench.main(["--quick", "--rounds", "1", "--cold", "data",
+                                      "--dir", str(tmp_path / "r")])
+    assert set(out["runs"]) == {"ciuic", "torch.load", "safetensors"}
+    assert out["same_first_step"]
+    order = ["t0", *(end for _, end, _ in bench.PHASES)]
+    for system, runs in out["runs"].items():
+        (run,) = runs
+        assert run["restored_digest"] == out["setup"]["digest"], system
+        stamps = [run["t0"], *(run["times"][k] for k in order[1:])]
+        assert stamps == sorted(stamps), f"{system}: phases out of order: {run['times']}"
+        assert 0 < run["phases"]["total"] < 120, system
+    assert set(out["ratios"]) == {"torch.load", "safetensors"}
