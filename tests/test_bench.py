@@ -41,6 +41,13 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
         assert 0 < inc["new_bytes"][0] < 0.5 * size, name
         assert 0 < inc["stall"][0] <= inc["durable"][0], name
         assert f"{name} incremental" in text
+        # the live manager's rollbacks and the restart's restore, every one into live tensors
+        assert all(inc[k][0] > 0 for k in ("rollback", "rollback_previous", "restart_restore",
+                                           "restart_open")), name
+        assert f"{name} rollback" in text
+    assert out["state"] == "module" and len(out["ratios"]) == 10
+    assert all(v > 0 for v in out["ratios"].values()), out["ratios"]
+    assert "ratios of medians" in text
 
 
 def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -258,6 +258,27 @@ class StagingArea:
         self.join()
         return dict(self._buffers)
 
+    def held_chunks(self) -> dict[str, memoryview]:
+        """The chunks the buffers hold as the last write named them, by digest: a restore in
+        this process (a rollback) takes them from here, checking each against its digest, and
+        reads only the others from the store. A buffer being copied into, or whose copy was
+        cut short, has no digests and offers nothing."""
+        self.join()
+        out: dict[str, memoryview] = {}
+        for path, leaf in self._staged.items():
+            buf = self._buffers.get(path)
+            if leaf.digests is None or buf is None or not buf.numel():
+                continue
+            chunk_bytes, digests = leaf.digests
+            split = ck.split(buf.numel(), chunk_bytes)
+            if len(split) != len(digests):
+                continue
+            view = buf.numpy().data.cast("B")
+            for d, (off, n) in zip(digests, split, strict=True):
+                if d is not None:
+                    out.setdefault(d, view[off:off + n])
+        return out
+
     def reserve(self, sizes: Iterable[tuple[str, int]], pin: int | None) -> bool:
         """Allocate buffers for tensors of these (path, bytes) on a background thread, so that
         the first snapshot only copies. Returns False (allocating nothing) when they would not

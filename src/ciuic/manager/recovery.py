@@ -38,7 +38,7 @@ from ciuic.manager.pipeline import Pipeline
 from ciuic.manager.session import RunSession
 from ciuic.restore.local import prepare_local
 from ciuic.restore.match import Prepared
-from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging
+from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging, staged_copy
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
@@ -81,6 +81,8 @@ class Recovery:
         sup = self.session.supervised
         peers = sup.peers.reader() if sup is not None and sup.peers is not None else None
         host = host_copy(p.tier, p.codec.name_key, peers)
+        if host is None and p.config.asynchronous:
+            host = staged_copy(p.staging, p.codec.name_key)
         lent = lend_staging(p.staging, model) if p.config.asynchronous else None
         try:
             done = self._restore(model, optimizer, extras, snapshot, lent, host)
@@ -111,8 +113,9 @@ class Recovery:
             resident = host.serving(info.id) if host is not None else None
             where = self.repo.location(layout.manifest_key(info.project, info.job, info.id))
             if resident is not None and resident.held():
-                log.info("Loading snapshot from host memory (ciuic run holds %s %s), every "
+                log.info("Loading snapshot from host memory (%s hold%s %s %s), every "
                          "chunk checked against its digest; the rest from %s%s",
+                         resident.holder, "" if resident.holder.endswith("s") else "s",
                          _size(resident.held()), "of it" if not self.coll.enabled
                          else "on this node", "other nodes' memory or " if resident.peers
                          else "", where)

@@ -51,8 +51,11 @@ class Resident:
     def __init__(self, snapshot: str | None, buffers: dict[str, torch.Tensor],
                  name_key: bytes | None, chunks: dict[str, memoryview] | None = None,
                  peers: NodeReads | None = None,
-                 load_chunks: Callable[[], dict[str, memoryview]] | None = None) -> None:
+                 load_chunks: Callable[[], dict[str, memoryview]] | None = None,
+                 holder: str = "ciuic run") -> None:
         self.snapshot = snapshot
+        #: whose memory it is, for the recovery log
+        self.holder = holder
         self.buffers = buffers
         self._chunks = chunks
         self._load_chunks = load_chunks
@@ -82,7 +85,7 @@ class Resident:
         if not buffers and not lazy and not self.chunks and self.peers is None:
             return None
         return Resident(snapshot, buffers, self.name_key, self._chunks, self.peers,
-                        self._load_chunks)
+                        self._load_chunks, self.holder)
 
     def held(self) -> int:
         """Bytes of the state this memory holds (the larger of the two views of it; the
@@ -153,6 +156,17 @@ def host_copy(tier: HostTier | None, name_key: bytes | None,
             return Resident(tier.snapshot, own, name_key, {})
         return Resident(tier.snapshot, own, name_key, None, None, tier.node_chunks)
     return Resident(tier.snapshot, own, name_key, tier.node_chunks(), peers)
+
+
+def staged_copy(staging: StagingArea, name_key: bytes | None) -> Resident | None:
+    """What this process's staging buffers still hold of the snapshots it wrote: a restore in
+    the same process (a rollback, ``restore(snapshot="healthy")`` after a loss spike) takes
+    every chunk they hold from memory, checked against its digest, and reads only the rest from
+    the store. None when they hold nothing."""
+    chunks = staging.held_chunks()
+    if not chunks:
+        return None
+    return Resident(None, {}, name_key, chunks, holder="this process's staging buffers")
 
 
 def _alone_on_node() -> bool:

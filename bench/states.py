@@ -1,0 +1,127 @@
+"""The states bench/run.py snapshots, each as a flat dict of tensors (what the peers save) and
+as the module and optimizer a training job holds (what ciuic snapshots), sharing memory.
+
+- ``module`` (the default): the issue's "1 GiB reference state as a real module": an
+  ``nn.Sequential`` of 21 ``nn.Linear(2048, 2048)`` (88 M fp32 parameters) with
+  ``torch.optim.Adam`` (or AdamW) after one step: the weights and the two moments, 0.98 GiB.
+- ``flat`` (``gpt1g``): PERFORMANCE.md's "GPT-like 1 GiB": the shapes of a 5-layer, d=1024,
+  24k-vocabulary transformer plus Adam's two moments, seeded, as one flat dict; ciuic gets a
+  module and an Adam optimizer built around those tensors (:func:`training_objects`).
+- ``h200``: PERFORMANCE.md's H200 state (bf16 weights, fp32 master weights, Adam), on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Objects = tuple[torch.nn.Module, torch.optim.Optimizer]
+
+
+@dataclass
+class BenchState:
+    """One copy of a state: ``flat`` (name -> tensor) shares every tensor with ``objects``."""
+
+    flat: dict[str, torch.Tensor]
+    objects: Objects
+
+
+def gpt_shapes(d: int, vocab: int, layers: int, extra: dict[str, tuple[int, ...]]
+               ) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a GPT-like transformer: embeddings, ``extra``, then the blocks."""
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, d), **extra}
+    for i in range(layers):
+        shapes |= {f"h{i}.attn.qkv": (3 * d, d), f"h{i}.attn.proj": (d, d),
+                   f"h{i}.mlp.fc": (4 * d, d), f"h{i}.mlp.proj": (d, 4 * d),
+                   f"h{i}.ln1.weight": (d,), f"h{i}.ln2.weight": (d,)}
+    return shapes
+
+
+def reference_state(scale: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Model weights (std 0.02) plus Adam exp_avg / exp_avg_sq, as one flat dict."""
+    g = torch.Generator().manual_seed(seed)
+    d = 1024 // scale
+    shapes = gpt_shapes(d, 24_000 // scale, 5, {"pos_emb": (1024, d), "ln_f.weight": (d,),
+                                                "ln_f.bias": (d,)})
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        w = torch.randn(shape, generator=g) * 0.02
+        state[f"model.{name}"] = w
+        state[f"adam.exp_avg.{name}"] = torch.randn(shape, generator=g) * 1e-3
+        state[f"adam.exp_avg_sq.{name}"] = torch.rand(shape, generator=g) * 1e-6
+    return state
+
+
+def h200_state(scale: int = 1, seed: int = 0, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """The H200 reference state of PERFORMANCE.md, about 5.6 GB at scale 1: a GPT-like model
+    (d=3072, 3 layers, 24k vocabulary; 420 M parameters) as bf16 weights, fp32 master weights
+    and Adam's two fp32 moments, 14 bytes per parameter, built on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    d = 3072 // scale
+    shapes = gpt_shapes(d, 24_000 // scale, 3, {"pos_emb": (2048 // scale, d)})
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        master = torch.randn(shape, generator=g, device=device) * 0.02
+        state[f"model.{name}"] = master.to(torch.bfloat16)
+        state[f"master.{name}"] = master
+        state[f"adam.exp_avg.{name}"] = torch.randn(shape, generator=g, device=device) * 1e-3
+        state[f"adam.exp_avg_sq.{name}"] = torch.rand(shape, generator=g, device=device) * 1e-6
+    return state
+
+
+def training_objects(state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module,
+                                                                 torch.optim.Optimizer]:
+    """The state as a training job holds it, sharing its tensors (no copies): a module whose
+    parameters are the ``model.*`` tensors, and Adam over the ``master.*`` tensors where there
+    are (the H200 state: bf16 weights, fp32 master weights) or the module's, its moments the
+    ``adam.*`` tensors (and a step count, as after a step)."""
+    module = torch.nn.Module()
+    for k, v in state.items():  # the master weights too: a job saves its module's
+        if k.startswith(("model.", "master.")):
+            module.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v))
+    names = [k[6:] for k in state if k.startswith("model.")]
+    params = [module.get_parameter(f"master_{n}".replace(".", "_")) if f"master.{n}" in state
+              else module.get_parameter(f"model_{n}".replace(".", "_")) for n in names]
+    opt = torch.optim.Adam(params)
+    for n, p in zip(names, params, strict=True):
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": state[f"adam.exp_avg.{n}"],
+                        "exp_avg_sq": state[f"adam.exp_avg_sq.{n}"]}
+    return module, opt
+
+
+def module_state(scale: int = 1, seed: int = 0, optimizer: str = "adam",
+                 device: str = "cpu") -> BenchState:
+    """``nn.Sequential`` of 21 ``nn.Linear(d, d)`` (d = 2048 / ``scale``) and Adam or AdamW
+    after one step on a seeded batch: every parameter and both moments hold values."""
+    g = torch.Generator().manual_seed(seed)
+    d = 2048 // scale
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(21)]).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer]
+    opt = cls(model.parameters(), lr=1e-4)
+    model(torch.randn(4, d, generator=g).to(device)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        flat |= {f"optim.{i}.{k}": v for k, v in st.items() if v.dim() > 0}  # not the step
+    return BenchState(flat, (model, opt))
+
+
+def build(kind: str, scale: int, device: str, optimizer: str = "adam") -> BenchState:
+    """A copy of the state ``kind`` (``module``, ``flat``, ``h200``), seeded: two calls build
+    equal values in separate memory."""
+    if kind == "module":
+        return module_state(scale, optimizer=optimizer, device=device)
+    flat = (h200_state(scale, device=device) if kind == "h200"
+            else {k: v.to(device) for k, v in reference_state(scale).items()})
+    return BenchState(flat, training_objects(flat))
+
+
+def sync(state: dict[str, torch.Tensor]) -> None:
+    """Wait for the device (timings on a GPU end when its work has)."""
+    if any(t.is_cuda for t in state.values()):
+        torch.cuda.synchronize()
