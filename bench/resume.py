@@ -18,6 +18,11 @@ or nothing (``none``: warm). The systems run interleaved, their order reversed e
 printed: min / median / max of each phase, the ratio of the medians of the totals, and of what
 each adds beyond the read (the total minus the read phase), ciuic against each peer.
 
+``gc``: the time Python's garbage collector ran within the clock (it is not a phase: each
+phase holds its share). The runs write and read bytecode as an installed package's modules are
+(``--bytecode write``, even where ``PYTHONDONTWRITEBYTECODE`` is set: without it ciuic's 100
+modules are compiled from source in every run, 0.1 s more); ``--baseline SRC`` adds a ciuic
+imported from another checkout's ``src/``, for a change measured side by side with its parent.
 ``--quick`` uses 21 ``nn.Linear(256, 256)`` and 1 round (the test suite's smoke run).
 """
 
@@ -65,11 +70,18 @@ def drop_caches(folder: Path, how: str) -> None:
                     os.close(fd)
 
 
-def spawn(system: str, folder: Path, width: int) -> dict[str, Any]:
-    """Run the worker once; its JSON line (with ``RESUME_T0`` the time just before the spawn)."""
-    env = dict(os.environ, RESUME_T0=repr(time.time()))
-    run = subprocess.run([sys.executable, str(WORKER), system, str(folder), str(width)],
-                         capture_output=True, text=True, env=env, timeout=900)
+def spawn(system: str, folder: Path, width: int, bytecode: str,
+          src: Path | None = None) -> dict[str, Any]:
+    """Run the worker once (ciuic from ``src`` when given); its JSON line, with ``RESUME_T0``
+    the time just before the spawn."""
+    env = dict(os.environ)
+    if bytecode == "write":  # as an installed package: its modules compiled once, not each run
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
+    env["RESUME_T0"] = repr(time.time())
+    run = subprocess.run([sys.executable, str(WORKER), system.split("@")[0], str(folder),
+                          str(width)], capture_output=True, text=True, env=env, timeout=900)
     lines = [x for x in run.stdout.splitlines() if x.startswith("RESUME-JSON ")]
     if run.returncode != 0 or not lines:
         raise RuntimeError(f"{system} failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
@@ -106,6 +118,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="21 x Linear(256, 256), 1 round")
     p.add_argument("--width", type=int, default=None, help="the layers' width (default 2048)")
     p.add_argument("--cold", choices=("all", "data", "none"), default="all")
+    p.add_argument("--bytecode", choices=("write", "env"), default="write",
+                   help="write: the runs may write and read bytecode (.pyc), as an installed "
+                        "package's modules are compiled once (the default, even where "
+                        "PYTHONDONTWRITEBYTECODE is set); env: as the environment says")
+    p.add_argument("--baseline", type=Path, default=None, metavar="SRC",
+                   help="also run 'ciuic@baseline': ciuic imported from SRC (the src/ folder "
+                        "of another checkout, e.g. a worktree of the commit before a change)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated, from {', '.join(SYSTEMS)} (ciuic first: the ratios)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -115,13 +134,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown or not systems:
         p.error(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
                 f"choose from {', '.join(SYSTEMS)}")
+    if a.baseline is not None:
+        if not (a.baseline / "ciuic" / "__init__.py").is_file():
+            p.error(f"--baseline {a.baseline}: no ciuic package there (give a src/ folder)")
+        systems.append("ciuic@baseline")
     width = a.width or (256 if a.quick else 2048)
     rounds = 1 if a.quick and a.rounds == 5 else a.rounds
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-resume-"))
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     try:
-        setup = spawn("setup", base, width)
+        setup = spawn("setup", base, width, a.bytecode)
+        if a.baseline is not None:  # a run not measured: its bytecode is written
+            spawn("ciuic", base, width, a.bytecode, a.baseline)
         print(f"state: 21 x Linear({width}, {width}) + Adam, "
               f"{setup['state_bytes'] / 2**30:.3f} GiB; on disk: ciuic "
               f"{setup['ciuic_bytes'] / 2**30:.3f} GiB, torch.save "
@@ -132,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for r in range(rounds):
             for s in systems if r % 2 == 0 else list(reversed(systems)):
                 drop_caches(base, a.cold)
-                run = spawn(s, base, width)
+                run = spawn(s, base, width, a.bytecode,
+                            a.baseline if s == "ciuic@baseline" else None)
                 if run["restored_digest"] != setup["digest"]:
                     raise RuntimeError(f"{s}: the restored state differs from the saved one "
                                        f"(digest {run['restored_digest'][:16]}, saved "
@@ -140,12 +166,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run["phases"] = phases(run)
                 run["round"] = r
                 runs[s].append(run)
-                print(f"round {r + 1} {s:<12} total {run['phases']['total']:.3f} s, read "
-                      f"{run['phases']['read']:.3f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+                print(f"round {r + 1} {s:<14} total {run['phases']['total']:.3f} s, read "
+                      f"{run['phases']['read']:.3f} s, gc {run['gc_s']:.3f} s, load "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
     finally:
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    names = [name for name, _, _ in PHASES] + ["total", "beyond read"]
+    names = [name for name, _, _ in PHASES] + ["total", "beyond read", "gc"]
+    for done in runs.values():
+        for one in done:
+            one["phases"]["gc"] = one["gc_s"]
     med = {s: {n: statistics.median(r["phases"][n] for r in runs[s]) for n in names}
            for s in systems}
     print(f"\n{'phase (s, min / median / max)':<30}" + "".join(f"{s:>26}" for s in systems))
@@ -165,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{ratios[peer]['beyond_read']:.2f}x "
                   f"({ratios[peer]['beyond_read_extra_s']:+.3f} s)")
     stepped = {r["stepped_digest"] for rs in runs.values() for r in rs}
-    out: dict[str, Any] = {"width": width, "cold": a.cold, "rounds": rounds, "setup": setup,
+    out: dict[str, Any] = {"width": width, "cold": a.cold, "bytecode": a.bytecode,
+                           "rounds": rounds, "setup": setup,
                            "runs": runs, "medians": med, "ratios": ratios,
                            "same_first_step": len(stepped) == 1, "machine": machine(),
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

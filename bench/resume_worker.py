@@ -13,11 +13,28 @@ lease taken; the peers have none), the state is in the model and optimizer (``re
 the first resumed step returned (``step``: forward, backward, ``opt.step()`` and, for ciuic,
 ``manager.step()``). Between the last two the worker digests the restored state, outside the
 clock (``check_s`` is subtracted from the step): the parent compares it with the setup's digest.
+``gc_s``: the time the garbage collector ran within the clock (its full collections: ``gc_full``,
+which counts the digest's too).
 """
 
+import gc
 import time
 
 T_UP = time.time()  # before every import: the interpreter's start-up counts
+#: the cyclic garbage collector's time in this process, and its full collections (the more
+#: objects the imports leave, the longer each full collection walks them)
+GC = {"s": 0.0, "full": 0, "start": 0.0}
+
+
+def _gc_timer(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        GC["start"] = time.perf_counter()
+        return
+    GC["s"] += time.perf_counter() - GC["start"]
+    GC["full"] += info["generation"] == 2
+
+
+gc.callbacks.append(_gc_timer)
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
@@ -165,9 +182,11 @@ def resume(system: str, folder: Path, width: int, t0: float) -> dict[str, Any]:
     else:
         raise SystemExit(f"unknown system {system!r}: ciuic, torch.load or safetensors")
     t["restored"] = time.time()
+    gc_before_check = GC["s"]
     c0 = time.perf_counter()
     restored_digest = digest(model, opt)  # outside the clock: subtracted from the step
     check_s = time.perf_counter() - c0
+    gc_check = GC["s"] - gc_before_check
     if step != SAVED_STEP:
         raise SystemExit(f"{system}: resumed at step {step}, not {SAVED_STEP}")
     train_step(model, opt, SAVED_STEP + 1, width)
@@ -175,6 +194,7 @@ def resume(system: str, folder: Path, width: int, t0: float) -> dict[str, Any]:
         manager.step(SAVED_STEP + 1, model, opt)
     t["step"] = time.time()
     out = {"system": system, "t0": t0, "times": t, "check_s": check_s,
+           "gc_s": GC["s"] - gc_check, "gc_full": GC["full"],
            "restored_digest": restored_digest, "stepped_digest": digest(model, opt)}
     if manager is not None:
         manager.close(final=False)  # the store keeps the one snapshot every round resumes

@@ -60,7 +60,7 @@ def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out: dict[str, Any] = bench.main(["--quick", "--rounds", "1", "--cold", "data",
-                                      "--dir", str(tmp_path / "r")])
+                                      "--bytecode", "env", "--dir", str(tmp_path / "r")])
     assert set(out["runs"]) == {"ciuic", "torch.load", "safetensors"}
     assert out["same_first_step"]
     order = ["t0", *(end for _, end, _ in bench.PHASES)]
@@ -70,4 +70,5 @@ def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         stamps = [run["t0"], *(run["times"][k] for k in order[1:])]
         assert stamps == sorted(stamps), f"{system}: phases out of order: {run['times']}"
         assert 0 < run["phases"]["total"] < 120, system
+        assert 0 <= run["phases"]["gc"] < run["phases"]["total"], system
     assert set(out["ratios"]) == {"torch.load", "safetensors"}
