@@ -76,3 +76,35 @@ def test_young_temporaries_survive_gc(tmp_path: Path) -> None:
     (tmp_path / "o" / ".tmp-young").write_bytes(b"a writer is using me")
     assert store.remove_temporaries(older_than_s=3600) == 0
     assert store.remove_temporaries(older_than_s=0) == 1
+
+
+def test_directories_made_for_writes_not_yet_durable_are_synced_once_by_sync(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh store's first chunks make a directory per prefix: their entries are made durable
+    by the sync that makes the chunks durable (one fsync of their common parent), not one fsync
+    each; a durable write under such a directory syncs it at once."""
+    from ciuic.store import local
+
+    synced: list[Path] = []
+    real = local._fsync_path
+
+    def spy(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    root = tmp_path / "o"
+    store = LocalStore(root)
+    monkeypatch.setattr(local, "_fsync_path", spy)
+    for prefix in ("aa", "ab", "ac", "ad"):
+        store.put(f"chunks/{prefix}/x", b"x" * 10, durable=False)
+    assert synced == []  # nothing yet: the writes are not durable
+    store.put("chunks/aa/y", b"y", durable=True)  # under a directory made by a deferred write
+    assert synced == [root, root / "chunks", root / "chunks" / "aa"]  # its chain, then its dir
+    synced.clear()
+    store.sync()
+    files = {root / "chunks" / p / "x" for p in ("aa", "ab", "ac", "ad")}
+    dirs = {root / "chunks", *(root / "chunks" / p for p in ("aa", "ab", "ac", "ad"))}
+    assert set(synced) == files | dirs and len(synced) == len(files | dirs)  # each once
+    synced.clear()
+    store.sync()
+    assert synced == []

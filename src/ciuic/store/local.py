@@ -120,6 +120,9 @@ class LocalStore(Store):
         self.url = f"file://{self.root}"
         self._known_dirs: set[Path] = set()
         self._pending: list[Path] = []
+        #: directories made for writes not yet durable, whose entries in their parents are
+        #: not synced yet either: sync() (or the next durable write under one) syncs them
+        self._new_dirs: set[Path] = set()
         self._pending_lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
         #: direct I/O for objects that line up (store/direct.py), until the file system or the
@@ -236,10 +239,15 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
-    def _ensure_dir(self, directory: Path) -> None:
-        """Create ``directory`` (and missing parents), fsync'ing each new entry's parent, so a
-        durable object's directory entry cannot vanish in a power loss."""
+    def _ensure_dir(self, directory: Path, durable: bool = True) -> None:
+        """Create ``directory`` (and missing parents). Each new entry's parent is fsync'ed at
+        once for a ``durable`` write, else by the :meth:`sync` that makes the write durable:
+        a snapshot's first chunks into a fresh store make up to 256 prefix directories of one
+        parent, one fsync instead of one each (on the VM, 0.8 s of its writer threads' time
+        went to them). Either way a directory entry is durable before any file under it is."""
         if directory in self._known_dirs:
+            if durable and self._new_dirs:
+                self._sync_new_dirs(directory)
             return
         missing = []
         d = directory
@@ -250,12 +258,28 @@ class LocalStore(Store):
             with contextlib.suppress(FileExistsError):
                 d.mkdir()
             if self.fsync:
-                _fsync_path(d.parent)
+                if durable:
+                    _fsync_path(d.parent)
+                else:
+                    with self._pending_lock:
+                        self._new_dirs.add(d)
+        if durable and self._new_dirs:
+            self._sync_new_dirs(directory)
         self._known_dirs.add(directory)
+
+    def _sync_new_dirs(self, directory: Path) -> None:
+        """Make durable the entries of ``directory`` and of its ancestors that writes not yet
+        durable created (a durable write under them cannot wait for :meth:`sync`)."""
+        with self._pending_lock:
+            chain = [d for d in (directory, *directory.parents) if d in self._new_dirs]
+        for d in reversed(chain):  # the outermost first
+            _fsync_path(d.parent)
+            with self._pending_lock:
+                self._new_dirs.discard(d)
 
     def _write_tmp(self, path: Path, data: Data, sync: bool = True) -> Path:
         parent = path.parent
-        self._ensure_dir(parent)
+        self._ensure_dir(parent, durable=sync)
         tmp = parent / f"{_TMP}{secrets.token_hex(8)}"
         views = parts(data)
         pages = dio.plan(views) if self.direct and knobs.get().direct_io else None
@@ -307,9 +331,10 @@ class LocalStore(Store):
         (one fsync each, overlapped: far cheaper than one at a time while writing)."""
         with self._pending_lock:
             files, self._pending = self._pending, []
-        if not files:
+            made, self._new_dirs = self._new_dirs, set()
+        if not files and not made:
             return
-        dirs = sorted({f.parent for f in files})
+        dirs = sorted({f.parent for f in files} | {d.parent for d in made})
 
         try:
             # (threads inherit the caller's priority, lowered or not)
@@ -319,6 +344,7 @@ class LocalStore(Store):
         except OSError as e:
             with self._pending_lock:
                 self._pending.extend(files)
+                self._new_dirs |= made
             raise StoreError(f"cannot make writes under {self.root} durable: {e}") from e
 
     def create(self, key: str, data: Data) -> bool:
