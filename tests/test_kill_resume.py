@@ -27,7 +27,7 @@ def finish(store: Path, *args: str) -> tuple[str | None, int | None]:
     ("chunk.put=kill@1", 0),         # first chunk of the first save: nothing committed
     ("chunk.put=kill@12", 1),        # in the middle of the second save (step 5)
     ("chunks.sync=kill@2", 1),       # second save's chunks written, not yet synced
-    ("body.put=kill@2", 1),          # all chunks of the second save durable, no body
+    ("body.put=kill@2", 1),          # all chunks of the second save written, no body
     ("manifest.create=kill@3", 6),   # third save's data written, not committed
     ("catalog.insert=kill@2", 6),    # committed, catalog row missing: healed, resumes at 5
 ])

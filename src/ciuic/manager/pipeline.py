@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ciuic.chain.health import HealthTracker
+from ciuic.chain.read import read_chunk
 from ciuic.chain.writer import ChunkCache, SnapshotWrite, write_snapshot
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.plan import DistCaptured, capture_dist
@@ -29,7 +30,7 @@ from ciuic.distributed.save import write_dist
 from ciuic.engine import StagingArea
 from ciuic.engine.compression import CompressionPolicy
 from ciuic.engine.staging import PendingCopy
-from ciuic.errors import FencedOut, StagingBudgetExceeded
+from ciuic.errors import FencedOut, IntegrityError, ObjectNotFound, StagingBudgetExceeded
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.descriptor import TensorDescriptor
@@ -102,6 +103,9 @@ class Pipeline(abc.ABC, Generic[C]):
         self._pending_copy: PendingCopy | None = None
         #: id(optimizer) -> (the optimizer, weakly; its step pre-hook's handle)
         self._hooks: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        #: reads of the store's copies of chunks a rollback took from memory (the next write
+        #: waits for them: a damaged copy must be distrusted before a snapshot reuses it)
+        self._checks: list[Future[None]] = []
         self._warned_budget = False
         _finish_at_exit(self)
 
@@ -234,6 +238,7 @@ class Pipeline(abc.ABC, Generic[C]):
                pending: PendingCopy | None = None) -> SnapshotInfo:
         """The background part: chunks, body, commit, catalog, retention (writer thread)."""
         began = time.perf_counter()
+        self._checked()
         try:
             if pending is not None:
                 try:
@@ -265,6 +270,22 @@ class Pipeline(abc.ABC, Generic[C]):
                     self.staging.buffers(), written_by_this(captured))
         self.session.committed(step, sid)
         return SnapshotInfo.from_manifest(m, sid)
+
+    def check_stored(self, chunks: list[tuple[str, int]]) -> None:
+        """Read the store's copies of ``chunks`` (digest, bytes) on the writer thread, before
+        any later write: a restore took them from this process's memory, so it did not see
+        them, and a damaged copy would be reused by every later snapshot holding its bytes. A
+        damaged one is distrusted (the next snapshot holding its bytes writes it again), with
+        a warning; training is not held up."""
+        if chunks:
+            self._checks.append(self._executor.submit(_check_stored, self.repo, self.cache,
+                                                      chunks))
+
+    def _checked(self) -> None:
+        checks, self._checks = self._checks, []
+        for check in checks:
+            with contextlib.suppress(Exception):  # logged by the check
+                check.result()
 
     def failed(self, step: int, e: BaseException) -> None:
         """Count and log a snapshot that failed; training goes on."""
@@ -305,11 +326,31 @@ class Pipeline(abc.ABC, Generic[C]):
 
     def close(self) -> None:
         self.wait()
+        self._checked()
         self._executor.shutdown(wait=True)
         for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         self.staging.release()
+
+
+def _check_stored(repo: Any, cache: ChunkCache, chunks: list[tuple[str, int]]) -> None:
+    scratch = memoryview(bytearray(max(n for _, n in chunks)))
+    damaged = 0
+    for d, n in chunks:
+        try:
+            read_chunk(repo, d, n, scratch[:n])
+        except (IntegrityError, ObjectNotFound) as e:
+            cache.distrust(d)
+            damaged += 1
+            log.warning("%s; the restore took its bytes from memory, and the next snapshot that "
+                        "holds them writes it again", e)
+        except Exception as e:  # the store cannot be read now: the check is advice only
+            log.info("could not check the store's copies of the chunks a restore took from "
+                     "memory (%s)", e)
+            return
+    log.debug("checked %d chunks a restore took from memory in the store: %d damaged",
+              len(chunks), damaged)
 
 
 _live: weakref.WeakSet[Pipeline[Any]] = weakref.WeakSet()

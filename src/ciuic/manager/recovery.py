@@ -70,6 +70,8 @@ class Recovery:
         #: the plan of the multi-rank snapshot being restored, for this rank (joint layouts'
         #: digest, owners of its pieces other ranks wrote), adopted once it is applied
         self._plan: tuple[str, dict[str, int]] | None = None
+        #: (digest, bytes) of the chunks the last restore took from memory
+        self.served: list[tuple[str, int]] = []
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None) -> Restored | None:
@@ -81,8 +83,9 @@ class Recovery:
         sup = self.session.supervised
         peers = sup.peers.reader() if sup is not None and sup.peers is not None else None
         host = host_copy(p.tier, p.codec.name_key, peers)
+        staged = None
         if host is None and p.config.asynchronous:
-            host = staged_copy(p.staging, p.codec.name_key)
+            host = staged = staged_copy(p.staging, p.codec.name_key)
         lent = lend_staging(p.staging, model) if p.config.asynchronous else None
         try:
             done = self._restore(model, optimizer, extras, snapshot, lent, host)
@@ -92,6 +95,8 @@ class Recovery:
         if p.tier is not None and host is not None and (done is None
                                                         or done.info.id != host.snapshot):
             p.tier.invalidate()  # the restore read another snapshot into its buffers
+        if done is not None and staged is not None:
+            p.check_stored(self.served)
         if done is not None:
             info = done.info
             p.continue_from(info, same_job=(info.project, info.job) == (self.session.project,
@@ -168,6 +173,7 @@ class Recovery:
                          time.perf_counter() - t0,
                          f" (all {self.coll.world_size} ranks)" if self.coll.enabled else "")
             prepared.apply()
+            self.served = resident.served if resident is not None else []
             if self._plan is not None:
                 self._pipeline.adopt_plan(*self._plan)
             return Restored(info, prepared.values)

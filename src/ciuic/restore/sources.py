@@ -65,6 +65,9 @@ class Resident:
         self.from_memory = 0  # bytes
         self.from_peers = 0
         self.from_store = 0
+        #: (digest, bytes) of each chunk this memory served (a rollback's, checked in the store
+        #: afterwards: memory served it, so the restore did not see the store's copy)
+        self.served: list[tuple[str, int]] = []
         self._lock = threading.Lock()
 
     @property
@@ -114,6 +117,9 @@ class Resident:
         when it matches its digest, counted as ``source``, else read from the store."""
         served = take_chunk(repo, d, n, dest, src, self.name_key)
         self.count(n, source if served else Source.STORE)
+        if served:
+            with self._lock:
+                self.served.append((d, n))
 
 
 def read_from(repo: Repository, resident: Resident | None, d: str, n: int,
