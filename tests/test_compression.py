@@ -155,6 +155,40 @@ def test_a_local_disk_measures_its_speed_once(tmp_path: Path) -> None:
     assert LocalStore(tmp_path / "x", fsync=False).write_speed()[1] is None
 
 
+def test_the_disk_probe_waits_for_the_first_step(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-speed probe (written, fsync'ed and read back cold) starts at the run's first
+    step(), not when the manager is built: a resume's restore reads the disk alone."""
+    import threading
+
+    from ciuic.store import local
+
+    monkeypatch.setattr(local, "_speeds", {})  # not measured yet in this process
+    monkeypatch.setattr(local, "_read_speeds", {})
+    monkeypatch.setattr(local, "PROBE_BYTES", 8 * 1024 * 1024)
+    probed = threading.Event()
+    real = LocalStore._probe
+
+    def probe(self: LocalStore) -> tuple[float, float | None] | None:
+        probed.set()
+        return real(self)
+
+    monkeypatch.setattr(LocalStore, "_probe", probe)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    with SnapshotManager("p", job="j", store=tmp_path / "s", handle_signals=False) as m:
+        assert m.config.compression == "auto"
+        assert m.restore(model, opt) is None
+        assert not probed.wait(1.0), "the disk was probed before the first step()"
+        m.step(1, model, opt)
+        assert probed.wait(30), "the first step() did not start the probe"
+        for _ in range(300):  # until it is done (it writes in the store's folder)
+            if local._speeds:
+                break
+            threading.Event().wait(0.1)
+        assert local._speeds
+
+
 def test_a_damaged_compressed_chunk_is_caught(store_dir: Path) -> None:
     save_and_restore(store_dir, compression="on")
     d = next(d for d, h in chunk_headers(store_dir).items() if h[0] == ck.CODEC_FLOAT)
