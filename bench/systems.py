@@ -194,6 +194,7 @@ class Ciuic(System):
             sync(self.live)
             self.steady[key].append(time.perf_counter() - t0)
             self.check_pointers()
+            m.wait()  # its check of the store's copies, read on the writer thread
 
     def load(self) -> None:
         from ciuic import SnapshotManager

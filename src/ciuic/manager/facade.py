@@ -256,7 +256,9 @@ class SnapshotManager:
         tensors right after. Waits first if a previous snapshot is still in flight.
         """
         self._check_open()
-        self.wait()
+        with busy(self._session.supervised, "wait"):
+            # not for a rollback's check of the store: the write queues behind it, unstalled
+            self._pipeline.wait(checks=False)
         return self._submit(step, model, optimizer, extras)
 
     def _submit(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any],

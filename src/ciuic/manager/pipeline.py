@@ -137,12 +137,15 @@ class Pipeline(abc.ABC, Generic[C]):
     def busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
 
-    def wait(self) -> None:
-        """Until the snapshot in flight is committed or failed, and staging buffers being
-        allocated ahead of the first snapshot are ready."""
+    def wait(self, checks: bool = True) -> None:
+        """Until the snapshot in flight is committed or failed, staging buffers being
+        allocated ahead of the first snapshot are ready, and (``checks``) a rollback's check of
+        the store's copies (:meth:`check_stored`) is done."""
         self.staging.join()
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight])
+        if checks:
+            self._checked()
 
     def reserve(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
         """At the first ``step()`` that is given state and takes no snapshot: check that the
