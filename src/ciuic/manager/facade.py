@@ -305,7 +305,7 @@ class SnapshotManager:
         self._restore_called = True
         pin_buckets(model)  # every run of a DDP job reduces in one layout (state/ddp.py)
         done = self._recovery.restore(model, optimizer, extras, snapshot)
-        self._reserve(model, optimizer, extras)
+        self._reserve(model, optimizer, extras, restored=done is not None)
         if done is None:
             return None
         info = done.info
@@ -315,19 +315,25 @@ class SnapshotManager:
         log.info("Resuming training at step %d", info.step + 1)
         return info.step
 
-    def _reserve(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> None:
+    def _reserve(self, model: Any, optimizer: Any, extras: dict[str, Any],
+                 restored: bool) -> None:
         """After a restore (or none to make), the state's shape is known: allocate the staging
         buffers in the background, so that the first snapshot only copies, whether ``step()``
         or ``save_async()`` takes it (into fresh memory the copy of the 1 GiB state took
         0.08-4.7 s on the VM, its pages faulted in one by one; into buffers allocated ahead,
-        0.04-0.06 s). State that cannot be captured is left for ``step()`` to raise."""
+        0.04-0.06 s). With nothing restored, an optimizer has no state until its first step:
+        ``step()`` reserves again then, for what appeared. Advice only: state that cannot be
+        captured now (an optimizer that cannot describe itself before its first step, as
+        Megatron's distributed one) is left for ``step()``, which raises where it must."""
         if self._pipeline.reserved:
             return
         try:
             self._pipeline.reserve(model, optimizer, extras)
-        except CaptureError as e:
+        except Exception as e:
             self._pipeline.reserved = False
             log.debug("staging buffers not reserved after the restore: %s", e)
+        if not restored:
+            self._pipeline.reserved = False
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
 
