@@ -305,7 +305,7 @@ class SnapshotManager:
         self._restore_called = True
         pin_buckets(model)  # every run of a DDP job reduces in one layout (state/ddp.py)
         done = self._recovery.restore(model, optimizer, extras, snapshot)
-        self._reserve(model, optimizer, extras, restored=done is not None)
+        self._reserve(model, optimizer, restored=done is not None)
         if done is None:
             return None
         info = done.info
@@ -315,20 +315,22 @@ class SnapshotManager:
         log.info("Resuming training at step %d", info.step + 1)
         return info.step
 
-    def _reserve(self, model: Any, optimizer: Any, extras: dict[str, Any],
-                 restored: bool) -> None:
+    def _reserve(self, model: Any, optimizer: Any, restored: bool) -> None:
         """After a restore (or none to make), the state's shape is known: allocate the staging
         buffers in the background, so that the first snapshot only copies, whether ``step()``
         or ``save_async()`` takes it (into fresh memory the copy of the 1 GiB state took
         0.08-4.7 s on the VM, its pages faulted in one by one; into buffers allocated ahead,
         0.04-0.06 s). With nothing restored, an optimizer has no state until its first step:
-        ``step()`` reserves again then, for what appeared. Advice only: state that cannot be
-        captured now (an optimizer that cannot describe itself before its first step, as
-        Megatron's distributed one) is left for ``step()``, which raises where it must."""
+        ``step()`` reserves again then, for what appeared. Only the model's and optimizer's
+        (the bytes): an extra's ``state_dict()`` may act on it before training has begun
+        (torchdata's loader starts a pass, which draws from torch's RNG and shifted a resumed
+        torchtitan run). Advice only: state that cannot be captured now (an optimizer that
+        cannot describe itself before its first step, as Megatron's distributed one) is left
+        for ``step()``, which raises where it must."""
         if self._pipeline.reserved:
             return
         try:
-            self._pipeline.reserve(model, optimizer, extras)
+            self._pipeline.reserve(model, optimizer, {})
         except Exception as e:
             self._pipeline.reserved = False
             log.debug("staging buffers not reserved after the restore: %s", e)
