@@ -56,6 +56,19 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def evict(folder: Path) -> None:
+    """Write back and drop every file under ``folder`` from the page cache (a cold read of it,
+    without root and without emptying the rest of the cache)."""
+    os.sync()
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def drop_caches() -> None:
     """Best effort: cold reads need root; otherwise reads are warm (said in the report)."""
     try:

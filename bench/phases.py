@@ -33,9 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch
 from measure import machine, nbytes, summary
-from states import module_state
+from states import module_state, tenth_changed
 
 WALL = ("stall", "capture", "stage", "write_leaves", "sync", "commit", "after_commit",
         "durable")
@@ -133,14 +132,8 @@ def one_round(base: Path, state: Any, p: Phases) -> dict[str, dict[str, float]]:
         m.restore(model, opt)  # nothing to restore: the staging buffers are allocated ahead
         m.step(1, model, opt)
         m.wait()
-        for kind, step in (("full", 2), ("incremental", 4)):
-            if kind == "incremental":
-                changed = [state.flat[k] for k in sorted(state.flat)[::10]]
-                kept = [t.clone() for t in changed]
-                with torch.no_grad():
-                    for t in changed:
-                        t.add_(1e-3)
-                m.step(3, model, opt)
+
+        def snapshot(step: int) -> dict[str, float]:
             p.t.clear()
             t0 = time.perf_counter()
             m.step(step, model, opt)
@@ -151,11 +144,12 @@ def one_round(base: Path, state: Any, p: Phases) -> dict[str, dict[str, float]]:
             t["stall"], t["durable"] = stall, done - t0
             t["after_commit"] = done - t.pop("written_at", done)
             t["new_bytes"] = float(m.latest().new_bytes)  # type: ignore[union-attr]
-            out[kind] = t
-            if kind == "incremental":
-                with torch.no_grad():
-                    for t_, k in zip(changed, kept, strict=True):
-                        t_.copy_(k)
+            return t
+
+        out["full"] = snapshot(2)
+        m.step(3, model, opt)
+        with tenth_changed(state.flat):
+            out["incremental"] = snapshot(4)
     finally:
         m.close(final=False)
     return out

@@ -17,6 +17,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import evict  # noqa: E402
 from run import reference_state  # noqa: E402
 
 from ciuic import SnapshotManager  # noqa: E402
@@ -34,18 +35,6 @@ class Holder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             self.state[k].copy_(v)
-
-
-def evict(folder: Path) -> None:
-    """Write back and drop every file of the store from the page cache (a cold restore)."""
-    os.sync()
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> None:

@@ -41,6 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))  # its modules, however it is loaded
+
+from measure import evict
+
 WORKER = Path(__file__).with_name("resume_worker.py")
 SYSTEMS = ("ciuic", "torch.load", "safetensors")
 #: (name, the timestamp that ends it, the one that starts it)
@@ -61,13 +65,7 @@ def drop_caches(folder: Path, how: str) -> None:
             raise SystemExit(f"--cold all needs root to write /proc/sys/vm/drop_caches ({e}); "
                              "run as root, or use --cold data") from e
     if how == "data":
-        for path in folder.rglob("*"):
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        evict(folder)
 
 
 def spawn(system: str, folder: Path, width: int, bytecode: str,

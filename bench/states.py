@@ -12,6 +12,8 @@ as the module and optimizer a training job holds (what ciuic snapshots), sharing
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +111,23 @@ def module_state(scale: int = 1, seed: int = 0, optimizer: str = "adam",
     for i, st in enumerate(opt.state.values()):
         flat |= {f"optim.{i}.{k}": v for k, v in st.items() if v.dim() > 0}  # not the step
     return BenchState(flat, (model, opt))
+
+
+@contextlib.contextmanager
+def tenth_changed(flat: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Every tenth tensor (by name) changed in place by 1e-3, as an incremental snapshot's
+    state; put back bit for bit after, for what is measured next."""
+    changed = [flat[k] for k in sorted(flat)[::10]]
+    kept = [t.clone() for t in changed]
+    with torch.no_grad():
+        for t in changed:
+            t.add_(1e-3)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, k in zip(changed, kept, strict=True):
+                t.copy_(k)
 
 
 def build(kind: str, scale: int, device: str, optimizer: str = "adam") -> BenchState:

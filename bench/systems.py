@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from measure import drop_caches, fsync_tree
-from states import BenchState, sync
+from states import BenchState, sync, tenth_changed
 
 
 class System:
@@ -167,21 +167,14 @@ class Ciuic(System):
         """10 % of the tensors change; measure the steady-state stall and the new bytes (the
         state is put back after, bit for bit, for the systems that follow)."""
         m = self.manager
-        changed = [self.state[k] for k in sorted(self.state)[::10]]
-        kept = [t.clone() for t in changed]
-        with torch.no_grad():
-            for t in changed:
-                t.add_(1e-3)
         self.step += 2
-        t0 = time.perf_counter()
-        m.step(self.step, *self.objects)
-        self.steady["stall"].append(time.perf_counter() - t0)
-        m.wait()
-        self.steady["durable"].append(time.perf_counter() - t0)
+        with tenth_changed(self.state):
+            t0 = time.perf_counter()
+            m.step(self.step, *self.objects)
+            self.steady["stall"].append(time.perf_counter() - t0)
+            m.wait()
+            self.steady["durable"].append(time.perf_counter() - t0)
         self.steady["new_bytes"].append(m.latest().new_bytes)
-        with torch.no_grad():
-            for t, k in zip(changed, kept, strict=True):
-                t.copy_(k)
 
     def rollbacks(self) -> None:
         """The live manager restores the latest snapshot, then the one before it."""

@@ -332,9 +332,9 @@ class SnapshotManager:
         try:
             self._pipeline.reserve(model, optimizer, {})
         except Exception as e:
-            self._pipeline.reserved = False
+            restored = False
             log.debug("staging buffers not reserved after the restore: %s", e)
-        if not restored:
+        if not restored:  # step() reserves (again)
             self._pipeline.reserved = False
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------

@@ -330,8 +330,7 @@ class Pipeline(abc.ABC, Generic[C]):
         plan."""
 
     def close(self) -> None:
-        self.wait()
-        self._checked()
+        self.wait()  # the checks too
         self._executor.shutdown(wait=True)
         for _, handle in self._hooks.values():
             handle.remove()

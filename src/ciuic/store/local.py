@@ -245,27 +245,24 @@ class LocalStore(Store):
         a snapshot's first chunks into a fresh store make up to 256 prefix directories of one
         parent, one fsync instead of one each (on the VM, 0.8 s of its writer threads' time
         went to them). Either way a directory entry is durable before any file under it is."""
-        if directory in self._known_dirs:
-            if durable and self._new_dirs:
-                self._sync_new_dirs(directory)
-            return
-        missing = []
-        d = directory
-        while not d.is_dir():
-            missing.append(d)
-            d = d.parent
-        for d in reversed(missing):
-            with contextlib.suppress(FileExistsError):
-                d.mkdir()
-            if self.fsync:
-                if durable:
-                    _fsync_path(d.parent)
-                else:
-                    with self._pending_lock:
-                        self._new_dirs.add(d)
+        if directory not in self._known_dirs:
+            missing = []
+            d = directory
+            while not d.is_dir():
+                missing.append(d)
+                d = d.parent
+            for d in reversed(missing):
+                with contextlib.suppress(FileExistsError):
+                    d.mkdir()
+                if self.fsync:
+                    if durable:
+                        _fsync_path(d.parent)
+                    else:
+                        with self._pending_lock:
+                            self._new_dirs.add(d)
+            self._known_dirs.add(directory)
         if durable and self._new_dirs:
             self._sync_new_dirs(directory)
-        self._known_dirs.add(directory)
 
     def _sync_new_dirs(self, directory: Path) -> None:
         """Make durable the entries of ``directory`` and of its ancestors that writes not yet
