@@ -506,3 +506,29 @@ def test_a_generations_cause_that_arrives_after_the_next_one_started_is_said_the
             w.kill()
             w.wait()
         holder.close()
+
+
+def test_a_worker_that_aborted_after_a_peer_died_names_the_peers_cause() -> None:
+    """gloo aborts a worker in its teardown (SIGABRT) after a collective failed because a rank
+    of another node was killed: that node's cause is named, not this node's abort; a signal
+    sent to a worker (SIGKILL) is this node's own cause; an abort with no word from another
+    node is named as it is."""
+    from ciuic.supervisor.agent import Options, Supervisor
+    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.peers import Node
+
+    holder = Holder(budget=None)
+    sup = Supervisor(Options(["true"]))
+    try:
+        now = time.monotonic()
+        sup._failed.append("[default1]: failed (exitcode: -6) local_rank: 1 (pid: 4242)")
+        assert sup._worker_cause([], set(), holder, now) == (
+            "local rank 1: SIGABRT (killed)", "exit")
+        holder.peer_causes[1] = (Node(1, "10.0.0.2", 7000), "rank 3: SIGKILL (killed)", now)
+        assert sup._worker_cause([], set(), holder, now) == (
+            "node 1 (10.0.0.2): rank 3: SIGKILL (killed)", "peer")
+        sup._failed.append("[default0]: failed (exitcode: -9) local_rank: 0 (pid: 4241)")
+        assert sup._worker_cause([], set(), holder, now) == (
+            "local rank 0: SIGKILL (killed)", "signal")
+    finally:
+        holder.close()

@@ -415,11 +415,13 @@ class Supervisor:
     def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float
                       ) -> tuple[str, str]:
         """The first cause of a generation's end, and its kind: another node gone or cut off
-        within the last 30 s ("node"), else a worker of this node killed by a signal
-        ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it lost;
-        this node's workers then failed in a collective), else a worker's exit status from
-        torchrun's line ("exit"), else the workers that are gone ("none"; the text is
-        empty where none is: not known)."""
+        within the last 30 s ("node"), else a worker of this node killed by a signal sent to
+        it ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it
+        lost; this node's workers then failed in a collective), else a worker's exit status
+        or a signal it raised itself (SIGABRT, SIGSEGV...: torch's gloo aborts a process in
+        its teardown after a collective failed because a peer died) from torchrun's line
+        ("exit"), else the workers that are gone ("none"; the text is empty where none is: not
+        known)."""
         for _, (node, why, since) in sorted(holder.trouble.items()):
             if now - since < 30.0:
                 return f"node {node.rank} ({node.host}): {why}", "node"
@@ -429,13 +431,16 @@ class Supervisor:
                         key=lambda f: f[0] >= 0)
         named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code)
                  for code, local, pid in failed]
-        if named and named[0][1] < 0:
-            return f"{named[0][0]}: {signal_name(-named[0][1])} (killed)", "signal"
+        sent = [(who, code) for who, code in named if code < 0 and -code not in _RAISED]
+        if sent:
+            return f"{sent[0][0]}: {signal_name(-sent[0][1])} (killed)", "signal"
         for _, (node, said, at) in sorted(holder.peer_causes.items()):
             if now - at < 30.0:
                 return f"node {node.rank} ({node.host}): {said}", "peer"
         if named:
-            return f"{named[0][0]}: exit status {named[0][1]}", "exit"
+            who, code = named[0]
+            return (f"{who}: {signal_name(-code)} (killed)" if code < 0 else
+                    f"{who}: exit status {code}"), "exit"
         dead = [b for b in beats if b.pid not in alive]
         return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead), "none"
 
@@ -514,6 +519,9 @@ def _alive(pid: int) -> bool:
 
 
 #: torchrun's line for a worker that failed (its agent then restarts the worker group)
+# signals a process raises on itself: a consequence as often as a cause (see _worker_cause)
+_RAISED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
+                     signal.SIGILL})
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
