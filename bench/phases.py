@@ -2,6 +2,7 @@
 tensors changed) of bench/run.py's module state, against the disk's direct-write floor.
 
     .venv/bin/python bench/phases.py [--rounds 5] [--optimizer adam|adamw] [--dir /var/tmp/x]
+                                     [--chunk-mib 4,16]
 
 Each round builds a manager on a fresh local store as a job does (``restore()``, then
 ``step()``), takes the full snapshot, then the incremental one, and times, by wrapping ciuic's
@@ -11,7 +12,8 @@ chunks for the incremental one), the writer thread's parts (the chunks' naming a
 the fsyncs, the commit: body, manifest, catalog; then the bookkeeping after the commit), and
 the CPU seconds spent hashing (BLAKE3) and reducing the health statistics, summed over the
 threads. The floor: the state's size written with direct I/O in 4 MiB blocks, then fsync,
-as ``dd oflag=direct`` does. Prints min/median/max.
+as ``dd oflag=direct`` does. Prints min/median/max. ``--chunk-mib`` takes several chunk sizes
+(``knobs.chunk_bytes``), measured in alternation within each round.
 """
 
 from __future__ import annotations
@@ -162,28 +164,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--chunk-mib", default=None,
+                    help="comma-separated chunk sizes in MiB, alternated (default: the knob's)")
     a = ap.parse_args(argv)
+    from ciuic import knobs
+
+    sizes = ([int(float(x) * 2**20) for x in a.chunk_mib.split(",")] if a.chunk_mib
+             else [knobs.get().chunk_bytes])
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-phases-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     state = module_state(a.scale, optimizer=a.optimizer)
     size = nbytes(state.flat)
     p = Phases()
     instrument(p)
-    rounds: list[dict[str, dict[str, float]]] = []
+    rounds: dict[int, list[dict[str, dict[str, float]]]] = {b: [] for b in sizes}
     floors: list[float] = []
     try:
         for _ in range(a.rounds):
             floors.append(direct_floor(base, size))
-            rounds.append(one_round(base, state, p))
+            for chunk in sizes:
+                with knobs.override(chunk_bytes=chunk):
+                    rounds[chunk].append(one_round(base, state, p))
     finally:
         p.restore()
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     print(f"state: {len(state.flat)} tensors, {size / 2**30:.3f} GiB ({a.optimizer}); "
-          f"{len(rounds)} rounds; machine: {machine()}")
+          f"{a.rounds} rounds; machine: {machine()}")
     print(f"direct-write floor of the state's size (4 MiB blocks + fsync): {summary(floors)} s")
+    for chunk, runs in rounds.items():
+        _report(runs, size, statistics.median(floors),
+                f"chunks of {chunk / 2**20:g} MiB, " if len(sizes) > 1 else "")
+    out = {"state_bytes": size, "optimizer": a.optimizer, "floor": floors,
+           "rounds": rounds[sizes[0]] if len(sizes) == 1 else
+           {f"{b / 2**20:g}MiB": r for b, r in rounds.items()}, "machine": machine()}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _report(rounds: list[dict[str, dict[str, float]]], size: int, floor: float,
+            title: str) -> None:
     for kind in ("full", "incremental"):
-        print(f"\n{kind} snapshot, seconds (min / median / max):")
+        print(f"\n{title}{kind} snapshot, seconds (min / median / max):")
         for key in (*WALL, *CPU):
             xs = [r[kind].get(key, 0.0) for r in rounds]
             print(f"  {key:<16} {summary(xs)}")
@@ -191,13 +214,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  new bytes        {new / size:.3f} of the state")
     full = statistics.median(r["full"]["durable"] for r in rounds)
     inc = statistics.median(r["incremental"]["durable"] for r in rounds)
-    print(f"\nincremental / full, durable: {inc / full:.3f}; full durable / direct-write "
-          f"floor: {full / statistics.median(floors):.3f}")
-    out = {"state_bytes": size, "optimizer": a.optimizer, "floor": floors, "rounds": rounds,
-           "machine": machine()}
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return out
+    print(f"\n{title}incremental / full, durable: {inc / full:.3f}; full durable / "
+          f"direct-write floor: {full / floor:.3f}")
 
 
 if __name__ == "__main__":
