@@ -2,7 +2,7 @@
 tensors changed) of bench/run.py's module state, against the disk's direct-write floor.
 
     .venv/bin/python bench/phases.py [--rounds 5] [--optimizer adam|adamw] [--dir /var/tmp/x]
-                                     [--chunk-mib 4,16]
+                                     [--vary write_threads=2,4]
 
 Each round builds a manager on a fresh local store as a job does (``restore()``, then
 ``step()``), takes the full snapshot, then the incremental one, and times, by wrapping ciuic's
@@ -12,8 +12,9 @@ chunks for the incremental one), the writer thread's parts (the chunks' naming a
 the fsyncs, the commit: body, manifest, catalog; then the bookkeeping after the commit), and
 the CPU seconds spent hashing (BLAKE3) and reducing the health statistics, summed over the
 threads. The floor: the state's size written with direct I/O in 4 MiB blocks, then fsync,
-as ``dd oflag=direct`` does. Prints min/median/max. ``--chunk-mib`` takes several chunk sizes
-(``knobs.chunk_bytes``), measured in alternation within each round.
+as ``dd oflag=direct`` does. Prints min/median/max. ``--vary KNOB=V1,V2,...`` measures several
+values of one of ``ciuic.knobs`` (``chunk_bytes``, ``write_threads``...) in alternation within
+each round.
 """
 
 from __future__ import annotations
@@ -164,27 +165,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--chunk-mib", default=None,
-                    help="comma-separated chunk sizes in MiB, alternated (default: the knob's)")
+    ap.add_argument("--vary", default=None, metavar="KNOB=V1,V2",
+                    help="values of one of ciuic.knobs, measured in alternation")
     a = ap.parse_args(argv)
     from ciuic import knobs
 
-    sizes = ([int(float(x) * 2**20) for x in a.chunk_mib.split(",")] if a.chunk_mib
-             else [knobs.get().chunk_bytes])
+    knob, values = "chunk_bytes", [knobs.get().chunk_bytes]
+    if a.vary:
+        knob, _, listed = a.vary.partition("=")
+        kind = type(getattr(knobs.get(), knob))
+        values = [kind(float(x)) if kind is int else kind(x) for x in listed.split(",")]
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-phases-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     state = module_state(a.scale, optimizer=a.optimizer)
     size = nbytes(state.flat)
     p = Phases()
     instrument(p)
-    rounds: dict[int, list[dict[str, dict[str, float]]]] = {b: [] for b in sizes}
+    rounds: dict[Any, list[dict[str, dict[str, float]]]] = {v: [] for v in values}
     floors: list[float] = []
     try:
         for _ in range(a.rounds):
             floors.append(direct_floor(base, size))
-            for chunk in sizes:
-                with knobs.override(chunk_bytes=chunk):
-                    rounds[chunk].append(one_round(base, state, p))
+            for value in values:
+                with knobs.override(**{knob: value}):
+                    rounds[value].append(one_round(base, state, p))
     finally:
         p.restore()
         if a.dir is None:
@@ -192,12 +196,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"state: {len(state.flat)} tensors, {size / 2**30:.3f} GiB ({a.optimizer}); "
           f"{a.rounds} rounds; machine: {machine()}")
     print(f"direct-write floor of the state's size (4 MiB blocks + fsync): {summary(floors)} s")
-    for chunk, runs in rounds.items():
+    for value, runs in rounds.items():
         _report(runs, size, statistics.median(floors),
-                f"chunks of {chunk / 2**20:g} MiB, " if len(sizes) > 1 else "")
+                f"{knob}={value}, " if len(values) > 1 else "")
     out = {"state_bytes": size, "optimizer": a.optimizer, "floor": floors,
-           "rounds": rounds[sizes[0]] if len(sizes) == 1 else
-           {f"{b / 2**20:g}MiB": r for b, r in rounds.items()}, "machine": machine()}
+           "rounds": rounds[values[0]] if len(values) == 1 else
+           {f"{knob}={v}": r for v, r in rounds.items()}, "machine": machine()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return out
