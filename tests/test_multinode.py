@@ -341,6 +341,28 @@ def test_a_killed_rank_restarts_every_rank_from_its_nodes_memory(
     assert count(run.log(1), "the workers stopped") == count(run.log(2), "the workers stopped") == 1
 
 
+def test_an_exception_on_one_node_is_the_cause_both_nodes_name(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path) -> None:
+    """Rank 3 (node 2) raises at step 13 (a bug in the training code, exit status 1): its
+    node names it; node 1, whose workers only lost their connection to it (gloo's "Connection
+    closed by peer"), names node 2's cause, not its own workers' failures; every rank resumes
+    from memory."""
+    run = Job(netns_nodes(2), tmp_path, ["--steps", "20", "--every", "5", "--hidden", "128",
+                                         "--step-sleep", "0.4"],
+              "--raise-once", f"13:3:{tmp_path / 'raised'}")
+    text, text2 = run.end()
+    assert recovered_from(text)[2] == "0 B"
+    cause = r"rank 3: (?:exit status 1|SIGABRT \(killed\))"  # (gloo may abort it as it exits)
+    stopped = r"the workers stopped at step 1[234]: {}" + cause + r"\. torchrun restarts"
+    late = (r"the cause of the workers' stop at step 1[234] \(the end of generation 1\): {}"
+            + cause)
+    assert re.search(stopped.format(""), text2), text2[-4000:]
+    node = r"node 1 \([\d.]+\): "
+    assert (re.search(stopped.format(node), text) or re.search(late.format(node), text)), \
+        text[-4000:]
+    assert "connection to another rank was lost" not in text + text2
+
+
 def test_both_nodes_lost_restore_from_the_store(netns_nodes: Callable[[int], Nodes],
                                                tmp_path: Path) -> None:
     """Every node SIGKILLed whole (the memory of every ``ciuic run`` with it), the job started

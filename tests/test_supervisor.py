@@ -497,9 +497,9 @@ def test_a_generations_cause_that_arrives_after_the_next_one_started_is_said_the
             assert holder.restart is not None and not holder.restart["cause"]
             sup._failed.append(f"[default0]: failed (exitcode: -9) local_rank: 0 (pid: {first})")
             poll([workers[2].pid, workers[3].pid])
-        assert ("the cause of the workers' stop at step 6 (the end of generation 1): local "
-                "rank 0: SIGKILL (killed)" in caplog.text), caplog.text
-        assert holder.restart["cause"] == "local rank 0: SIGKILL (killed)"
+        assert ("the cause of the workers' stop at step 6 (the end of generation 1): rank 0: "
+                "SIGKILL (killed)" in caplog.text), caplog.text  # (its rank: seen in generation 1)
+        assert holder.restart["cause"] == "rank 0: SIGKILL (killed)"
         assert start.unknown is None
     finally:
         for w in workers:
@@ -531,4 +531,128 @@ def test_a_worker_that_aborted_after_a_peer_died_names_the_peers_cause() -> None
         assert sup._worker_cause([], set(), holder, now) == (
             "local rank 0: SIGKILL (killed)", "signal")
     finally:
+        holder.close()
+
+
+def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker whose exception says gloo lost its connection to another rank ("[rank2]: ...
+    Connection closed by peer", as torch prints an uncaught exception in a process group)
+    failed because of another rank: its exit is named only after a failure of this node's
+    that is not one (whatever torchrun listed first) and after another node's word, and a node
+    of several waits 30 s for that word, not 8 as for an exit of its own."""
+    import logging
+
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.peers import Node
+
+    holder = Holder(budget=None)
+    sup = Supervisor(Options(["true"]))
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    try:
+        for slot, w in enumerate(workers):
+            beat.Beacon(holder.beats, slot, 2 + slot, w.pid).step(7)
+        beats = beat.read(holder.beats)
+        now = time.monotonic()
+        lines = [
+            "[rank2]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+            "Connection closed by peer [10.0.0.1]:18647. This is typically caused by a remote "
+            "worker crashing.",
+            f"[default0]: failed (exitcode: 1) local_rank: 0 (pid: {workers[0].pid})"]
+        from ciuic.supervisor import agent
+
+        # torchrun's output, read as the agent reads it
+        proc = subprocess.Popen(["sh", "-c", 'printf "%s\\n" "$@" >&2', "sh", *lines],
+                                stderr=subprocess.PIPE)
+        agent._forward(proc, sup._tail, sup._failed)
+        proc.wait()
+        assert len(sup._failed) == 2
+        assert sup._worker_cause(beats, set(), holder, now) == (
+            "rank 2: exit status 1 after its connection to another rank was lost", "lost")
+        # an exit of this node's own, listed after it, comes first
+        sup._failed.append(f"[default1]: failed (exitcode: 1) local_rank: 1 (pid: "
+                           f"{workers[1].pid})")
+        assert sup._worker_cause(beats, set(), holder, now) == ("rank 3: exit status 1", "exit")
+        sup._failed.pop()
+
+        # several nodes: the consequence waits past 8 s for the other node's word
+        holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
+        start = Start(0, now)
+        sup._note(start, beats)
+        alive = {w.pid for w in workers}
+        with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+            sup._workers(start, beats, alive, holder, now)  # generation 1 seen
+            workers[0].kill()
+            workers[0].wait()
+            alive = {workers[1].pid}
+            sup._workers(start, beats, alive, holder, now + 0.1)
+            sup._workers(start, beats, alive, holder, now + 9.0)
+            assert "the workers stopped" not in caplog.text, caplog.text
+            holder.peer_causes[0] = (Node(0, "10.0.0.1", 7000), "rank 0: exit status 1",
+                                     now + 9.5)
+            sup._workers(start, beats, alive, holder, now + 10.0)
+        assert ("the workers stopped at step 7: node 0 (10.0.0.1): rank 0: exit status 1. "
+                "torchrun restarts them (generation 2)" in caplog.text), caplog.text
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        holder.close()
+
+
+@pytest.mark.parametrize("word", [True, False], ids=["word", "none"])
+def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
+        caplog: pytest.LogCaptureFixture, word: bool) -> None:
+    """torchrun restarted the workers while this node only knows that its worker lost its
+    connection to another rank: it says the cause is not known yet, names the other node's
+    cause once that arrives, and names the lost connection only after ``CAUSE_WAIT_S``
+    without one."""
+    import logging
+
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import CAUSE_WAIT_S, Options, Start, Supervisor
+    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.peers import Node
+
+    holder = Holder(budget=None)
+    holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
+    sup = Supervisor(Options(["true"]))
+    start = Start(0, time.monotonic())
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    now = time.monotonic()
+
+    def poll(pid: int, at: float) -> None:
+        beat.Beacon(holder.beats, 0, 2, pid).step(9)
+        beats = beat.read(holder.beats)
+        sup._note(start, beats)
+        sup._workers(start, beats, {w.pid for w in workers if w.poll() is None}, holder, at)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+            poll(workers[0].pid, now)
+            workers[0].kill()
+            workers[0].wait()
+            sup._failed.extend([
+                "[rank2]: RuntimeError: Connection reset by peer",
+                f"[default0]: failed (exitcode: -6) local_rank: 0 (pid: {workers[0].pid})"])
+            poll(workers[1].pid, now + 3)  # generation 2, before any word
+            assert "the workers stopped at step 9: the cause is not known yet" in caplog.text
+            poll(workers[1].pid, now + 5)
+            assert "the cause of the workers' stop" not in caplog.text, caplog.text
+            if word:
+                holder.peer_causes[0] = (Node(0, "10.0.0.1", 7000), "rank 0: exit status 1",
+                                         now + 6)
+                poll(workers[1].pid, now + 6.5)
+                said = "node 0 (10.0.0.1): rank 0: exit status 1"
+            else:
+                poll(workers[1].pid, now + 3 + CAUSE_WAIT_S)
+                said = "rank 2: SIGABRT (killed) after its connection to another rank was lost"
+        assert (f"the cause of the workers' stop at step 9 (the end of generation 1): {said}"
+                in caplog.text), caplog.text
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
         holder.close()

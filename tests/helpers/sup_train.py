@@ -65,6 +65,8 @@ def main() -> None:
                    help="hang there once: only while FILE does not exist yet (it is made)")
     p.add_argument("--kill-once", metavar="STEP:RANK:FILE",
                    help="SIGKILL there once: only while FILE does not exist yet (it is made)")
+    p.add_argument("--raise-once", metavar="STEP:RANK:FILE",
+                   help="raise an exception there once (a bug in the training code)")
     p.add_argument("--fail-start", action="store_true")
     p.add_argument("--sync", action="store_true", help="asynchronous=False")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -115,6 +117,8 @@ def main() -> None:
             time.sleep(3600)
         if once(a.kill_once, step, rank):
             os.kill(os.getpid(), signal.SIGKILL)
+        if once(a.raise_once, step, rank):
+            raise ValueError(f"injected failure at step {step} (rank {rank})")
         if fault(a.hang_at, step, rank):
             print(f"hanging at step {step} (rank {rank})", file=sys.stderr, flush=True)
             time.sleep(3600)

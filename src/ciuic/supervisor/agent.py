@@ -83,6 +83,7 @@ class Start:
     number: int
     began: float
     pids: set[int] = field(default_factory=set)
+    ranks: dict[int, int] = field(default_factory=dict)  # pid -> rank, of every worker seen
     step: int | None = None  # the highest step() seen
     committed: int | None = None  # the highest committed step seen
     cause: Cause | None = None
@@ -296,16 +297,18 @@ class Supervisor:
         def cause() -> tuple[str, str]:  # the first cause: read once a poll at most
             nonlocal found
             if found is None:
-                found = self._worker_cause(beats, alive, holder, now)
+                found = self._worker_cause(beats, alive, holder, now, start.ranks)
             return found
 
+        alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
         for b in beats:
             pid, gen = start.workers.get(b.slot, (None, 0))
             if b.pid == pid or b.pid not in alive:
                 continue
             if gen == start.generation and pid is not None:  # the next generation's first
-                if not start.said:
-                    self._say_stopped(start, holder, now, cause())
+                if not start.said:  # (a lost peer is not a cause: said when one arrives)
+                    lost = cause()[1] == "lost" and not alone
+                    self._say_stopped(start, holder, now, ("", "none") if lost else cause())
                 start.generation += 1
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
@@ -321,12 +324,12 @@ class Supervisor:
             # torchrun logs a failed worker only once it stopped the others (SIGTERM, and their
             # emergency snapshot: seconds); a worker that exited with a status may have failed
             # in a collective because of another node's loss: give that node's cause (its ping
-            # answer, each second) time to arrive
+            # answer, each second) time to arrive; where the worker said it lost a peer, give
+            # it the time the other node waits for its own (8 s) and more
             kind = "signal" if start.hang_cause is not None else cause()[1]
             waited = now - (start.gone_since or now)
-            alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
-            if (kind in ("node", "signal", "peer") or (kind == "exit" and (alone or waited >= 8))
-                    or waited >= 30):
+            if (kind in ("node", "signal", "peer") or (kind in ("exit", "lost") and alone)
+                    or (kind == "exit" and waited >= 8) or waited >= 30):
                 self._say_stopped(start, holder, now, cause())
                 self._failed.clear()  # told: the next generation's failures are its own
         for rank, (node, why, since) in list(holder.trouble.items()):
@@ -392,12 +395,14 @@ class Supervisor:
                     found: tuple[str, str]) -> None:
         """The cause of a generation's end that was not known when it was said, once it is
         (torchrun's line for a failed worker, another node gone or its word), or that it
-        still is not after ``CAUSE_WAIT_S``."""
+        still is not after ``CAUSE_WAIT_S`` (then a worker that lost its peer is named, if
+        one did)."""
         assert start.unknown is not None
         step, generation, since = start.unknown
         where = f"at step {step}" if step is not None else "before its first step()"
         cause, kind = found
-        if kind in ("node", "signal", "peer", "exit"):
+        if kind in ("node", "signal", "peer", "exit") or (kind == "lost"
+                                                          and now - since >= CAUSE_WAIT_S):
             start.unknown = None
             self._failed.clear()  # told
             if holder.restart is not None and not holder.restart.get("cause"):
@@ -412,41 +417,48 @@ class Supervisor:
                         "%d) is still not known after %g s: torchrun named no failed worker, "
                         "and no other node named a cause", where, generation, CAUSE_WAIT_S)
 
-    def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float
-                      ) -> tuple[str, str]:
+    def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float,
+                      seen: dict[int, int] | None = None) -> tuple[str, str]:
         """The first cause of a generation's end, and its kind: another node gone or cut off
         within the last 30 s ("node"), else a worker of this node killed by a signal sent to
         it ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it
         lost; this node's workers then failed in a collective), else a worker's exit status
         or a signal it raised itself (SIGABRT, SIGSEGV...: torch's gloo aborts a process in
         its teardown after a collective failed because a peer died) from torchrun's line
-        ("exit"), else the workers that are gone ("none"; the text is empty where none is: not
-        known)."""
+        ("exit"), else the same of a worker whose exception said that its connection to
+        another rank was lost ("lost": a consequence, whose cause is another node's to give),
+        else the workers that are gone ("none"; the text is empty where none is: not known).
+        ``seen``: the rank of each worker seen in this start, by pid (torchrun's line may come
+        once a failed worker's heartbeat slot holds its successor)."""
         for _, (node, why, since) in sorted(holder.trouble.items()):
             if now - since < 30.0:
                 return f"node {node.rank} ({node.host}): {why}", "node"
-        ranks = {b.pid: b.rank for b in beats}
+        ranks = {**(seen or {}), **{b.pid: b.rank for b in beats}}  # (seen: gone from beats)
         failed = sorted(((int(code), int(local), int(pid)) for code, local, pid
                          in _WORKER_FAILED.findall("\n".join(self._failed))),
                         key=lambda f: f[0] >= 0)
-        named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code)
-                 for code, local, pid in failed]
-        sent = [(who, code) for who, code in named if code < 0 and -code not in _RAISED]
+        lost = {int(m.group(1)) for line in self._failed if (m := _PEER_LOST.search(line))}
+        named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code,
+                  ranks.get(pid) in lost) for code, local, pid in failed]
+        sent = [(who, code) for who, code, _ in named if code < 0 and -code not in _RAISED]
         if sent:
             return f"{sent[0][0]}: {signal_name(-sent[0][1])} (killed)", "signal"
         for _, (node, said, at) in sorted(holder.peer_causes.items()):
             if now - at < 30.0:
                 return f"node {node.rank} ({node.host}): {said}", "peer"
         if named:
-            who, code = named[0]
-            return (f"{who}: {signal_name(-code)} (killed)" if code < 0 else
-                    f"{who}: exit status {code}"), "exit"
+            who, code, consequence = min(named, key=lambda n: n[2])  # (stable: the first)
+            what = f"{signal_name(-code)} (killed)" if code < 0 else f"exit status {code}"
+            if consequence:
+                return f"{who}: {what} after its connection to another rank was lost", "lost"
+            return f"{who}: {what}", "exit"
         dead = [b for b in beats if b.pid not in alive]
         return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead), "none"
 
     def _note(self, start: Start, beats: list[beat.Beat]) -> None:
         for b in beats:
             start.pids.add(b.pid)
+            start.ranks[b.pid] = b.rank
             if b.step is not None and (start.step is None or b.step > start.step):
                 start.step = b.step
             if b.committed is not None and (start.committed is None
@@ -518,11 +530,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-#: torchrun's line for a worker that failed (its agent then restarts the worker group)
-# signals a process raises on itself: a consequence as often as a cause (see _worker_cause)
+#: signals a process raises on itself: a consequence as often as a cause (see _worker_cause)
 _RAISED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
                      signal.SIGILL})
+#: torchrun's line for a worker that failed (its agent then restarts the worker group)
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+#: a line of a worker's uncaught exception (torch prefixes each with ``[rankR]: `` in a process
+#: group; torchrun's ``--tee`` may add its own prefix before) saying that its connection to
+#: another rank was lost: gloo's and NCCL's words when a peer process died. That worker's
+#: failure is a consequence of another's.
+_PEER_LOST = re.compile(r"\[rank(\d+)\]: .*(?:Connection (?:closed|reset) by peer|"
+                        r"ncclRemoteError|remote process exited)")
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -533,7 +551,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str],
              failed: collections.deque[str]) -> None:
     """Pass the command's stderr through, keeping its last lines, and torchrun's lines for
-    failed workers in ``failed``."""
+    failed workers and the workers' lines for a lost peer in ``failed``."""
     assert proc.stderr is not None
     out = sys.stderr.buffer
     for line in iter(proc.stderr.readline, b""):
@@ -544,7 +562,7 @@ def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str],
             pass
         text = line.decode(errors="replace").rstrip("\n")
         tail.append(text)
-        if _WORKER_FAILED.search(text):
+        if _WORKER_FAILED.search(text) or _PEER_LOST.search(text):
             failed.append(text)
 
 
