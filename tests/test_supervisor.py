@@ -638,7 +638,8 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
                 "[rank2]: RuntimeError: Connection reset by peer",
                 f"[default0]: failed (exitcode: -6) local_rank: 0 (pid: {workers[0].pid})"])
             poll(workers[1].pid, now + 3)  # generation 2, before any word
-            assert "the workers stopped at step 9: the cause is not known yet" in caplog.text
+            assert ("the workers stopped at step 9: the cause is not known yet (this node's "
+                    "workers only lost their connection to another rank" in caplog.text)
             poll(workers[1].pid, now + 5)
             assert "the cause of the workers' stop" not in caplog.text, caplog.text
             if word:

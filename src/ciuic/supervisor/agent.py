@@ -308,7 +308,7 @@ class Supervisor:
             if gen == start.generation and pid is not None:  # the next generation's first
                 if not start.said:  # (a lost peer is not a cause: said when one arrives)
                     lost = cause()[1] == "lost" and not alone
-                    self._say_stopped(start, holder, now, ("", "none") if lost else cause())
+                    self._say_stopped(start, holder, now, ("", "lost") if lost else cause())
                 start.generation += 1
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
@@ -386,7 +386,10 @@ class Supervisor:
                               if gen == start.generation)}
         if not cause:  # the next generation started first: it is said when it arrives
             start.unknown = (start.step, start.generation, now)
-            cause = ("the cause is not known yet (no failed worker in torchrun's output, no "
+            cause = ("the cause is not known yet (this node's workers only lost their "
+                     "connection to another rank; no word from another node yet)"
+                     if kind == "lost" else
+                     "the cause is not known yet (no failed worker in torchrun's output, no "
                      "dead worker seen, no word from another node)")
         log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
                     "(generation %d)", where, cause, start.generation + 1)
