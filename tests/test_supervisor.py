@@ -571,6 +571,12 @@ def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
         assert len(sup._failed) == 2
         assert sup._worker_cause(beats, set(), holder, now) == (
             "rank 2: exit status 1 after its connection to another rank was lost", "lost")
+        # any other library's lost connection (a data loader's HTTP read) is the worker's own
+        assert not agent._PEER_LOST.search(
+            "[rank0]: ConnectionResetError: [Errno 104] Connection reset by peer")
+        assert agent._PEER_LOST.search(
+            "[rank1]:[E1204 10:00:00.000 ProcessGroupNCCL.cpp:1] ncclRemoteError: remote "
+            "process exited or there was a network error")
         # an exit of this node's own, listed after it, comes first
         sup._failed.append(f"[default1]: failed (exitcode: 1) local_rank: 1 (pid: "
                            f"{workers[1].pid})")
@@ -595,6 +601,7 @@ def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
             sup._workers(start, beats, alive, holder, now + 10.0)
         assert ("the workers stopped at step 7: node 0 (10.0.0.1): rank 0: exit status 1. "
                 "torchrun restarts them (generation 2)" in caplog.text), caplog.text
+        assert holder.cause is None  # the other node's cause: not this node's to give
     finally:
         for w in workers:
             w.kill()
@@ -635,7 +642,8 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
             workers[0].kill()
             workers[0].wait()
             sup._failed.extend([
-                "[rank2]: RuntimeError: Connection reset by peer",
+                "[rank2]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc"
+                ":534] Connection reset by peer [10.0.0.1]:40321",
                 f"[default0]: failed (exitcode: -6) local_rank: 0 (pid: {workers[0].pid})"])
             poll(workers[1].pid, now + 3)  # generation 2, before any word
             assert ("the workers stopped at step 9: the cause is not known yet (this node's "
@@ -650,8 +658,59 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
             else:
                 poll(workers[1].pid, now + 3 + CAUSE_WAIT_S)
                 said = "rank 2: SIGABRT (killed) after its connection to another rank was lost"
+                assert holder.cause is None  # not a cause for the other nodes to repeat
         assert (f"the cause of the workers' stop at step 9 (the end of generation 1): {said}"
                 in caplog.text), caplog.text
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        holder.close()
+
+
+def test_each_generation_is_named_by_its_own_failed_worker(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two generations fail in turn on a node of several: the first's cause is said when
+    torchrun restarts the workers, and the second is named by its own worker's line, not the
+    first's, which torchrun printed earlier."""
+    import logging
+
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.peers import Node
+
+    holder = Holder(budget=None)
+    holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
+    sup = Supervisor(Options(["true"]))
+    start = Start(0, time.monotonic())
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(3)]
+    now = time.monotonic()
+
+    def poll(pid: int, at: float) -> None:
+        beat.Beacon(holder.beats, 0, 2, pid).step(5)
+        beats = beat.read(holder.beats)
+        sup._note(start, beats)
+        sup._workers(start, beats, {w.pid for w in workers if w.poll() is None}, holder, at)
+
+    def fail(w: subprocess.Popen[bytes], code: int) -> None:
+        w.kill()
+        w.wait()
+        sup._failed.append(f"[default0]: failed (exitcode: {code}) local_rank: 0 (pid: {w.pid})")
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+            poll(workers[0].pid, now)
+            fail(workers[0], 1)
+            poll(workers[0].pid, now + 1)  # gone: an exit waits for another node's word
+            poll(workers[1].pid, now + 3)  # torchrun restarted them first
+            assert ("the workers stopped at step 5: rank 2: exit status 1. torchrun restarts "
+                    "them (generation 2)" in caplog.text), caplog.text
+            fail(workers[1], 2)
+            poll(workers[1].pid, now + 5)
+            poll(workers[1].pid, now + 14)
+        assert ("the workers stopped at step 5: rank 2: exit status 2. torchrun restarts them "
+                "(generation 3)" in caplog.text), caplog.text
     finally:
         for w in workers:
             w.kill()

@@ -84,6 +84,7 @@ class Start:
     began: float
     pids: set[int] = field(default_factory=set)
     ranks: dict[int, int] = field(default_factory=dict)  # pid -> rank, of every worker seen
+    generation_of: dict[int, int] = field(default_factory=dict)  # pid -> its generation
     step: int | None = None  # the highest step() seen
     committed: int | None = None  # the highest committed step seen
     cause: Cause | None = None
@@ -105,6 +106,8 @@ class Start:
     #: the cause is said when it arrives (a torchrun line, another node's word), or that it
     #: is still not known after ``CAUSE_WAIT_S``
     unknown: tuple[int | None, int, float] | None = None
+    #: that generation's lines for failed workers and lost peers (``Supervisor._failed``)
+    unknown_lines: list[str] = field(default_factory=list)
 
 
 def _pdeathsig() -> None:
@@ -292,13 +295,15 @@ class Supervisor:
         generation, naming the rank or the node; and stop this node's workers when another
         node's ciuic run has not answered for ``--peer-timeout`` (a link down: their
         collectives would wait far longer), so that torchrun restarts them."""
-        found: tuple[str, str] | None = None
+        found: dict[bool, tuple[str, str]] = {}
 
-        def cause() -> tuple[str, str]:  # the first cause: read once a poll at most
-            nonlocal found
-            if found is None:
-                found = self._worker_cause(beats, alive, holder, now, start.ranks)
-            return found
+        def cause(earlier: bool = False) -> tuple[str, str]:
+            """The current generation's first cause (``earlier``: that of the generation
+            whose stop was said before its cause was known); read once a poll at most."""
+            if earlier not in found:
+                found[earlier] = self._worker_cause(beats, alive, holder, now, start.ranks,
+                                                    self._lines(start, earlier))
+            return found[earlier]
 
         alone = len(holder.trouble) + len(holder.peer_causes) == 0 and not holder.peered()
         for b in beats:
@@ -309,15 +314,20 @@ class Supervisor:
                 if not start.said:  # (a lost peer is not a cause: said when one arrives)
                     lost = cause()[1] == "lost" and not alone
                     self._say_stopped(start, holder, now, ("", "lost") if lost else cause())
+                    if start.unknown is not None:  # kept for its cause, said later
+                        start.unknown_lines = list(self._failed)
+                self._failed.clear()  # the next generation's lines are its own
+                found.clear()
                 start.generation += 1
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
             start.workers[b.slot] = (b.pid, start.generation)
+            start.generation_of[b.pid] = start.generation
         # (a worker whose manager closed is done, not gone: its job finished)
         gone = [b for b in beats if start.workers.get(b.slot, (None,))[0] == b.pid
                 and b.busy != beat.BUSY[7] and b.pid not in alive]
         if start.unknown is not None and not gone:  # (a cause now may be this generation's)
-            self._late_cause(start, holder, now, cause())
+            self._late_cause(start, holder, now, cause(earlier=True))
         if gone and start.gone_since is None:
             start.gone_since = now
         if gone and not start.said:
@@ -404,10 +414,9 @@ class Supervisor:
         step, generation, since = start.unknown
         where = f"at step {step}" if step is not None else "before its first step()"
         cause, kind = found
-        if kind in ("node", "signal", "peer", "exit") or (kind == "lost"
-                                                          and now - since >= CAUSE_WAIT_S):
-            start.unknown = None
-            self._failed.clear()  # told
+        if kind in ("node", "signal", "peer", "exit") or (kind == "lost" and (
+                now - since >= CAUSE_WAIT_S or not holder.peered())):
+            start.unknown, start.unknown_lines = None, []  # told
             if holder.restart is not None and not holder.restart.get("cause"):
                 holder.restart["cause"] = cause  # for the workers that attach from now on
             if kind in ("signal", "exit"):
@@ -415,13 +424,26 @@ class Supervisor:
             log.warning("ciuic run: the cause of the workers' stop %s (the end of generation "
                         "%d): %s", where, generation, cause)
         elif now - since >= CAUSE_WAIT_S:
-            start.unknown = None
+            start.unknown, start.unknown_lines = None, []
             log.warning("ciuic run: the cause of the workers' stop %s (the end of generation "
                         "%d) is still not known after %g s: torchrun named no failed worker, "
                         "and no other node named a cause", where, generation, CAUSE_WAIT_S)
 
+    def _lines(self, start: Start, earlier: bool) -> list[str]:
+        """The lines for failed workers and lost peers (:func:`_forward`) of the current
+        generation, or (``earlier``) of the one whose cause is not known yet: torchrun's line
+        for a worker of an earlier generation may come after the next one started."""
+        def older(line: str) -> bool:
+            m = _WORKER_FAILED.search(line)
+            return m is not None and start.generation_of.get(int(m.group(3)),
+                                                             start.generation) < start.generation
+        if earlier:
+            return start.unknown_lines + [x for x in self._failed if older(x)]
+        return [x for x in self._failed if not older(x)]
+
     def _worker_cause(self, beats: list[beat.Beat], alive: set[int], holder: Holder, now: float,
-                      seen: dict[int, int] | None = None) -> tuple[str, str]:
+                      seen: dict[int, int] | None = None, lines: list[str] | None = None
+                      ) -> tuple[str, str]:
         """The first cause of a generation's end, and its kind: another node gone or cut off
         within the last 30 s ("node"), else a worker of this node killed by a signal sent to
         it ("signal"), else the cause another node gave in the last 30 s ("peer": a rank it
@@ -432,15 +454,17 @@ class Supervisor:
         another rank was lost ("lost": a consequence, whose cause is another node's to give),
         else the workers that are gone ("none"; the text is empty where none is: not known).
         ``seen``: the rank of each worker seen in this start, by pid (torchrun's line may come
-        once a failed worker's heartbeat slot holds its successor)."""
+        once a failed worker's heartbeat slot holds its successor); ``lines``: the lines for
+        failed workers and lost peers to read (default: all of :attr:`_failed`)."""
+        lines = list(self._failed) if lines is None else lines
         for _, (node, why, since) in sorted(holder.trouble.items()):
             if now - since < 30.0:
                 return f"node {node.rank} ({node.host}): {why}", "node"
         ranks = {**(seen or {}), **{b.pid: b.rank for b in beats}}  # (seen: gone from beats)
         failed = sorted(((int(code), int(local), int(pid)) for code, local, pid
-                         in _WORKER_FAILED.findall("\n".join(self._failed))),
+                         in _WORKER_FAILED.findall("\n".join(lines))),
                         key=lambda f: f[0] >= 0)
-        lost = {int(m.group(1)) for line in self._failed if (m := _PEER_LOST.search(line))}
+        lost = {int(m.group(1)) for line in lines if (m := _PEER_LOST.search(line))}
         named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code,
                   ranks.get(pid) in lost) for code, local, pid in failed]
         sent = [(who, code) for who, code, _ in named if code < 0 and -code not in _RAISED]
@@ -450,7 +474,8 @@ class Supervisor:
             if now - at < 30.0:
                 return f"node {node.rank} ({node.host}): {said}", "peer"
         if named:
-            who, code, consequence = min(named, key=lambda n: n[2])  # (stable: the first)
+            # not a consequence first, then an exit status before a signal raised (stable)
+            who, code, consequence = min(named, key=lambda n: (n[2], n[1] < 0))
             what = f"{signal_name(-code)} (killed)" if code < 0 else f"exit status {code}"
             if consequence:
                 return f"{who}: {what} after its connection to another rank was lost", "lost"
@@ -540,10 +565,11 @@ _RAISED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFP
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 #: a line of a worker's uncaught exception (torch prefixes each with ``[rankR]: `` in a process
 #: group; torchrun's ``--tee`` may add its own prefix before) saying that its connection to
-#: another rank was lost: gloo's and NCCL's words when a peer process died. That worker's
-#: failure is a consequence of another's.
-_PEER_LOST = re.compile(r"\[rank(\d+)\]: .*(?:Connection (?:closed|reset) by peer|"
-                        r"ncclRemoteError|remote process exited)")
+#: another rank was lost: gloo's transport's words (with its source file: not any library's
+#: "Connection reset by peer", as a data loader's HTTP error says) and NCCL's, when a peer
+#: process died. That worker's failure is a consequence of another's.
+_PEER_LOST = re.compile(r"\[rank(\d+)\]:\s?.*(?:gloo/transport/\S+\].*(?:Connection (?:closed|"
+                        r"reset) by peer|Broken pipe)|ncclRemoteError|remote process exited)")
 
 
 def _signal_group(pgid: int, sig: int) -> None:
