@@ -609,6 +609,39 @@ def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
         holder.close()
 
 
+class _NodeOfTwo:
+    """``ciuic run``'s agent on node 1 of two (no pings: the tests set the other node's word),
+    one start, and ``n`` sleeping processes as workers; :meth:`poll` shows the agent the
+    worker ``pid`` in heartbeat slot 0 (rank 2) at ``step``, at the monotonic time ``at``."""
+
+    def __init__(self, n: int, step: int) -> None:
+        from ciuic.supervisor.agent import Options, Start, Supervisor
+        from ciuic.supervisor.holder import Holder
+        from ciuic.supervisor.peers import Node
+
+        self.holder = Holder(budget=None)
+        self.holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
+        self.sup = Supervisor(Options(["true"]))
+        self.start = Start(0, time.monotonic())
+        self.workers = [subprocess.Popen(["sleep", "120"]) for _ in range(n)]
+        self.step = step
+
+    def poll(self, pid: int, at: float) -> None:
+        from ciuic.supervisor import beat
+
+        beat.Beacon(self.holder.beats, 0, 2, pid).step(self.step)
+        beats = beat.read(self.holder.beats)
+        self.sup._note(self.start, beats)
+        alive = {w.pid for w in self.workers if w.poll() is None}
+        self.sup._workers(self.start, beats, alive, self.holder, at)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+            w.wait()
+        self.holder.close()
+
+
 @pytest.mark.parametrize("word", [True, False], ids=["word", "none"])
 def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
         caplog: pytest.LogCaptureFixture, word: bool) -> None:
@@ -618,24 +651,12 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
     without one."""
     import logging
 
-    from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import CAUSE_WAIT_S, Options, Start, Supervisor
-    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.agent import CAUSE_WAIT_S
     from ciuic.supervisor.peers import Node
 
-    holder = Holder(budget=None)
-    holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
-    sup = Supervisor(Options(["true"]))
-    start = Start(0, time.monotonic())
-    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    node = _NodeOfTwo(2, step=9)
+    holder, sup, workers, poll = node.holder, node.sup, node.workers, node.poll
     now = time.monotonic()
-
-    def poll(pid: int, at: float) -> None:
-        beat.Beacon(holder.beats, 0, 2, pid).step(9)
-        beats = beat.read(holder.beats)
-        sup._note(start, beats)
-        sup._workers(start, beats, {w.pid for w in workers if w.poll() is None}, holder, at)
-
     try:
         with caplog.at_level(logging.WARNING, logger="ciuic.run"):
             poll(workers[0].pid, now)
@@ -662,10 +683,7 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
         assert (f"the cause of the workers' stop at step 9 (the end of generation 1): {said}"
                 in caplog.text), caplog.text
     finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-        holder.close()
+        node.close()
 
 
 def test_each_generation_is_named_by_its_own_failed_worker(
@@ -675,23 +693,9 @@ def test_each_generation_is_named_by_its_own_failed_worker(
     first's, which torchrun printed earlier."""
     import logging
 
-    from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import Options, Start, Supervisor
-    from ciuic.supervisor.holder import Holder
-    from ciuic.supervisor.peers import Node
-
-    holder = Holder(budget=None)
-    holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
-    sup = Supervisor(Options(["true"]))
-    start = Start(0, time.monotonic())
-    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(3)]
+    node = _NodeOfTwo(3, step=5)
+    sup, workers, poll = node.sup, node.workers, node.poll
     now = time.monotonic()
-
-    def poll(pid: int, at: float) -> None:
-        beat.Beacon(holder.beats, 0, 2, pid).step(5)
-        beats = beat.read(holder.beats)
-        sup._note(start, beats)
-        sup._workers(start, beats, {w.pid for w in workers if w.poll() is None}, holder, at)
 
     def fail(w: subprocess.Popen[bytes], code: int) -> None:
         w.kill()
@@ -712,7 +716,4 @@ def test_each_generation_is_named_by_its_own_failed_worker(
         assert ("the workers stopped at step 5: rank 2: exit status 2. torchrun restarts them "
                 "(generation 3)" in caplog.text), caplog.text
     finally:
-        for w in workers:
-            w.kill()
-            w.wait()
-        holder.close()
+        node.close()
