@@ -304,6 +304,8 @@ def test_a_lost_node_is_restored_from_the_replica_in_its_peers_memory(
                                 "--model", model], "--pause-at", f"12:2:{tmp_path / 'paused'}")
     wait_for(lambda: count(run.log(2), r"holds a replica of this node's snapshot at step 10 ")
              >= 1, 240, "node 2's replica of the snapshot at step 10")
+    # the pause struck (its marker made): the restarted job does not pause there again
+    wait_for(lambda: (tmp_path / "paused").exists(), 120, "rank 2's pause at step 12")
     assert committed_step(run.store) == 10
     nodes[2].kill_all()
     run.procs[1] = run.start(nodes[2])
@@ -371,6 +373,8 @@ def test_both_nodes_lost_restore_from_the_store(netns_nodes: Callable[[int], Nod
     run = Job(nodes, tmp_path, ["--steps", "20", "--every", "5", "--hidden", "128"],
               "--pause-at", f"12:2:{tmp_path / 'paused'}")
     wait_for(lambda: committed_step(run.store) == 10, 240, "the snapshot at step 10")
+    # the pause struck (its marker made): the restarted job does not pause there again
+    wait_for(lambda: (tmp_path / "paused").exists(), 120, "rank 2's pause at step 12")
     for n in nodes:
         n.kill_all()
     assert [p.wait(30) for p in run.procs] == [-9, -9]
