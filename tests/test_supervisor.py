@@ -561,20 +561,20 @@ def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
             "Connection closed by peer [10.0.0.1]:18647. This is typically caused by a remote "
             "worker crashing.",
             f"[default0]: failed (exitcode: 1) local_rank: 0 (pid: {workers[0].pid})"]
-        from ciuic.supervisor import agent
+        from ciuic.supervisor import causes
 
         # torchrun's output, read as the agent reads it
         proc = subprocess.Popen(["sh", "-c", 'printf "%s\\n" "$@" >&2', "sh", *lines],
                                 stderr=subprocess.PIPE)
-        agent._forward(proc, sup._tail, sup._failed)
+        causes.forward(proc, sup._tail, sup._failed)
         proc.wait()
         assert len(sup._failed) == 2
         assert sup._worker_cause(beats, set(), holder, now) == (
             "rank 2: exit status 1 after its connection to another rank was lost", "lost")
         # any other library's lost connection (a data loader's HTTP read) is the worker's own
-        assert not agent._PEER_LOST.search(
+        assert not causes.PEER_LOST.search(
             "[rank0]: ConnectionResetError: [Errno 104] Connection reset by peer")
-        assert agent._PEER_LOST.search(
+        assert causes.PEER_LOST.search(
             "[rank1]:[E1204 10:00:00.000 ProcessGroupNCCL.cpp:1] ncclRemoteError: remote "
             "process exited or there was a network error")
         # an exit of this node's own, listed after it, comes first

@@ -27,17 +27,24 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
 
 from ciuic.supervisor import beat
-from ciuic.supervisor.causes import Cause, OomWatch, classify, signal_name
+from ciuic.supervisor.causes import (
+    PEER_LOST,
+    RAISED,
+    WORKER_FAILED,
+    Cause,
+    OomWatch,
+    classify,
+    forward,
+    signal_name,
+)
 from ciuic.supervisor.channel import (
     CAUSE_ENV,
     ENV,
@@ -239,7 +246,7 @@ class Supervisor:
             self.o.max_stalls = 0  # the same next time: give up at once
             return 127
         self._proc = proc
-        reader = threading.Thread(target=_forward, args=(proc, self._tail, self._failed),
+        reader = threading.Thread(target=forward, args=(proc, self._tail, self._failed),
                                   name="ciuic-run-stderr", daemon=True)
         reader.start()
         if self._stop is not None:  # a signal arrived while it started
@@ -430,11 +437,11 @@ class Supervisor:
                         "and no other node named a cause", where, generation, CAUSE_WAIT_S)
 
     def _lines(self, start: Start, earlier: bool) -> list[str]:
-        """The lines for failed workers and lost peers (:func:`_forward`) of the current
+        """The lines for failed workers and lost peers (:func:`forward`) of the current
         generation, or (``earlier``) of the one whose cause is not known yet: torchrun's line
         for a worker of an earlier generation may come after the next one started."""
         def older(line: str) -> bool:
-            m = _WORKER_FAILED.search(line)
+            m = WORKER_FAILED.search(line)
             return m is not None and start.generation_of.get(int(m.group(3)),
                                                              start.generation) < start.generation
         if earlier:
@@ -462,12 +469,12 @@ class Supervisor:
                 return f"node {node.rank} ({node.host}): {why}", "node"
         ranks = {**(seen or {}), **{b.pid: b.rank for b in beats}}  # (seen: gone from beats)
         failed = sorted(((int(code), int(local), int(pid)) for code, local, pid
-                         in _WORKER_FAILED.findall("\n".join(lines))),
+                         in WORKER_FAILED.findall("\n".join(lines))),
                         key=lambda f: f[0] >= 0)
-        lost = {int(m.group(1)) for line in lines if (m := _PEER_LOST.search(line))}
+        lost = {int(m.group(1)) for line in lines if (m := PEER_LOST.search(line))}
         named = [(f"rank {ranks[pid]}" if pid in ranks else f"local rank {local}", code,
                   ranks.get(pid) in lost) for code, local, pid in failed]
-        sent = [(who, code) for who, code, _ in named if code < 0 and -code not in _RAISED]
+        sent = [(who, code) for who, code, _ in named if code < 0 and -code not in RAISED]
         if sent:
             return f"{sent[0][0]}: {signal_name(-sent[0][1])} (killed)", "signal"
         for _, (node, said, at) in sorted(holder.peer_causes.items()):
@@ -558,41 +565,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-#: signals a process raises on itself: a consequence as often as a cause (see _worker_cause)
-_RAISED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
-                     signal.SIGILL})
-#: torchrun's line for a worker that failed (its agent then restarts the worker group)
-_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-#: a line of a worker's uncaught exception (torch prefixes each with ``[rankR]: `` in a process
-#: group; torchrun's ``--tee`` may add its own prefix before) saying that its connection to
-#: another rank was lost: gloo's transport's words (with its source file: not any library's
-#: "Connection reset by peer", as a data loader's HTTP error says) and NCCL's, when a peer
-#: process died. That worker's failure is a consequence of another's.
-_PEER_LOST = re.compile(r"\[rank(\d+)\]:\s?.*(?:gloo/transport/\S+\].*(?:Connection (?:closed|"
-                        r"reset) by peer|Broken pipe)|ncclRemoteError|remote process exited)")
-
 
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(OSError):
         os.killpg(pgid, sig)
-
-
-def _forward(proc: subprocess.Popen[bytes], tail: collections.deque[str],
-             failed: collections.deque[str]) -> None:
-    """Pass the command's stderr through, keeping its last lines, and torchrun's lines for
-    failed workers and the workers' lines for a lost peer in ``failed``."""
-    assert proc.stderr is not None
-    out = sys.stderr.buffer
-    for line in iter(proc.stderr.readline, b""):
-        try:
-            out.write(line)
-            out.flush()
-        except (OSError, ValueError):
-            pass
-        text = line.decode(errors="replace").rstrip("\n")
-        tail.append(text)
-        if _WORKER_FAILED.search(text) or _PEER_LOST.search(text):
-            failed.append(text)
 
 
 def _tail_text(tail: collections.deque[str]) -> str:

@@ -9,8 +9,11 @@ failing rank and its exit code.
 
 from __future__ import annotations
 
+import collections
 import re
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,3 +138,36 @@ def classify(returncode: int, tail: list[str], oom: OomWatch | None) -> Cause:
         return Cause("exception", f"exception: {rank}{line}")
     return Cause("exit", f"exit: {rank}exit status {returncode}"
                  + (f", last stderr line: {line}" if line else ""))
+
+
+#: signals a process raises on itself: a consequence as often as a cause (see
+#: ``agent.Supervisor._worker_cause``)
+RAISED = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
+                     signal.SIGILL})
+#: torchrun's line for a worker that failed (its agent then restarts the worker group)
+WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+#: a line of a worker's uncaught exception (torch prefixes each with ``[rankR]: `` in a process
+#: group; torchrun's ``--tee`` may add its own prefix before) saying that its connection to
+#: another rank was lost: gloo's transport's words (with its source file: not any library's
+#: "Connection reset by peer", as a data loader's HTTP error says) and NCCL's, when a peer
+#: process died. That worker's failure is a consequence of another's.
+PEER_LOST = re.compile(r"\[rank(\d+)\]:\s?.*(?:gloo/transport/\S+\].*(?:Connection (?:closed|"
+                        r"reset) by peer|Broken pipe)|ncclRemoteError|remote process exited)")
+
+
+def forward(proc: subprocess.Popen[bytes], tail: collections.deque[str],
+             failed: collections.deque[str]) -> None:
+    """Pass the command's stderr through, keeping its last lines, and torchrun's lines for
+    failed workers and the workers' lines for a lost peer in ``failed``."""
+    assert proc.stderr is not None
+    out = sys.stderr.buffer
+    for line in iter(proc.stderr.readline, b""):
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):
+            pass
+        text = line.decode(errors="replace").rstrip("\n")
+        tail.append(text)
+        if WORKER_FAILED.search(text) or PEER_LOST.search(text):
+            failed.append(text)
