@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import mmap
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,16 +41,62 @@ def disk_floor(base: Path, size: int) -> float:
     return elapsed
 
 
+def direct_floor(base: Path, size: int, threads: int = 1) -> float:
+    """The disk's direct-write floor: ``size`` bytes in 4 MiB direct writes (no page cache,
+    as ``dd oflag=direct``), then fsync. With one thread, one file written in order; with
+    more, files of 4 MiB (as a writer of 4 MiB chunks makes) spread over ``threads``, each
+    fsync'ed after all are written. Nothing is hashed or copied: no writer of every byte on
+    this disk is faster."""
+    block = mmap.mmap(-1, 4 << 20)  # page-aligned, as O_DIRECT needs
+    block.write(b"\1" * (4 << 20))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    where = base / "direct-floor"
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir()
+    t0 = time.perf_counter()
+    if threads == 1:
+        fd = os.open(where / "floor.bin", flags)
+        try:
+            left = size
+            while left > 0:
+                left -= os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        def one(i: int) -> Path:
+            path = where / f"{i:05d}"
+            fd = os.open(path, flags)
+            try:
+                os.write(fd, block)
+            finally:
+                os.close(fd)
+            return path
+
+        with ThreadPoolExecutor(threads) as pool:
+            paths = list(pool.map(one, range(-(-size // len(block)))))
+            list(pool.map(fsync_path, [*paths, where]))
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(where)
+    return elapsed
+
+
 def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_path(os.path.join(root, f))
 
 
 def du(path: Path) -> int:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import mmap
-import os
 import shutil
 import statistics
 import sys
@@ -36,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from measure import machine, nbytes, summary
+from measure import direct_floor, machine, nbytes, summary
 from states import module_state, tenth_changed
 
 WALL = ("stall", "capture", "stage", "write_leaves", "sync", "commit", "after_commit",
@@ -101,25 +99,6 @@ def instrument(p: Phases) -> None:
 
     p.undo.append((LocalPipeline, "write", write))
     LocalPipeline.write = write_then  # type: ignore[method-assign]
-
-
-def direct_floor(base: Path, size: int) -> float:
-    """``size`` bytes in 4 MiB direct writes, then fsync (``dd oflag=direct conv=fsync``)."""
-    path = base / "floor.bin"
-    block = mmap.mmap(-1, 4 << 20)  # page-aligned, as O_DIRECT needs
-    block.write(b"\1" * (4 << 20))
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
-    try:
-        left = size
-        while left > 0:
-            left -= os.write(fd, block)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    elapsed = time.perf_counter() - t0
-    path.unlink()
-    return elapsed
 
 
 def one_round(base: Path, state: Any, p: Phases) -> dict[str, dict[str, float]]:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # its modules, however it is loa
 
 from measure import (
     RssPeak,
+    direct_floor,
     disk_floor,
     drop_caches,
     du,
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []
+    disk: list[float] = []  # the direct-write floor of the state's bytes, each round
     started = time.monotonic()
     for r in range(rounds):
         elapsed = time.monotonic() - started
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             print(f"stopping after {r} round(s): another would pass --deadline-s")
             break
         floor.append(staging_floor(state.flat))
+        if r % 2 == 0:  # first in even rounds, last in odd ones, as the systems alternate
+            disk.append(direct_floor(base, size, threads=4))
         for s in systems if r % 2 == 0 else list(reversed(systems)):
             release_freed_memory()
             with RssPeak() as mem:  # ciuic's staging buffers, allocated in fresh(), count
@@ -134,18 +138,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             res["load"].append(timed(s.load))
             s.close()
             shutil.rmtree(s.dir, ignore_errors=True)  # one state on disk at a time
+        if r % 2:
+            disk.append(direct_floor(base, size, threads=4))
     for s in systems:
         s.close()
     variants = [s for s in systems if isinstance(s, Ciuic)]
-    report(results, variants, floor, size)
+    report(results, variants, floor, disk, size)
     ciuic = variants[0]
     out: dict[str, object] = {"state_bytes": size, "rounds": len(floor), "results": results,
                               "state": a.state, "optimizer": a.optimizer, "device": device,
                               "disk_write_floor": write_floor, "staging_floor": floor,
+                              "direct_write_floor": disk,
                               "ciuic_incremental": ciuic.steady,
                               "incremental": {v.name: v.steady for v in variants},
                               "ciuic_auto_compression": ciuic.basis,
-                              "ratios": ratios(results, ciuic, floor, size), "machine": machine()}
+                              "ratios": ratios(results, ciuic, floor, disk, size),
+                              "machine": machine()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     if a.dir is None:
@@ -154,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 def report(results: dict[str, dict[str, list[float]]], variants: list[Ciuic],
-           floor: list[float], size: int) -> None:
+           floor: list[float], disk: list[float], size: int) -> None:
     print(f"\nstaging floor (copy into preallocated buffers): {summary(floor)} s")
+    print(f"direct-write floor (the state's bytes in 4 MiB files, direct, 4 threads, fsync): "
+          f"{summary(disk)} s")
     print(f"\n{'system':<15} {'stall s':>24} {'durable s':>24} {'cold restore s':>24}"
           f" {'bytes/state':>11} {'extra mem/state':>15}")
     for name, res in results.items():
@@ -178,12 +188,12 @@ def report(results: dict[str, dict[str, list[float]]], variants: list[Ciuic],
     print(f"ciuic staging buffers allocated ahead of the first snapshot (background): "
           f"{summary(ciuic.steady['reserve_s'])} s")
     print("\nratios of medians (issue #33's goals):")
-    for key, value in ratios(results, ciuic, floor, size).items():
+    for key, value in ratios(results, ciuic, floor, disk, size).items():
         print(f"  {key:<58} {value:6.3f}")
 
 
 def ratios(results: dict[str, dict[str, list[float]]], ciuic: Ciuic, floor: list[float],
-           size: int) -> dict[str, float]:
+           disk: list[float], size: int) -> dict[str, float]:
     """Every ratio the goals name, of medians."""
     def med(xs: list[float]) -> float:
         return statistics.median(xs)
@@ -199,6 +209,9 @@ def ratios(results: dict[str, dict[str, list[float]]], ciuic: Ciuic, floor: list
             results[fastest_durable]["durable"]),
         "durable / dcp.save's (<= 0.85)": med(mine["durable"]) / med(
             results["dcp.save"]["durable"]),
+        "durable / the direct-write floor": med(mine["durable"]) / med(disk),
+        "dcp.save's durable / the direct-write floor": med(results["dcp.save"]["durable"]) / med(
+            disk),
         f"restart restore / fastest peer's ({fastest_load}) (<= 1.0)": med(mine["load"]) / med(
             results[fastest_load]["load"]),
         "restart restore / torch.load + load_state_dict": med(mine["load"]) / med(

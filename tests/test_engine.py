@@ -317,18 +317,18 @@ def test_own_thread_runs_calls_on_one_named_thread_and_reentrant_calls_directly(
         own.run(lambda: 1 / 0)
 
 
-def _niceness_of_new_threads(before: set[int]) -> dict[str, set[int]]:
-    """The nice values of the ciuic threads started since ``before`` (thread idents), by name
-    prefix."""
+def _niceness_of_new_threads(before: set[threading.Thread]) -> dict[str, set[int]]:
+    """The nice values of the ciuic threads started since ``before`` (the threads alive then;
+    not their idents, which a thread started later may reuse), by name prefix."""
     seen: dict[str, set[int]] = {}
     for t in threading.enumerate():
-        if t.ident not in before and t.name.startswith("ciuic") and t.native_id is not None:
+        if t not in before and t.name.startswith("ciuic") and t.native_id is not None:
             prefix = t.name.rsplit("_", 1)[0]
             seen.setdefault(prefix, set()).add(os.getpriority(os.PRIO_PROCESS, t.native_id))
     return seen
 
 
-def _wait_for_threads(before: set[int], names: set[str]) -> dict[str, set[int]]:
+def _wait_for_threads(before: set[threading.Thread], names: set[str]) -> dict[str, set[int]]:
     deadline = time.monotonic() + 10
     while True:
         seen = _niceness_of_new_threads(before)
@@ -356,7 +356,7 @@ def test_background_threads_run_at_a_lower_cpu_priority(
 
     monkeypatch.setattr(LocalStore, "put", recording)
     faults.reload("chunk.put=sleep:0.3")  # hold the writer mid-snapshot
-    before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    before = set(threading.enumerate())
     with knobs.override(background_nice=nice), SnapshotManager(
             "p", job="nice", store=store_dir, compression="off", save_interval=1) as m:
         own = OwnThread(f"ciuic-nice{nice}", lower_priority)  # the compression decider's kind
@@ -370,7 +370,7 @@ def test_background_threads_run_at_a_lower_cpu_priority(
         assert puts and set(puts) == {("ciuic-store-bg" if nice else "ciuic-store", low)}, puts
 
         puts.clear()
-        before = {t.ident for t in threading.enumerate() if t.ident is not None}
+        before = set(threading.enumerate())
         saving = threading.Thread(target=m.save, args=(1,),
                                   kwargs={"state": StateHolder({"w": torch.randn(4096)})})
         saving.start()

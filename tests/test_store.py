@@ -108,3 +108,63 @@ def test_directories_made_for_writes_not_yet_durable_are_synced_once_by_sync(
     synced.clear()
     store.sync()
     assert synced == []
+
+
+def test_expected_prefixes_get_their_directories_made_durable_ahead_of_the_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``expect`` makes the directories and syncs each new entry's parent once, the outermost
+    first; the writes under them then make none, and their sync fsyncs only the files."""
+    from ciuic.format import layout
+    from ciuic.store import local
+    from ciuic.store.prefix import PrefixStore
+
+    synced: list[Path] = []
+    real = local._fsync_path
+
+    def spy(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(local, "_fsync_path", spy)
+    root = tmp_path / "o"
+    store = LocalStore(root)
+    PrefixStore(store, "projects/p/").expect(layout.chunk_prefixes())
+    chunks = root / "projects" / "p" / "chunks"
+    assert sorted(p.name for p in chunks.iterdir()) == [f"{i:02x}" for i in range(256)]
+    assert synced == [root, root / "projects", root / "projects" / "p", chunks]
+    synced.clear()
+    store.put("projects/p/chunks/ab/x", b"x", durable=False)
+    store.sync()
+    assert synced == [chunks / "ab" / "x", chunks / "ab"]  # the file, then its directory
+    synced.clear()
+    store.expect(["projects/p/chunks/ab/"])  # made already: nothing to do
+    assert synced == []
+
+
+def test_a_manager_makes_a_fresh_stores_chunk_directories_before_its_first_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On its writer thread, queued ahead of any snapshot: the first snapshot's write threads
+    make no chunk directory."""
+    import threading
+
+    import torch
+
+    from ciuic import SnapshotManager
+    from ciuic.store import local
+
+    made: list[tuple[str, Path]] = []  # (thread, directory) of each directory made
+    ensure = LocalStore._ensure_dir
+
+    def spy(self: LocalStore, directory: Path, durable: bool = True) -> None:
+        if directory not in self._known_dirs:
+            made.append((threading.current_thread().name, directory))
+        ensure(self, directory, durable)
+
+    monkeypatch.setattr(local.LocalStore, "_ensure_dir", spy)
+    with SnapshotManager("p", store=tmp_path / "s", save_interval=1,
+                         handle_signals=False) as m:
+        m.step(1, state={"w": torch.randn(1 << 20)})  # 4 MiB: a chunk under chunks/xx/
+        m.wait()
+    chunk_dirs = [(t, d) for t, d in made if d.parent.name == "chunks"]
+    assert len(chunk_dirs) == 256 and {t for t, _ in chunk_dirs} == {"ciuic-snapshot_0"}, made
+    assert len(list((tmp_path / "s" / "objects" / "chunks").iterdir())) == 256

@@ -73,6 +73,11 @@ class ManifestKey:
 
 # -- building ----------------------------------------------------------------------------------
 
+def chunk_prefixes() -> list[str]:
+    """The prefixes under which chunks are stored: one for each first byte of a digest."""
+    return [f"{CHUNKS}{i:02x}/" for i in range(256)]
+
+
 def chunk_key(d: str) -> str:
     """The store key of the chunk whose digest is ``d``."""
     if not is_digest(d):

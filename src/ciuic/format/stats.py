@@ -131,14 +131,44 @@ def is_float(value: Any) -> bool:
 def compute(flat: torch.Tensor | np.ndarray) -> Stats:
     """The statistics of a flat float tensor or array (a piece of one: any 1-d slice).
 
-    The common case (every element finite) costs three fast reductions (sum, norm, min/max),
-    in the tensor's precision (float32 for the 16- and 8-bit floats); only a tensor holding NaN
-    or Inf, or whose reductions overflow, is reduced again in float64 over its finite
-    elements."""
-    if isinstance(flat, np.ndarray):
-        flat = torch.from_numpy(np.ascontiguousarray(flat))
-    if flat.dtype in _UPCAST:
-        flat = flat.float()
+    The common case (every element finite) costs four fast reductions (sum, sum of squares,
+    min, max) in the tensor's precision (float32 for the 16- and 8-bit floats), on the calling
+    thread; only a tensor holding NaN or Inf, or whose reductions overflow, is reduced again in
+    float64 over its finite elements.
+
+    The reductions of a float32 or float64 piece in memory are NumPy's, which run on the
+    calling thread. The writer computes these on its naming threads beside the hashing and the
+    writes; torch's reductions split each piece over the intra-op (OpenMP) threads, whose
+    barriers then wait for the cores the hashing, the writes and the training hold (on the
+    2-core development VM the statistics took 0.3-0.5 s of those threads' time for 0.08 s of
+    their own CPU: docs/benchmarks.md, "Where a full snapshot's time goes")."""
+    if isinstance(flat, torch.Tensor):
+        if flat.dtype in _UPCAST:
+            flat = flat.float()
+        if (flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
+                and not flat.is_conj() and not flat.is_neg()):
+            return _compute(flat.detach().contiguous().numpy())
+        return _reduce_torch(flat)
+    a = np.ascontiguousarray(flat)
+    return _compute(a.astype(np.float32) if a.itemsize < 4 else a)
+
+
+def _compute(a: np.ndarray) -> Stats:
+    """:func:`compute` of a flat, contiguous float32 or float64 array."""
+    n = int(a.size)
+    if n == 0:
+        return Stats(0)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow: reduced again below
+        total = float(a.sum())
+        sumsq = float(np.dot(a, a))
+        lo, hi = float(a.min()), float(a.max())
+    if all(math.isfinite(v) for v in (total, sumsq, lo, hi)):
+        return Stats(n, 0, 0, total, sumsq, lo, hi)
+    return _nonfinite(torch.from_numpy(a))
+
+
+def _reduce_torch(flat: torch.Tensor) -> Stats:
+    """:func:`compute` with torch's reductions (a tensor NumPy cannot hold)."""
     n = flat.numel()
     if n == 0:
         return Stats(0)
@@ -147,6 +177,13 @@ def compute(flat: torch.Tensor | np.ndarray) -> Stats:
     lo, hi = (float(v) for v in torch.aminmax(flat))
     if all(math.isfinite(v) for v in (total, norm, lo, hi)):
         return Stats(n, 0, 0, total, norm * norm, lo, hi)
+    return _nonfinite(flat)
+
+
+def _nonfinite(flat: torch.Tensor) -> Stats:
+    """The statistics of a tensor holding NaN or Inf (or whose reductions overflowed): its
+    counts, and the finite elements' reductions in float64."""
+    n = flat.numel()
     nan = int(torch.isnan(flat).sum())
     inf = int(torch.isinf(flat).sum())
     finite = flat[torch.isfinite(flat)].to(torch.float64)

@@ -31,6 +31,7 @@ from ciuic.engine import StagingArea
 from ciuic.engine.compression import CompressionPolicy
 from ciuic.engine.staging import PendingCopy
 from ciuic.errors import FencedOut, IntegrityError, ObjectNotFound, StagingBudgetExceeded
+from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import ObjectCodec
 from ciuic.format.descriptor import TensorDescriptor
@@ -99,8 +100,11 @@ class Pipeline(abc.ABC, Generic[C]):
         self.reserved = False  # staging buffers allocated ahead of the first snapshot
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ciuic-snapshot",
                                             initializer=lower_priority)
-        # its thread started now, not by the first snapshot's submit (3-4 ms of its stall)
-        self._executor.submit(_nothing)
+        # its thread started now, not by the first snapshot's submit (3-4 ms of its stall);
+        # one rank makes the chunks' directories of a fresh local store before the first
+        # snapshot, not the first snapshot's write threads
+        self._executor.submit(quietly, "prepare the store's chunk directories", store.expect,
+                              layout.chunk_prefixes() if probe else [])
         self._inflight: Future[SnapshotInfo] | None = None
         self._pending_copy: PendingCopy | None = None
         #: id(optimizer) -> (the optimizer, weakly; its step pre-hook's handle)
@@ -336,10 +340,6 @@ class Pipeline(abc.ABC, Generic[C]):
             handle.remove()
         self._hooks.clear()
         self.staging.release()
-
-
-def _nothing() -> None:
-    pass
 
 
 def _check_stored(repo: Any, cache: ChunkCache, chunks: list[tuple[str, int]]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import builtins
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from ciuic.errors import InvalidKey
@@ -89,6 +89,11 @@ class Store(abc.ABC):
         ``compression="auto"``; a local disk measures itself (its writers share one disk)
         unless ``measure`` is False."""
         return self.write_bytes_per_s, None
+
+    def expect(self, prefixes: Iterable[str]) -> None:
+        """Writes under ``prefixes`` (each ending with "/") will come: prepare for them now,
+        off their path. A local store makes their directories; others need nothing."""
+        return None
 
     def read_speed(self) -> float | None:
         """Bytes/s a restore reads at, all its readers together, when known (a local disk

@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -263,6 +263,23 @@ class LocalStore(Store):
             self._known_dirs.add(directory)
         if durable and self._new_dirs:
             self._sync_new_dirs(directory)
+
+    def expect(self, prefixes: Iterable[str]) -> None:
+        """Make the directories of ``prefixes`` (and their entries durable) now. A fresh
+        store's first snapshot made its 256 chunk prefix directories as it wrote: each mkdir in
+        a write thread, beside the writes (0.1-0.3 s of the write threads' time for the 1 GiB
+        state on the development VM). The manager asks for them on its writer thread when it
+        starts (manager/pipeline.py)."""
+        dirs = [self._path(p.rstrip("/")) for p in prefixes]
+        for d in dirs:
+            self._ensure_dir(d, durable=False)
+        with self._pending_lock:
+            made = self._new_dirs & {a for d in dirs for a in (d, *d.parents)}
+        if self.fsync:
+            for parent in sorted({d.parent for d in made}, key=lambda p: len(p.parts)):
+                _fsync_path(parent)  # the outermost first
+        with self._pending_lock:
+            self._new_dirs -= made
 
     def _sync_new_dirs(self, directory: Path) -> None:
         """Make durable the entries of ``directory`` and of its ancestors that writes not yet

@@ -22,7 +22,7 @@ from __future__ import annotations
 import builtins
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -69,6 +69,10 @@ class MirrorStore(Store):
 
     def read_speed(self) -> float | None:
         return self.fast.read_speed()  # a restore reads the fast tier first
+
+    def expect(self, prefixes: Iterable[str]) -> None:
+        self.fast.expect(prefixes)  # the durable tier's writes are the uploads'
+
 
     # -- background uploads ------------------------------------------------------------------
 

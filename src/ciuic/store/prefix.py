@@ -4,7 +4,7 @@ project, ``projects/<name>/``, inside its storage)."""
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 
 from ciuic.store.base import Data, Store, check_key, check_prefix
@@ -23,6 +23,9 @@ class PrefixStore(Store):
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         return self.inner.write_speed(measure)
+
+    def expect(self, prefixes: Iterable[str]) -> None:
+        self.inner.expect([self.prefix + check_prefix(p) for p in prefixes])
 
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)

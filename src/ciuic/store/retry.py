@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import errno
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -53,6 +53,9 @@ class RetryingStore(Store):
 
     def read_speed(self) -> float | None:
         return self.inner.read_speed()
+
+    def expect(self, prefixes: Iterable[str]) -> None:
+        self.inner.expect(prefixes)
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         delay = self.backoff_s
