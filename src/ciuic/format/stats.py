@@ -140,8 +140,8 @@ def compute(flat: torch.Tensor | np.ndarray) -> Stats:
     calling thread. The writer computes these on its naming threads beside the hashing and the
     writes; torch's reductions split each piece over the intra-op (OpenMP) threads, whose
     barriers then wait for the cores the hashing, the writes and the training hold (on the
-    2-core development VM the statistics took 0.3-0.5 s of those threads' time for 0.08 s of
-    their own CPU: docs/benchmarks.md, "Where a full snapshot's time goes")."""
+    2-core development VM the statistics took 0.25-0.55 s of those threads' time for 0.08 s of
+    their own CPU: docs/benchmarks.md, "Where a snapshot's time goes")."""
     if isinstance(flat, torch.Tensor):
         if flat.dtype in _UPCAST:
             flat = flat.float()
