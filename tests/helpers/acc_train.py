@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from finalstate import write_final  # beside this script
+from leave import leave
 from noisy import Noisy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -114,8 +115,10 @@ def main() -> int:
         write_final(accelerator.unwrap_model(model), optimizer, out / f"final-{a.mode}.safetensors")
         print(f"GLOBAL_STEP {global_step} SEEN {counter.seen} STEP {accelerator.step}")
     accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # not sys.exit: see tests/helpers/leave.py

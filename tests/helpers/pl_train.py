@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from finalstate import write_final  # beside this script
+from leave import leave
 from noisy import Noisy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -115,8 +116,11 @@ def main() -> int:
     if trainer.global_rank == 0:
         write_final(model, trainer.optimizers[0], out / f"final-{a.mode}.safetensors")
         print("GLOBAL_STEP", trainer.global_step)
+    if torch.distributed.is_initialized():  # --ddp: every rank done, then the group gone
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # not sys.exit: see tests/helpers/leave.py
