@@ -71,11 +71,12 @@ def test_statistics_are_recorded_piece_by_piece_for_every_float_dtype(store_dir:
     assert not any(r.computed for r in rows.values())
 
 
-@pytest.mark.parametrize("case", ["f32", "f64", "bf16", "np16", "strided", "huge", "inf"])
+@pytest.mark.parametrize("case", ["f32", "f64", "bf16", "f16", "np16", "f8", "strided", "huge",
+                                  "inf"])
 def test_statistics_of_a_piece_agree_with_a_float64_reduction(case: str) -> None:
     """Every kind of piece the writer reduces: NumPy's float32/float64 path, the 16-bit floats
-    upcast, a non-contiguous view, values whose squares overflow float32 (reduced again in
-    float64) and a piece holding Inf."""
+    widened (bfloat16 by its bits), float8 (torch's path), a non-contiguous view, values whose
+    squares overflow float32 (reduced again in float64) and a piece holding Inf."""
     torch.manual_seed(1)
     x = torch.randn(1 << 20) * 3 + 0.5
     if case == "huge":
@@ -83,8 +84,8 @@ def test_statistics_of_a_piece_agree_with_a_float64_reduction(case: str) -> None
     if case == "inf":
         x[5] = float("inf")
     value: torch.Tensor | np.ndarray = {
-        "f64": x.double(), "bf16": x.bfloat16(), "np16": x.half().numpy(),
-        "strided": x[::2]}.get(case, x)
+        "f64": x.double(), "bf16": x.bfloat16(), "f16": x.half(), "np16": x.half().numpy(),
+        "f8": x.to(torch.float8_e4m3fn), "strided": x[::2]}.get(case, x)
     _check(st.compute(value), torch.as_tensor(value))
 
 

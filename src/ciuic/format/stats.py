@@ -136,21 +136,32 @@ def compute(flat: torch.Tensor | np.ndarray) -> Stats:
     thread; only a tensor holding NaN or Inf, or whose reductions overflow, is reduced again in
     float64 over its finite elements.
 
-    The reductions of a float32 or float64 piece in memory are NumPy's, which run on the
-    calling thread. The writer computes these on its naming threads beside the hashing and the
-    writes; torch's reductions split each piece over the intra-op (OpenMP) threads, whose
-    barriers then wait for the cores the hashing, the writes and the training hold (on the
-    2-core development VM the statistics took 0.25-0.55 s of those threads' time for 0.08 s of
-    their own CPU: docs/benchmarks.md, "Where a snapshot's time goes")."""
+    The reductions of a float piece in memory (float64, float32, and float16 and bfloat16
+    widened to float32) are NumPy's, which run on the calling thread. The writer computes these
+    on its naming threads beside the hashing and the writes; torch's reductions split each
+    piece over the intra-op (OpenMP) threads, whose barriers then wait for the cores the
+    hashing, the writes and the training hold (on the 2-core development VM the statistics took
+    0.25-0.55 s of those threads' time for 0.08 s of their own CPU: docs/benchmarks.md, "Where
+    a snapshot's time goes")."""
     if isinstance(flat, torch.Tensor):
-        if flat.dtype in _UPCAST:
-            flat = flat.float()
-        if (flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
-                and not flat.is_conj() and not flat.is_neg()):
-            return _compute(flat.detach().contiguous().numpy())
-        return _reduce_torch(flat)
-    a = np.ascontiguousarray(flat)
-    return _compute(a.astype(np.float32) if a.itemsize < 4 else a)
+        if flat.device.type == "cpu" and flat.dtype in _NUMPY and not flat.is_neg():
+            a = flat.detach().contiguous()
+            if a.dtype == torch.bfloat16:  # its bits are a float32's top half: widened exactly
+                bits = a.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+                bits <<= 16
+                return _compute(bits.view(np.float32))
+            return _compute(_widened(a.numpy()))
+        return _reduce_torch(flat.float() if flat.dtype in _UPCAST else flat)
+    return _compute(_widened(np.ascontiguousarray(flat)))
+
+
+#: the dtypes :func:`compute` reduces with NumPy (the float8 kinds go through torch)
+_NUMPY = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _widened(a: np.ndarray) -> np.ndarray:
+    """A float16 array widened to float32 (a sum in float16 drifts); others as they are."""
+    return a.astype(np.float32) if a.itemsize < 4 else a
 
 
 def _compute(a: np.ndarray) -> Stats:
