@@ -73,7 +73,6 @@ class MirrorStore(Store):
     def expect(self, prefixes: Iterable[str]) -> None:
         self.fast.expect(prefixes)  # the durable tier's writes are the uploads'
 
-
     # -- background uploads ------------------------------------------------------------------
 
     def _submit(self, fn: Any, key: str, barrier: bool = False,
