@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,6 +69,34 @@ def test_only_changed_chunks_are_copied_hashed_and_written(store_dir: Path,
         info = m.save(2, state=StateHolder(live))
         assert len(hashed) == 17  # b's chunk 3 and c's 16; a's 16 and b's 15 others reused
         assert info.new_bytes == 17 * CHUNK
+        got = restored(m)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_only_changed_pieces_wait_for_a_naming_thread(store_dir: Path, hashed: list[int],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchanged pieces whose chunks are stored are named on the writer's own thread: the
+    naming threads get only the changed ones, so an incremental snapshot's first write is not
+    queued behind every unchanged piece before it."""
+    from ciuic.chain import writer
+
+    dispatched: list[int] = []  # the chunk-sized pieces handed to a naming thread
+    call = writer._Namer.__call__
+
+    def counting(self: writer._Namer, batch: list[writer._Piece]) -> Any:
+        dispatched.extend(len(p.data) for p in batch if len(p.data) == CHUNK)
+        return call(self, batch)
+
+    monkeypatch.setattr(writer._Namer, "__call__", counting)
+    live = state()
+    with SnapshotManager("p", job="inc", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        assert len(dispatched) == 48
+        dispatched.clear()
+        live["b"].numpy()[5 * CHUNK // 4] += 1.0  # b's chunk 5
+        want = {k: v.clone() for k, v in live.items()}
+        assert m.save(2, state=StateHolder(live)).new_bytes == CHUNK
+        assert dispatched == [CHUNK] and len(hashed) == 49
         got = restored(m)
     assert all(torch.equal(got[k], want[k]) for k in want)
 

@@ -318,6 +318,27 @@ class _Namer:
         self.seen = seen
         self.reduced: dict[tuple[str, str], st.Stats] = {}  # this snapshot's, for the next
 
+    def reuse(self, piece: _Piece) -> tuple[ChunkRef, int, st.Stats | None] | None:
+        """A piece staging found unchanged, whose chunk is known to be stored and whose
+        statistics the last snapshot reduced: named at once, on the calling thread, or None
+        where it needs a naming thread. Handing every piece to the naming threads in order put
+        an incremental snapshot's first write behind all the unchanged pieces before it."""
+        d = piece.known
+        if d is None:
+            return None
+        stats = None
+        if piece.span is not None:
+            key = (d, str(piece.span.dtype))
+            stats = self.seen.get(key) or self.reduced.get(key)
+            if stats is None:
+                return None
+        with self.writer.lock:  # (a suspect chunk is not in digests: distrust() drops it)
+            if d not in self.writer.cache.digests:
+                return None
+        if stats is not None:
+            self.reduced[key] = stats
+        return ChunkRef(d, len(piece.data)), 0, stats
+
     def __call__(self, batch: list[_Piece]) -> list[tuple[ChunkRef, int, st.Stats | None]]:
         out: list[tuple[ChunkRef, int, st.Stats | None]] = []
         named = self.writer([(p.data, p.kind, p.known) for p in batch])
@@ -391,11 +412,19 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
         if repo.store.batch_missing and pieces:
             writer.ask_in_one_batch([p.data for p in pieces], [p.known for p in pieces], pool)
         namer = _Namer(writer, cache.stats)
-        batches = [[pieces[i] for i in b] for b in _batches([len(p.data) for p in pieces])]
-        for batch, named in zip(batches, pool.map(namer, batches), strict=True):
-            for piece, (ref, wrote, piece_stats) in zip(batch, named, strict=True):
-                piece.owner.named(ref, piece_stats)
-                new += wrote
+        reused = {id(p): got for p in pieces if (got := namer.reuse(p)) is not None}
+        rest = [p for p in pieces if id(p) not in reused]
+        batches = [[rest[i] for i in b] for b in _batches([len(p.data) for p in rest])]
+        named = (out for batch, outs in zip(batches, pool.map(namer, batches), strict=True)
+                 for out in zip(batch, outs, strict=True))
+        for piece in pieces:  # in order: each leaf's chunk references are its pieces' in turn
+            got = reused.get(id(piece))
+            if got is None:
+                done, got = next(named)
+                assert done is piece
+            ref, wrote, piece_stats = got
+            piece.owner.named(ref, piece_stats)
+            new += wrote
         for d in chunked:  # while the last writes run
             if d.whole:
                 d.whole_stats = st.compute(d.flat)
