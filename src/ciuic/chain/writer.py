@@ -326,18 +326,22 @@ class _Namer:
         d = piece.known
         if d is None:
             return None
-        stats = None
-        if piece.span is not None:
-            key = (d, str(piece.span.dtype))
-            stats = self.seen.get(key) or self.reduced.get(key)
-            if stats is None:
-                return None
         with self.writer.lock:  # (a suspect chunk is not in digests: distrust() drops it)
             if d not in self.writer.cache.digests:
                 return None
-        if stats is not None:
-            self.reduced[key] = stats
-        return ChunkRef(d, len(piece.data)), 0, stats
+        ref = ChunkRef(d, len(piece.data))
+        if piece.span is None:
+            return ref, 0, None
+        stats = self._recall((d, str(piece.span.dtype)))
+        return None if stats is None else (ref, 0, stats)
+
+    def _recall(self, key: tuple[str, str]) -> st.Stats | None:
+        """The statistics reduced before for ``key`` (digest, dtype), kept for the next
+        snapshot; None if never reduced."""
+        got = self.seen.get(key) or self.reduced.get(key)
+        if got is not None:
+            self.reduced[key] = got
+        return got
 
     def __call__(self, batch: list[_Piece]) -> list[tuple[ChunkRef, int, st.Stats | None]]:
         out: list[tuple[ChunkRef, int, st.Stats | None]] = []
@@ -348,10 +352,9 @@ class _Namer:
                 out.append((ref, wrote, None))
                 continue
             key = (d, str(piece.span.dtype))
-            got = self.seen.get(key) or self.reduced.get(key)
+            got = self._recall(key)
             if got is None:
-                got = st.compute(piece.span)
-            self.reduced[key] = got
+                got = self.reduced[key] = st.compute(piece.span)
             out.append((ref, wrote, got))
         return out
 
@@ -412,13 +415,13 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
         if repo.store.batch_missing and pieces:
             writer.ask_in_one_batch([p.data for p in pieces], [p.known for p in pieces], pool)
         namer = _Namer(writer, cache.stats)
-        reused = {id(p): got for p in pieces if (got := namer.reuse(p)) is not None}
-        rest = [p for p in pieces if id(p) not in reused]
+        reused = [namer.reuse(p) for p in pieces]
+        rest = [p for p, got in zip(pieces, reused, strict=True) if got is None]
         batches = [[rest[i] for i in b] for b in _batches([len(p.data) for p in rest])]
         named = (out for batch, outs in zip(batches, pool.map(namer, batches), strict=True)
                  for out in zip(batch, outs, strict=True))
-        for piece in pieces:  # in order: each leaf's chunk references are its pieces' in turn
-            got = reused.get(id(piece))
+        # in order: each leaf's chunk references are its pieces' in turn
+        for piece, got in zip(pieces, reused, strict=True):
             if got is None:
                 done, got = next(named)
                 assert done is piece

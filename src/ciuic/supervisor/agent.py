@@ -565,7 +565,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(OSError):
         os.killpg(pgid, sig)
