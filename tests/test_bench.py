@@ -45,7 +45,7 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
         assert all(inc[k][0] > 0 for k in ("rollback", "rollback_previous", "restart_restore",
                                            "restart_open")), name
         assert f"{name} rollback" in text
-    assert out["state"] == "module" and len(out["ratios"]) == 12
+    assert out["state"] == "module" and len(out["ratios"]) == 13
     assert len(out["direct_write_floor"]) == 1 and out["direct_write_floor"][0] > 0
     assert all(v > 0 for v in out["ratios"].values()), out["ratios"]
     assert "ratios of medians" in text
