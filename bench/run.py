@@ -13,7 +13,9 @@ restore: run as root; every system's restore ends in one set of live tensors all
 a user's ``load_state_dict`` does), the bytes written and the peak extra host memory. For ciuic
 also: an incremental snapshot with 10 % of the tensors changed, the rollback (the live manager
 restores the latest snapshot, then the one before it) and the restart (a new manager's
-restore). The copy floor of the stall is a copy of the state into buffers allocated ahead.
+restore). The copy floor of the stall is a copy of the state into buffers allocated ahead,
+just before ciuic's snapshot in each round; the direct-write floor (the state's bytes alone,
+written as fast as the disk takes them) is measured at the start or end of each round.
 Prints min/median/max, then every ratio of ../shared/docs/PERFORMANCE.md and issue #33.
 ``--quick`` uses a 1/16-size state, 1 round (the test suite's smoke run).
 """
