@@ -313,3 +313,39 @@ def test_verify_says_what_it_checked_when_the_store_lacks_what_its_catalog_lists
     code, out, _ = ciuic(capsys, monkeypatch, "--store", str(empty), "verify")
     assert code == 0 and out.strip() == f"nothing to verify: the store at {empty} holds no " \
         "snapshots, and its catalog lists none", out
+
+
+def test_ls_shows_a_last_step_of_zero(store_dir: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    with SnapshotManager("proj", job="only", store=store_dir, handle_signals=False) as m:
+        m.save(0, nn.Linear(3, 3))
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(store_dir), "ls")
+    row = next(line for line in out.splitlines() if "proj/only" in line)
+    assert code == 0 and row.split()[1:3] == ["1", "0"], out
+
+
+def test_a_store_this_user_may_not_read_is_one_clear_error(store_dir: Path) -> None:
+    """Every command, not a traceback: the store's folder unreadable (root without its
+    capabilities to override file permissions, as an ordinary user is)."""
+    import os
+    import shutil
+    import subprocess
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv (util-linux) to drop the permission override")
+    with SnapshotManager("proj", job="j", store=store_dir, handle_signals=False) as m:
+        m.save(1, nn.Linear(3, 3))
+    store_dir.chmod(0)
+    try:
+        for args in (["ls"], ["log", "proj/j"], ["verify"]):
+            done = subprocess.run(
+                [setpriv, "--bounding-set", "-dac_override,-dac_read_search", sys.executable,
+                 "-m", "ciuic", "--store", str(store_dir), *args],
+                capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, (args, done.stdout, done.stderr)
+            assert "Traceback" not in done.stderr, done.stderr
+            assert f"cannot access {store_dir}" in done.stderr
+            assert "permission denied; check that this user may read it" in done.stderr
+    finally:
+        store_dir.chmod(0o755)

@@ -27,6 +27,20 @@ def main() -> None:
     except CiuicError as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         sys.exit(2)
+    except OSError as e:  # the environment's (a store or cache this user may not read)
+        err.print(f"[red]error:[/red] {os_error_text(e)}", highlight=False)
+        sys.exit(2)
+
+
+def os_error_text(e: OSError) -> str:
+    """What an operating-system error at the command line means, and what to do."""
+    where = f" {e.filename}" if e.filename is not None else ""
+    what = e.strerror or str(e)
+    if isinstance(e, PermissionError):
+        return (f"cannot access{where}: {what.lower()}; check that this user may read it (and "
+                "write it, for a command that changes the store), or point --store / "
+                "CIUIC_HOME (or XDG_CACHE_HOME, for a read-only store's catalog) elsewhere")
+    return f"cannot access{where}: {what}"
 
 
 __all__ = ["main"]

@@ -64,8 +64,9 @@ def ls() -> None:
     t.add_column("latest, UTC", no_wrap=True)
     t.add_column("stored", justify="right", no_wrap=True)
     for r in rows:
-        t.add_row(f"{r.project}/{r.job}", str(r.snapshots), str(r.max_step or "-"),
-                  time_text(r.latest), size_text(r.new_bytes))
+        last = "-" if r.max_step is None else str(r.max_step)
+        t.add_row(f"{r.project}/{r.job}", str(r.snapshots), last, time_text(r.latest),
+                  size_text(r.new_bytes))
     console.print(t)
 
 
