@@ -349,3 +349,25 @@ def test_a_store_this_user_may_not_read_is_one_clear_error(store_dir: Path) -> N
             assert "permission denied; check that this user may read it" in done.stderr
     finally:
         store_dir.chmod(0o755)
+
+
+def test_a_prune_that_cannot_delete_leaves_the_snapshot_listed(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalog is marked first (no reader loads a body being deleted); when the delete
+    fails, the snapshot is listed as committed again, as its body still is."""
+    from ciuic import faults
+
+    store = str(populated["store"])
+    faults.reload("body.delete=raise")
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--keep-last", "1")
+    faults.reload("")
+    assert code == 2 and "body.delete" in err, err
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "log", "proj/job1", "--all")
+    assert code == 0 and "pruned" not in out and "9900" in out, out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify")
+    assert code == 0 and "0 pruned" in out, out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--keep-last", "1")
+    assert code == 0 and "pruned 2 snapshots" in out, out

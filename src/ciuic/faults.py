@@ -5,7 +5,7 @@ Off and free in normal runs. Enabled through ``CIUIC_FAILPOINTS`` (read at impor
 the process), ``raise`` (an I/O error), ``kill@N`` / ``raise@N`` (only on the N-th hit,
 counting from 1), or ``sleep:SECONDS`` (slow the step down, so that kills from outside land
 inside saves). Names, in write order: ``chunk.put``, ``chunks.sync``, ``body.put``,
-``manifest.create``, ``catalog.insert``.
+``manifest.create``, ``catalog.insert``; and ``body.delete`` (a prune's).
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ chunks are freed by :func:`ciuic.gc.collect`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ciuic.errors import ConfigurationError
+from ciuic.faults import failpoint
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
 
@@ -89,6 +91,16 @@ def prune(repo: Repository, project: str, job: str, keep_last: int | None,
 
 def prune_one(repo: Repository, snapshot: SnapshotInfo) -> None:
     """Prune one snapshot: its body goes (its manifest stays, as a link of the chain); the
-    chunks only it used go at the next gc."""
+    chunks only it used go at the next gc. When the body cannot be deleted (a store this user
+    may not change), the snapshot is listed as it was again and the error raised: the catalog
+    never says pruned of a snapshot whose body is still there."""
+    key = layout.body_key(snapshot.project, snapshot.job, snapshot.body)
     repo.catalog.set_status(snapshot.id, "pruned")  # reverse order: index first, then data
-    repo.store.delete(layout.body_key(snapshot.project, snapshot.job, snapshot.body))
+    try:
+        failpoint("body.delete")
+        repo.store.delete(key)
+    except BaseException:
+        with contextlib.suppress(Exception):  # unsure whether it went: listed pruned, as gc
+            if repo.store.has(key):  # would find it
+                repo.catalog.set_status(snapshot.id, snapshot.status)
+        raise
