@@ -220,13 +220,29 @@ def test_mistakes_a_user_makes_get_errors_that_say_what_to_do(
     for name in ("m.pt", "m.safetensors"):
         code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore",
                              "job1@latest", "--to", str(afile / name))
-        assert code == 2 and f"cannot write {afile / name}" in " ".join(err.split()), err
+        assert code == 2 and f"{afile} is a file, not a folder" in " ".join(err.split()), err
     code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
                          "--to", str(tmp_path / "m.pt"), "--format", "onnx")
     assert code == 2 and "unknown format 'onnx'" in err
+    # no folder made, no file replaced, no format unlike the name, unasked
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
+                         "--to", str(tmp_path / "new" / "m.pt"))
+    assert code == 2 and "does not exist: create it first" in " ".join(err.split())
+    assert not (tmp_path / "new").exists()
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
+                         "--to", str(tmp_path / "m.safetensors"), "--format", "torch")
+    assert code == 2 and "names a safetensors file" in err and "--format safetensors" in err
     code, _, _ = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@latest",
                        "--to", str(tmp_path / "m.safetensors"))
     assert code == 0 and (tmp_path / "m.safetensors").stat().st_mode & 0o044  # not 0600
+    written = (tmp_path / "m.safetensors").read_bytes()
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@9900",
+                         "--to", str(tmp_path / "m.safetensors"))
+    assert code == 2 and "exists: choose another --to, or pass --force" in " ".join(err.split())
+    assert (tmp_path / "m.safetensors").read_bytes() == written
+    code, _, _ = ciuic(capsys, monkeypatch, "--store", store, "restore", "job1@9900",
+                       "--to", str(tmp_path / "m.safetensors"), "--force")
+    assert code == 0 and (tmp_path / "m.safetensors").read_bytes() != written
 
 
 def test_a_read_only_store_is_read_with_a_catalog_in_the_cache_and_refused_for_training(

@@ -303,19 +303,20 @@ def _looks_like_job(repo: Repository, text: str) -> bool:
 @app.command("restore")
 @argument("snap", help=SNAP_HELP)
 @click.option("--to", "to", required=True, type=click.Path(path_type=Path),
-              help="Output file (.safetensors or .pt), or folder (--format hf)")
+              help="Output file (.safetensors, or .pt/.pth/.bin), or folder (--format hf)")
 @click.option("--format", "fmt", help="safetensors, torch, or hf: a save_pretrained folder that "
               "from_pretrained loads (snapshots of CiuicTrainer)")
 @click.option("--state", "states", multiple=True,
               help="A state to export (repeatable; default: model)")
-def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...]) -> None:
+@click.option("--force", is_flag=True, help="Replace the --to file if it exists")
+def restore(snap: str, to: Path, fmt: str | None, states: tuple[str, ...], force: bool) -> None:
     """Export a snapshot's tensors as plain safetensors or torch file, or as an HF folder."""
     from ciuic.restore.export import export
 
     state = list(states) or None
     repo, info = resolve(snap)
     try:
-        tensors = export(repo, info, to, fmt, state)
+        tensors = export(repo, info, to, fmt, state, replace=force)
     except MissingKey:
         raise  # not damage: its message names the key and how to configure it
     except IntegrityError as e:

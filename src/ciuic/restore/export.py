@@ -20,22 +20,32 @@ from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import flat_tensors
 from ciuic.restore.reader import load_states
 
+#: The file name suffixes of each file format.
+SUFFIXES = {"safetensors": (".safetensors",), "torch": (".pt", ".pth", ".bin")}
+
 
 def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = None,
-           states: list[str] | None = None) -> dict[str, torch.Tensor]:
+           states: list[str] | None = None, replace: bool = False) -> dict[str, torch.Tensor]:
     """Write the tensors of ``states`` (default: the model's) to ``dest``.
 
-    ``fmt`` is "safetensors" or "torch" (default: from the suffix; ``.safetensors`` or
-    ``.pt``/``.pth``). The model's keys are kept as they are; other states' tensors are named
-    ``STATE/PATH``. Returns the exported tensors.
+    ``fmt`` is "safetensors" or "torch" (default: from the suffix; ``.safetensors``, or
+    ``.pt``/``.pth``/``.bin``); a suffix of the other format is refused. The model's keys are
+    kept as they are; other states' tensors are named ``STATE/PATH``. ``dest``'s folder must
+    exist, and an existing ``dest`` is replaced only with ``replace``. Returns the exported
+    tensors.
     """
+    _check_dest(dest, replace)
     if fmt == "hf":
         return export_hf(repo, info, dest)
-    if fmt is not None and fmt not in ("safetensors", "torch"):
+    if fmt is not None and fmt not in SUFFIXES:
         raise ConfigurationError(f"unknown format {fmt!r}: use --format safetensors, torch "
                                  "or hf")
-    fmt = fmt or ("safetensors" if dest.suffix == ".safetensors" else
-                  "torch" if dest.suffix in (".pt", ".pth", ".bin") else None)
+    named = next((f for f, suffixes in SUFFIXES.items() if dest.suffix in suffixes), None)
+    if fmt is not None and named is not None and named != fmt:
+        raise ConfigurationError(f"{dest.name} names a {named} file, but the format asked for "
+                                 f"is {fmt}: use a {SUFFIXES[fmt][0]} name, or --format "
+                                 f"{named}")
+    fmt = fmt or named
     if fmt is None:
         raise ConfigurationError(f"cannot tell the format of {dest}: use a .safetensors or .pt "
                                  "file name, or --format safetensors|torch")
@@ -49,7 +59,6 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     # written beside it, then renamed: an existing file is replaced whole or not at all
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "safetensors":
             _safetensors()({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                            metadata={"ciuic.snapshot": info.id, "ciuic.step": str(info.step)})
@@ -65,6 +74,19 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
         with contextlib.suppress(OSError):
             tmp.unlink()  # left only when the write failed or was interrupted
     return tensors
+
+
+def _check_dest(dest: Path, replace: bool) -> None:
+    """Refuse, before anything is read, an export that would make folders or replace a file
+    unasked."""
+    if dest.parent.exists() and not dest.parent.is_dir():
+        raise ConfigurationError(f"{dest.parent} is a file, not a folder: choose another --to")
+    if not dest.parent.is_dir():
+        raise ConfigurationError(f"the folder {dest.parent} does not exist: create it first, "
+                                 "or choose another --to")
+    if dest.exists() and not dest.is_dir() and not replace:
+        raise ConfigurationError(f"{dest} exists: choose another --to, or pass --force to "
+                                 "replace it")
 
 
 def _load(repo: Repository, info: SnapshotInfo, names: list[str]) -> dict[str, Any]:
@@ -107,7 +129,7 @@ def export_hf(repo: Repository, info: SnapshotInfo, dest: Path) -> dict[str, tor
                                  "folder for the export")
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(loaded["hf_config"], indent=2,
                                                     sort_keys=True) + "\n", encoding="utf-8")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
