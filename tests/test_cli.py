@@ -387,3 +387,18 @@ def test_a_prune_that_cannot_delete_leaves_the_snapshot_listed(
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
                          "--keep-last", "1")
     assert code == 0 and "pruned 2 snapshots" in out, out
+
+
+def test_option_values_out_of_range_name_the_option(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = str(populated["store"])
+    for args, option in ((["prune", "proj/job1", "--keep-last", "0"], "--keep-last"),
+                         (["prune", "proj/job1", "--keep-every", "-2"], "--keep-every"),
+                         (["gc", "--wait", "-5"], "--wait")):
+        code, _, err = ciuic(capsys, monkeypatch, "--store", store, *args)
+        assert code == 2 and f"Invalid value for '{option}'" in err, (args, err)
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "log", "proj/job1")
+    assert code == 0 and "9900" in out  # nothing pruned
+    code, out, _ = ciuic(capsys, monkeypatch, "prune", "--help")
+    assert "--keep-every K" in out and "multiples of K" in out

@@ -401,7 +401,9 @@ def test_restore_of_a_damaged_snapshot_names_the_previous_intact_one(store_dir: 
     out = ciuic_cli(store_dir, "restore", "p/dmg@latest", "--to", str(tmp_path / "m.pt"))
     assert out.returncode == 2
     assert "The newest intact snapshot before it is p/dmg@0" in out.stderr
-    assert f"ciuic restore {first.short_id} --to" in out.stderr
+    # the command to paste names the store it was given (else it looks in ./.ciuic)
+    assert f"ciuic --store {store_dir} restore {first.short_id} --to" in " ".join(
+        out.stderr.split())
 
 
 def test_restore_says_what_it_wrote_and_in_which_format(store_dir: Path, tmp_path: Path

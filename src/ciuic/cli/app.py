@@ -226,6 +226,16 @@ def store_location() -> str:
     return options.get("store") or default_location()
 
 
+def command(*args: str) -> str:
+    """``ciuic ARGS`` as a person pastes it, with the ``--store`` this command was given
+    (without it the pasted command would look in another store)."""
+    import shlex
+
+    store = options.get("store")
+    words = ["ciuic", *(["--store", store] if store else []), *args]
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def current_repo() -> Repository:
     return open_existing(store_location())
 

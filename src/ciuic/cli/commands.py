@@ -13,6 +13,7 @@ from ciuic.cli.app import (
     app,
     argument,
     check_existing,
+    command,
     console,
     current_repo,
     err,
@@ -349,7 +350,7 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
         problems = verify_job(repo, s.project, s.job, only=s.id).problems
         if not problems:
             return (f"The newest intact snapshot before it is {s.ref} ({s.short_id}): "
-                    f"ciuic restore {s.short_id} --to {to}")
+                    + command("restore", s.short_id, "--to", str(to)))
         if all(p.key_id is not None for p in problems):  # not damaged: it may be intact
             locked += 1
             keys |= {str(p.key_id) for p in problems}
@@ -359,14 +360,17 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
                 f"{'are' if len(keys) > 1 else 'is'} not configured; to find an intact one, "
                 "set CIUIC_ENCRYPTION_KEY_FILE (or CIUIC_ENCRYPTION_KEY) or add "
                 "CIUIC_DECRYPTION_KEYS")
-    return ("No intact snapshot before it was found; `ciuic verify --deep "
-            f"{info.project}/{info.job}` names every damaged object")
+    return (f"No intact snapshot before it was found; `"
+            f"{command('verify', '--deep', f'{info.project}/{info.job}')}` names every damaged "
+            "object")
 
 
 @app.command("prune")
 @argument("job", help="PROJECT/JOB")
-@click.option("--keep-last", type=int, metavar="N", help="Keep the N highest steps")
-@click.option("--keep-every", type=int, metavar="N", help="Keep steps that are multiples of K")
+@click.option("--keep-last", type=click.IntRange(min=1), metavar="N",
+              help="Keep the N highest steps")
+@click.option("--keep-every", type=click.IntRange(min=1), metavar="K",
+              help="Keep steps that are multiples of K")
 @click.option("--dry-run/--no-dry-run", default=False, help="Only show what would go")
 def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool) -> None:
     """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
@@ -385,7 +389,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool
 
 @app.command("gc")
 @click.option("--dry-run/--no-dry-run", default=False, help="Only count what would be deleted")
-@click.option("--wait", type=float, default=30.0, metavar="NUMBER",
+@click.option("--wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
               help="Seconds to wait for saves in progress")
 def gc(dry_run: bool, wait: float) -> None:
     """Delete chunks and bodies no snapshot references."""
