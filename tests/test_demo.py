@@ -87,3 +87,34 @@ def test_the_command_the_demo_prints_is_the_readmes() -> None:
     assert " ".join(["-m", *printed[2:]]) in readme
     assert "--store" in _again("/tmp/s", "<job>", 400, SAVE_EVERY, default_store=False)
     assert "--save-every" in _again(".ciuic", "<job>", 400, 10, default_store=True)
+
+
+def test_two_ctrl_c_stop_the_demo_training_with_one_line(tmp_path: Path) -> None:
+    """The first SIGINT asks for an emergency snapshot; a second one before it is done stops
+    the script at once: exit 130 and a line that says how to resume, not a traceback."""
+    train = subprocess.Popen(
+        [sys.executable, "-m", "ciuic.demo.train", "--store", str(tmp_path / "store"),
+         "--job", "twice", "--steps", "5000", "--save-every", "1000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "CIUIC_FAILPOINTS": "body.put=sleep:3"})  # a slow snapshot
+    try:
+        assert train.stderr is not None
+        seen = []
+        for line in train.stderr:  # the manager is set up: a SIGINT is now its to handle
+            seen.append(line)
+            if "starting from scratch" in line:
+                break
+        train.send_signal(signal.SIGINT)
+        for line in train.stderr:
+            seen.append(line)
+            if "SIGINT received" in line:
+                break
+        time.sleep(1)  # inside the emergency snapshot (its body's write sleeps 3 s)
+        train.send_signal(signal.SIGINT)
+        _, rest = train.communicate(timeout=120)
+    finally:
+        train.kill()
+    err = "".join(seen) + rest
+    assert train.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "interrupted; run the same command again to resume" in err, err[-3000:]

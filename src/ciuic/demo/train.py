@@ -150,4 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a second Ctrl-C during the emergency snapshot: stop at once
+        print("interrupted; run the same command again to resume from the latest snapshot",
+              file=sys.stderr)
+        sys.exit(130)

@@ -366,7 +366,8 @@ class SnapshotManager:
                           "step %s", step, e, self._pipeline.last_committed_step)
             return
         if emergency:
-            log.warning("Emergency snapshot at step %d saved (%s); exiting", step, info.short_id)
+            log.warning("Emergency snapshot at step %d saved (%s); exiting (run the job again "
+                        "to resume from it)", step, info.short_id)
         else:
             log.info("Final snapshot at step %d saved (%s)", step, info.short_id)
 
