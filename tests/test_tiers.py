@@ -289,3 +289,18 @@ def test_copy_verifies_on_arrival(chain: tuple[Path, nn.Module], tmp_path: Path)
     store, _ = chain
     with pytest.raises(IntegrityError, match="differs from the source"):
         copy_job(Repository.open(store), Lossy(), "proj", "j")
+
+
+def test_a_copy_does_not_count_pruned_snapshots_as_new(
+        chain: tuple[Path, nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store, _ = chain
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store), "prune", "proj/j",
+                           "--keep-last", "1")
+    assert code == 0 and "pruned 2 snapshots" in out, out + err
+    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(tmp_path / "b"))
+    text = " ".join(out.split())
+    assert code == 0 and "proj/j: 1 new snapshot (and the manifests of 2 pruned ones" in text, (
+        out + err)
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", str(tmp_path / "b"), "ls")
+    assert code == 0 and re.search(r"proj/j\s+1\s+30\b", out), out

@@ -34,7 +34,9 @@ Progress = Callable[[str, int, int, int], None]
 
 @dataclass
 class CopyStats:
-    snapshots: int = 0
+    snapshots: int = 0  # new at the destination, with their bodies
+    #: pruned ones (their bodies gone) whose manifests went, to keep the chain whole
+    pruned: int = 0
     sent: int = 0
     sent_bytes: int = 0
     present: int = 0
@@ -85,7 +87,8 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
         try:
             states = body_states(src, m)
         except UnreadableObject:
-            continue  # pruned (or its body lost): the manifest alone keeps the chain
+            stats.pruned += 1  # pruned (or its body lost): the manifest alone keeps the chain
+            continue
         chunks.update(chunk_refs(states))
         bodies.extend(body_keys(m, states))
 
@@ -108,7 +111,7 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
             _send(src, dst, [key], None, None, verify, stats, None, "manifests", create=True)
         if progress:
             progress("manifests", len(keys), len(keys), stats.sent_bytes)
-    stats.snapshots = len(order)
+    stats.snapshots = len(order) - stats.pruned
     return stats
 
 

@@ -444,7 +444,9 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
                              verify=verify, progress=tick)
             dst.sync_job(project, job)
             total.add(stats)
-            say(f"{project}/{job}: {counted(stats.snapshots, 'new snapshot')}, "
+            pruned = (f" (and the manifests of {counted(stats.pruned, 'pruned one')}, which "
+                      "keep the chain whole)" if stats.pruned else "")
+            say(f"{project}/{job}: {counted(stats.snapshots, 'new snapshot')}{pruned}, "
                 f"{counted(stats.sent, 'object')} sent ({size_text(stats.sent_bytes)}), "
                 f"{stats.present} already there", 2)
             if stats.skipped_damaged:
