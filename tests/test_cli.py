@@ -402,3 +402,10 @@ def test_option_values_out_of_range_name_the_option(
     assert code == 0 and "9900" in out  # nothing pruned
     code, out, _ = ciuic(capsys, monkeypatch, "prune", "--help")
     assert "--keep-every K" in out and "multiples of K" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ciuic.version import __version__
+
+    code, out, _ = ciuic(capsys, monkeypatch, "--version")
+    assert code == 0 and out.strip() == f"ciuic {__version__}"

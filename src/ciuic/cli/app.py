@@ -20,6 +20,7 @@ import click
 from rich.console import Console, ConsoleDimensions
 
 from ciuic.errors import CiuicError
+from ciuic.version import __version__
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -117,6 +118,7 @@ options: dict[str, Any] = {}
              context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--store", "-s",
               help="Store directory or URL (default: $CIUIC_HOME, else ./.ciuic).")
+@click.version_option(__version__, "--version", prog_name="ciuic", message="%(prog)s %(version)s")
 def app(store: str | None) -> None:
     options["store"] = store
 

@@ -56,16 +56,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ciuic.demo.train", description=__doc__)
     p.add_argument("--store", default=None,
                    help="store location (default: $CIUIC_HOME or ./.ciuic)")
-    p.add_argument("--project", default="demo")
-    p.add_argument("--job", default="chargpt")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--save-every", type=int, default=SAVE_EVERY)
-    p.add_argument("--keep-last", type=int, default=None)
-    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--project", default="demo",
+                   help="the snapshots' project (default: %(default)s)")
+    p.add_argument("--job", default="chargpt",
+                   help="the job: run the same job again to resume it (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="train until this step (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=SAVE_EVERY,
+                   help="a snapshot every this many steps (default: %(default)s)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="keep this many snapshots (default: all)")
+    p.add_argument("--kill-at", type=int, default=None,
+                   help="SIGKILL this process after this step (a simulated crash)")
     p.add_argument("--no-snapshots", action="store_true", help="the uninterrupted reference run")
     p.add_argument("--result", type=Path, default=None, help="write a JSON summary here")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1337,
+                   help="the data order's and the model's (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's CPU threads (default: %(default)s)")
     return p.parse_args(argv)
 
 

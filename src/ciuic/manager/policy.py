@@ -125,7 +125,7 @@ class SavePolicy:
                 share >= WAIT_SHARE or self._waits_in_a_row >= 3):
             self._warned_busy = True
             # no compute between the two (a percentage of ~0 s said '15778 %', issue 30)
-            share_text = ("there was no training time between the two snapshots"
+            share_text = ("the steps between the two snapshots took under 10 ms"
                           if since < 0.01 else
                           f"{100 * share:.0f} % of the {since:.2f} s since it started")
             log.warning("snapshot at step %d waited %.2f s for the previous one to be "
