@@ -409,3 +409,42 @@ def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
 
     code, out, _ = ciuic(capsys, monkeypatch, "--version")
     assert code == 0 and out.strip() == f"ciuic {__version__}"
+
+
+def test_prune_a_named_snapshot_then_restore_starts_before_it(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A damaged snapshot can be dropped by name: `verify --deep` says how, and the job's
+    latest is then the one before it."""
+    store = str(populated["store"])
+    infos = populated["infos"]
+    assert isinstance(infos, list)
+    latest = infos[-1]
+    with Repository.open(store) as repo:
+        _, trees = read_body(repo, latest)
+        mine = set(chunk_refs(trees))
+        for other in infos[:-1]:
+            mine -= set(chunk_refs(read_body(repo, other)[1]))
+    path = Path(store) / "objects" / chunk_key(sorted(mine)[0])  # a chunk only it holds
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "--deep")
+    text = " ".join(out.split())
+    hint = f"ciuic --store {store} prune proj/job1 --snapshot {latest.id[:12]}"
+    assert code == 1 and hint in text, out
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--snapshot", "other@1")
+    assert code == 2 and "other" in err
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--snapshot", latest.id[:12], "--dry-run")
+    assert code == 0 and out.strip() == "would prune 1 snapshot: step 10100", out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, *hint.split()[3:])
+    assert code == 0 and out.strip() == "pruned 1 snapshot: step 10100", out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "gc")
+    assert code == 0
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "--deep")
+    assert code == 0, out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "restore", "proj/job1@latest",
+                         "--to", str(tmp_path / "m.safetensors"))
+    assert code == 0 and "from proj/job1@10000" in " ".join(out.split()), out
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, *hint.split()[3:])
+    assert code == 0 and "is pruned already" in out and "pruned 0 snapshots" in out, out

@@ -252,6 +252,11 @@ def verify(target: str | None, deep: bool) -> None:
             for p in damage:
                 console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
+            if damage:
+                first = damage[0].snapshot[:12]
+                say(f"  a restore skips a damaged snapshot for the newest intact one before it; "
+                    f"`{command('prune', f'{project}/{job}', '--snapshot', first)}` drops one "
+                    f"(then `{command('gc')}` frees what only it used)", 4)
             for key_id, n in locked.items():
                 say(f"  [yellow]{counted(n, 'object')} sealed with key {key_id}[/yellow], which "
                     "is not configured, could not be checked:\n  set CIUIC_ENCRYPTION_KEY_FILE "
@@ -371,17 +376,40 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
               help="Keep the N highest steps")
 @click.option("--keep-every", type=click.IntRange(min=1), metavar="K",
               help="Keep steps that are multiples of K")
+@click.option("--snapshot", "named", multiple=True, metavar="SNAP",
+              help="Prune this snapshot of the job, whatever the rules keep (a damaged one: "
+              "a restore then starts from the one before it); repeatable")
 @click.option("--dry-run/--no-dry-run", default=False, help="Only show what would go")
-def prune(job: str, keep_last: int | None, keep_every: int | None, dry_run: bool) -> None:
-    """Prune a job's snapshots by retention rules (then run `ciuic gc` to free chunks)."""
+def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[str, ...],
+          dry_run: bool) -> None:
+    """Prune a job's snapshots by retention rules, or by name (then run `ciuic gc` to free
+    chunks). A pruned snapshot's manifest stays: the chain stays verifiable."""
     from ciuic.chain.retention import prune as prune_job
-    if keep_last is None and keep_every is None:
-        raise CiuicError("say what to keep: --keep-last N and/or --keep-every K")
+    from ciuic.chain.retention import prune_one
+    if keep_last is None and keep_every is None and not named:
+        raise CiuicError("say what to keep or drop: --keep-last N and/or --keep-every K, or "
+                         "--snapshot SNAP")
     repo = current_repo()
     project, name = repo.split_job(job)
     repo.sync_job(project, name)
-    doomed = prune_job(repo.scope(project), project, name, keep_last, keep_every,
-                       dry_run=dry_run)
+    scoped = repo.scope(project)
+    chosen: list[SnapshotInfo] = []
+    for ref in named:
+        info = repo.resolve(ref)
+        if (info.project, info.job) != (project, name):
+            raise CiuicError(f"{ref} is a snapshot of {info.project}/{info.job}, not of "
+                             f"{project}/{name}")
+        if info.status == "pruned":
+            say(f"{info.ref} ({info.short_id}) is pruned already", 2)
+        elif info.id not in {s.id for s in chosen}:
+            chosen.append(info)
+    if not dry_run:
+        for info in chosen:
+            prune_one(scoped, info)
+    doomed = chosen
+    if keep_last is not None or keep_every is not None:
+        ruled = prune_job(scoped, project, name, keep_last, keep_every, dry_run=dry_run)
+        doomed += [s for s in ruled if s.id not in {c.id for c in chosen}]
     verb = "would prune" if dry_run else "pruned"
     say(f"{verb} {counted(len(doomed), 'snapshot')}"
         + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)
