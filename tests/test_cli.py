@@ -448,3 +448,18 @@ def test_prune_a_named_snapshot_then_restore_starts_before_it(
     assert code == 0 and "from proj/job1@10000" in " ".join(out.split()), out
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, *hint.split()[3:])
     assert code == 0 and "is pruned already" in out and "pruned 0 snapshots" in out, out
+
+
+def test_references_that_name_no_job_say_so(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ciuic.errors import AmbiguousReference
+
+    store = str(populated["store"])
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "verify", "nojob")
+    assert code == 2 and "'nojob' is neither a job of this store nor a snapshot" in err, err
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "show", "@latest")
+    assert code == 2 and "'@latest' names no job: write JOB@latest" in err, err
+    with Repository.open(store) as repo, pytest.raises(AmbiguousReference) as e:
+        repo.catalog.find_prefix("")  # every snapshot: each named with its job and step
+    assert "(proj/job1@9900)" in str(e.value) and "or JOB@STEP" in str(e.value)

@@ -303,7 +303,7 @@ def test_references_resolve_and_bad_ones_explain(store_dir: Path) -> None:
         repo.resolve("nojob@latest")
     with pytest.raises(SnapshotNotFound, match="no snapshot ID starts with"):
         repo.resolve("ffff0000")
-    with pytest.raises(SnapshotNotFound, match="cannot understand"):
+    with pytest.raises(SnapshotNotFound, match="is neither a job of this store nor a snapshot"):
         repo.resolve("what?")
     with SnapshotManager("proj", job="ref", store=store_dir) as m2, pytest.raises(
             SnapshotNotFound, match="step 77"):

@@ -311,15 +311,17 @@ class Catalog:
         if project is not None:
             q = q.where(Project.name == project)
         with self.session() as s:
-            rows = s.execute(q.limit(5)).all()
+            rows = s.execute(q.limit(6)).all()
         if not rows:
             raise SnapshotNotFound(
                 f"no snapshot ID starts with {prefix!r}; `ciuic log JOB` lists a job's snapshots"
             )
         if len(rows) > 1:
-            ids = ", ".join(r[0].id[:16] for r in rows)
-            raise AmbiguousReference(f"{prefix!r} matches several snapshots ({ids}...); "
-                                     "give more characters")
+            found = [self._info(*r) for r in rows[:5]]
+            ids = ", ".join(f"{i.id[:16]} ({i.ref})" for i in found)
+            more = ", ..." if len(rows) > 5 else ""
+            raise AmbiguousReference(f"{prefix!r} matches several snapshots ({ids}{more}); "
+                                     "give more characters, or JOB@STEP")
         return self._info(*rows[0])
 
     def by_step(self, project: str, job: str, step: int) -> SnapshotInfo:

@@ -414,6 +414,9 @@ class Repository:
         ref = ref.strip()
         if "@" in ref:
             job_text, _, at = ref.rpartition("@")
+            if not job_text:
+                raise SnapshotNotFound(f"{ref!r} names no job: write JOB{ref} (or "
+                                       f"PROJECT/JOB{ref}); `ciuic ls` lists the jobs")
             project, job = self.split_job(job_text)
             self.sync_job(project, job)
             if at in ("latest", "healthy"):
@@ -434,8 +437,9 @@ class Repository:
         if re.fullmatch(r"[0-9a-f]{4,63}", ref):
             return self.catalog.find_prefix(ref)
         raise SnapshotNotFound(
-            f"cannot understand snapshot reference {ref!r}: use a snapshot ID, a unique ID "
-            "prefix (4+ hex characters), JOB@STEP, JOB@latest or JOB@healthy"
+            f"{ref!r} is neither a job of this store nor a snapshot reference: use a snapshot "
+            "ID, a unique ID prefix (4+ hex characters), JOB@STEP, JOB@latest or JOB@healthy; "
+            "`ciuic ls` lists the jobs"
         )
 
 
