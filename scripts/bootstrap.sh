@@ -5,11 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  echo "creating the virtual environment in .venv ..."
   "$PY" -m venv .venv
 fi
 stamp=.venv/.ciuic-installed
 want=$(cat pyproject.toml scripts/bootstrap.sh scripts/constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "installing ciuic and its development tools into .venv (a minute on a fresh clone) ..."
   .venv/bin/python -m pip install --quiet --upgrade pip
   # Every install below is held to the versions the suite last passed with (scripts/lock.sh),
   # so a new release on the registry cannot break a clean clone.
@@ -26,4 +28,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # already); psutil, which it does not declare, or its dist_checkpointing.save hangs
   .venv/bin/python -m pip install --quiet "megatron-core==0.16.1" psutil
   echo "$want" > "$stamp"
+  echo ".venv is ready"
 fi
