@@ -98,17 +98,19 @@ def test_two_ctrl_c_stop_the_demo_training_with_one_line(tmp_path: Path) -> None
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "CIUIC_FAILPOINTS": "body.put=sleep:3"})  # a slow snapshot
     try:
-        assert train.stderr is not None
-        seen = []
-        for line in train.stderr:  # the manager is set up: a SIGINT is now its to handle
-            seen.append(line)
-            if "starting from scratch" in line:
-                break
+        stream = train.stderr
+        assert stream is not None
+        seen: list[str] = []
+
+        def until(text: str) -> None:
+            for line in stream:
+                seen.append(line)
+                if text in line:
+                    return
+
+        until("starting from scratch")  # the manager is set up: a SIGINT is now its to handle
         train.send_signal(signal.SIGINT)
-        for line in train.stderr:
-            seen.append(line)
-            if "SIGINT received" in line:
-                break
+        until("SIGINT received")
         time.sleep(1)  # inside the emergency snapshot (its body's write sleeps 3 s)
         train.send_signal(signal.SIGINT)
         _, rest = train.communicate(timeout=120)

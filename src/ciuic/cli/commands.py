@@ -393,7 +393,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
     project, name = repo.split_job(job)
     repo.sync_job(project, name)
     scoped = repo.scope(project)
-    chosen: list[SnapshotInfo] = []
+    chosen: dict[str, SnapshotInfo] = {}  # by ID: a snapshot named twice goes once
     for ref in named:
         info = repo.resolve(ref)
         if (info.project, info.job) != (project, name):
@@ -401,15 +401,15 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
                              f"{project}/{name}")
         if info.status == "pruned":
             say(f"{info.ref} ({info.short_id}) is pruned already", 2)
-        elif info.id not in {s.id for s in chosen}:
-            chosen.append(info)
+        else:
+            chosen.setdefault(info.id, info)
     if not dry_run:
-        for info in chosen:
+        for info in chosen.values():
             prune_one(scoped, info)
-    doomed = chosen
+    doomed = list(chosen.values())
     if keep_last is not None or keep_every is not None:
         ruled = prune_job(scoped, project, name, keep_last, keep_every, dry_run=dry_run)
-        doomed += [s for s in ruled if s.id not in {c.id for c in chosen}]
+        doomed += [s for s in ruled if s.id not in chosen]
     verb = "would prune" if dry_run else "pruned"
     say(f"{verb} {counted(len(doomed), 'snapshot')}"
         + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)

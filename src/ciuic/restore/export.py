@@ -79,11 +79,11 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
 def _check_dest(dest: Path, replace: bool) -> None:
     """Refuse, before anything is read, an export that would make folders or replace a file
     unasked."""
-    if dest.parent.exists() and not dest.parent.is_dir():
-        raise ConfigurationError(f"{dest.parent} is a file, not a folder: choose another --to")
     if not dest.parent.is_dir():
-        raise ConfigurationError(f"the folder {dest.parent} does not exist: create it first, "
-                                 "or choose another --to")
+        raise ConfigurationError(
+            f"{dest.parent} is a file, not a folder: choose another --to"
+            if dest.parent.exists() else
+            f"the folder {dest.parent} does not exist: create it first, or choose another --to")
     if dest.exists() and not dest.is_dir() and not replace:
         raise ConfigurationError(f"{dest} exists: choose another --to, or pass --force to "
                                  "replace it")
