@@ -81,7 +81,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 def test_every_rank_restores_from_the_memory_of_the_nodes_ranks(tmp_path: Path) -> None:
     holder = Holder(budget=1 << 30)  # this test is the supervisor
     try:
-        env = {ENV: holder.name, "CIUIC_RUN_RESTART": "0"}
+        env = {**holder.environment(), "CIUIC_RUN_RESTART": "0"}
         run = _torchrun(str(HELPER), "--store", str(tmp_path / "store"), "--out",
                         str(tmp_path / "out"), "--steps", "6", "--every", "5", env=env)
         assert run.returncode == 0, run.stderr[-4000:]
@@ -98,7 +98,7 @@ def test_every_rank_restores_from_the_memory_of_the_nodes_ranks(tmp_path: Path) 
         _assert_same(from_memory, from_store)
         # a rank whose own copy is gone: what it wrote comes from the store, the rest from
         # the other rank's memory
-        Link(holder.name, 0).request({"op": "invalidate"})
+        Link(holder.name, 0, holder.secret).request({"op": "invalidate"})
         partly, said = _restored(tmp_path, env)
         memory, store = _read(said)
         assert store > 0.3 and memory > 0.1, said[-3000:]
@@ -127,7 +127,7 @@ def holder() -> Iterator[Holder]:
 
 
 def _put(link: Link, i: int, nbytes: int) -> mmap.mmap:
-    fd = os.memfd_create("ciuic:test", os.MFD_CLOEXEC)
+    fd = os.memfd_create("ciuic:test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 16 + nbytes)
     region = mmap.mmap(fd, 16 + nbytes)
     reply, _ = link.request({"op": "put", "id": i, "path": "x", "nbytes": nbytes}, [fd])
@@ -137,7 +137,7 @@ def _put(link: Link, i: int, nbytes: int) -> mmap.mmap:
 
 
 def test_the_holder_publishes_only_bytes_inside_a_rank_s_own_buffers(holder: Holder) -> None:
-    a, b = Link(holder.name, 0), Link(holder.name, 1)
+    a, b = Link(holder.name, 0, holder.secret), Link(holder.name, 1, holder.secret)
     _put(a, 1, 4096)
     _put(b, 1, 4096)
     # a chunk past the end of its buffer, or in a buffer the rank does not hold

@@ -33,9 +33,9 @@ def _publish(holder: Holder, rank: int, sid: str, pieces: list[bytes], buffer_id
              ) -> list[str]:
     """A rank of ``holder``'s node stages ``pieces`` into one shared buffer and publishes
     them as the chunks it wrote; returns their digests."""
-    link = Link(holder.name, rank)
+    link = Link(holder.name, rank, holder.secret)
     nbytes = sum(len(p) for p in pieces)
-    fd = os.memfd_create("ciuic:test", os.MFD_CLOEXEC)
+    fd = os.memfd_create("ciuic:test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, SKEW + nbytes)
     with mmap.mmap(fd, SKEW + nbytes) as region:
         region[SKEW:] = b"".join(pieces)
@@ -56,10 +56,10 @@ def _publish(holder: Holder, rank: int, sid: str, pieces: list[bytes], buffer_id
 def _join(holders: list[Holder], token: str = TOKEN) -> list[Node]:
     nodes = []
     for g, h in enumerate(holders):
-        port = Link(h.name, 0).request({"op": "listen"})[0]["port"]
+        port = Link(h.name, 0, h.secret).request({"op": "listen"})[0]["port"]
         nodes.append(Node(g, "127.0.0.1", port))
     for g, h in enumerate(holders):
-        reply, _ = Link(h.name, 0).request({
+        reply, _ = Link(h.name, 0, h.secret).request({
             "op": "peers", "token": token, "me": g,
             "nodes": [[n.rank, n.host, n.port] for n in nodes]})
         assert reply["ok"]
@@ -93,9 +93,9 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
     assert sorted(two[1].replicas.by_src[0].chunks) == sorted(ds)
     assert two[0].pushed[-1] == (1, 4, sum(len(p) for p in pieces))
     # the replica is in node 1's index for its own ranks, mapped like a rank's buffers
-    index = Link(two[1].name, 0).request({"op": "chunks"})[0]
+    index = Link(two[1].name, 0, two[1].secret).request({"op": "chunks"})[0]
     assert {c[0] for c in index["chunks"] if c[2] == -1} == set(ds)
-    fds = Link(two[1].name, 0).descriptors([index["buffers"][0][1]], owner=-1)
+    fds = Link(two[1].name, 0, two[1].secret).descriptors([index["buffers"][0][1]], owner=-1)
     assert len(fds) == 1
     os.close(fds[0])
     # node 0 is gone: a replacement (node 0 again, empty memory) reads node 1's replica
@@ -240,7 +240,7 @@ def test_the_ranks_of_a_node_take_each_chunk_across_the_network_once(tmp_path: P
         with mmap.mmap(r.buffers[1].fd, SKEW + r.buffers[1].nbytes) as region:
             at = SKEW + 2 * 300_000 + 1000
             region[at:at + 8] = b"\xff" * 8
-        readers = [NodeReads(b.name, rank) for rank in (0, 1)]
+        readers = [NodeReads(b.name, rank, b.secret) for rank in (0, 1)]
         ranks = [Resident(None, {}, None, {}, reader) for reader in readers]
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda res: _restore_on(res, repo, pieces), ranks))
@@ -264,7 +264,7 @@ def test_a_fetched_chunk_over_the_budget_is_handed_over_and_not_kept(tmp_path: P
     with _fetching(tmp_path, 1 << 20) as (a, b, stored):
         pieces = [os.urandom(3 << 20)]
         _publish(a, 0, "s1", pieces)
-        reader = NodeReads(b.name, 0)
+        reader = NodeReads(b.name, 0, b.secret)
         res = Resident(None, {}, None, {}, reader)
         assert _restore_on(res, stored(pieces), pieces) == pieces
         assert res.from_peers == 3 << 20

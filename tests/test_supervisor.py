@@ -177,7 +177,7 @@ def test_a_restore_from_host_memory_gives_the_bytes_of_the_store(tmp_path: Path)
 
     holder = Holder(budget=1 << 30)  # this test is the supervisor
     try:
-        env = {ENV: holder.name, "CIUIC_RUN_RESTART": "0"}
+        env = {**holder.environment(), "CIUIC_RUN_RESTART": "0"}
         run = subprocess.run([sys.executable, str(HELPER), "--store", str(tmp_path / "store"),
                               "--out", str(tmp_path / "out"), "--steps", "6", "--every", "5"],
                              capture_output=True, text=True, env={**os.environ, **env})

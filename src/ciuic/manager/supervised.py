@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic.distributed.collective import Collective
@@ -68,19 +68,20 @@ class Restart:
 @dataclass(frozen=True)
 class Peers:
     """The job's nodes (their chunk services), this one's group rank, and this start's
-    token; ``supervisor`` and ``rank``: this rank's channel to its node's ``ciuic run``,
-    which reads the other nodes' memory for it."""
+    token; ``supervisor``, ``rank`` and ``secret``: this rank's channel to its node's
+    ``ciuic run``, which reads the other nodes' memory for it."""
 
     nodes: list[Node]
     me: int
     token: str
     supervisor: str
     rank: int
+    secret: str = field(repr=False)
 
     def reader(self) -> NodeReads:
         """Reads of the chunks this node lacks, through this node's ``ciuic run``: it fetches
         each from the node that holds it once for all of this node's ranks."""
-        return NodeReads(self.supervisor, self.rank)
+        return NodeReads(self.supervisor, self.rank, self.secret)
 
 
 class Supervised:
@@ -156,7 +157,7 @@ def join_peers(sup: Supervised | None, coll: Collective, name_key: bytes | None)
             sup.link.request({"op": "peers", "token": token, "me": me,
                               "nodes": [[n.rank, n.host, n.port] for n in nodes],
                               "keys": [name_key.hex()] if name_key else []})
-            sup.peers = Peers(nodes, me, token, sup.link.name, sup.link.rank)
+            sup.peers = Peers(nodes, me, token, sup.link.name, sup.link.rank, sup.link.secret)
         except (OSError, ValueError, ConnectionError) as e:
             log.warning("the supervisor did not take the job's nodes (%s)", e)
     coll.all_gather(None)  # every node knows this start's token before anyone reads

@@ -47,7 +47,6 @@ from ciuic.supervisor.causes import (
 )
 from ciuic.supervisor.channel import (
     CAUSE_ENV,
-    ENV,
     PIDS_ENV,
     RESTART_ENV,
     STOPPED_AT_ENV,
@@ -218,7 +217,7 @@ class Supervisor:
     def _env(self) -> dict[str, str]:
         assert self.holder is not None
         env = dict(os.environ)
-        env[ENV] = self.holder.name
+        env.update(self.holder.new_start())  # the channel's name, this start's secret
         env[RESTART_ENV] = str(len(self.starts) - 1)
         for k in (CAUSE_ENV, STOPPED_AT_ENV, PIDS_ENV):
             env.pop(k, None)

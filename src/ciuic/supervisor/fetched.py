@@ -127,9 +127,10 @@ class NodeReads:
     fetches run side by side. :meth:`read` says where the bytes came from; the caller checks
     them against their digest."""
 
-    def __init__(self, supervisor: str, rank: int) -> None:
+    def __init__(self, supervisor: str, rank: int, secret: str) -> None:
         self._name = supervisor
         self._rank = rank
+        self._secret = secret
         self._local = threading.local()
         self._links: list[Link] = []
         self._lock = threading.Lock()
@@ -137,7 +138,8 @@ class NodeReads:
     def _link(self) -> Link:
         link: Link | None = getattr(self._local, "link", None)
         if link is None:
-            link = self._local.link = Link(self._name, self._rank, timeout=2 * WAIT_S)
+            link = self._local.link = Link(self._name, self._rank, self._secret,
+                                          timeout=2 * WAIT_S)
             with self._lock:
                 self._links.append(link)
         return link

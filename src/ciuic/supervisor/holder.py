@@ -12,6 +12,12 @@ any chunk its snapshot needs from there, checked against the digest, whoever wro
 whose own copy is gone, or that needs replicas another rank wrote (DDP), reads memory, not the
 store.
 
+Only the workers of this ``ciuic run`` may connect (docs/architecture.md, "The channel"): a
+process of another user is refused, every connection must say this start's :attr:`Holder.secret`
+first and acts for the rank it said then, a buffer is kept only once sealed against resizing
+and only when its descriptor holds what its ``put`` says, and another rank's buffers (and the
+replicas) are lent read-only.
+
 A training process that dies leaves its buffers here, for the next start. When the supervisor
 exits, or is killed, the kernel closes its descriptors, and the memory is freed once no process
 maps it any more: nothing can leak. The holder keeps at most ``budget`` bytes; a buffer that
@@ -22,17 +28,25 @@ goes on with ordinary memory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hmac
 import logging
 import mmap
 import os
 import secrets
 import socket
+import stat
+import struct
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ciuic.format.chunks import HEADER_BYTES as SKEW
 from ciuic.supervisor import beat
-from ciuic.supervisor.channel import FDS_PER_MESSAGE, receive, send
+from ciuic.supervisor import messages as msg
+from ciuic.supervisor.channel import ENV, FDS_PER_MESSAGE, KEY_ENV, receive, send
+from ciuic.supervisor.messages import ProtocolError
 from ciuic.supervisor.nodes import NodeService
 
 log = logging.getLogger("ciuic")
@@ -71,6 +85,9 @@ class Holder(NodeService):
     def __init__(self, budget: int | None, replicas: int = 1, peer_timeout_s: float = 10.0
                  ) -> None:
         self.name = f"ciuic-run-{os.getpid()}-{secrets.token_hex(6)}"
+        #: what every connection must say first; a new one each start (:meth:`new_start`)
+        self.secret = secrets.token_hex(16)
+        self._conns: dict[socket.socket, str] = {}  # each open connection -> its secret
         self.budget = budget  # None: no host-memory tier
         self._fd = os.memfd_create("ciuic-beats", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, beat.REGION_BYTES)
@@ -91,6 +108,21 @@ class Holder(NodeService):
             return {rank: (r.snapshot, r.step, sum(r.buffers[i].nbytes for i in r.ids
                                                    if i in r.buffers))
                     for rank, r in self._ranks.items()}
+
+    def environment(self) -> dict[str, str]:
+        """What the workers find the channel by: its name and this start's secret."""
+        return {ENV: self.name, KEY_ENV: self.secret}
+
+    def new_start(self) -> dict[str, str]:
+        """A new secret for a new start (:meth:`environment`): connections of the starts
+        before, whose workers are gone, are closed, and their secret opens no new one."""
+        with self._lock:
+            self.secret = secrets.token_hex(16)
+            for conn, said in self._conns.items():
+                if said != self.secret:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+        return self.environment()
 
     def clear_beats(self) -> None:
         """Before a start: the slots of the last start no longer count."""
@@ -133,83 +165,140 @@ class Holder(NodeService):
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            while True:
-                try:
-                    message, fds = receive(conn)
-                except (OSError, ValueError):
-                    return
-                if message is None:
-                    return
-                owned = message.get("op") == "fetch"  # its descriptor is closed once sent
-                try:
-                    if owned:
-                        for fd in fds:
-                            os.close(fd)
-                        reply, out = self._fetch(message)
-                    else:
-                        reply, out = self._handle(message, fds)
-                except Exception as e:  # a malformed request: answered, never fatal here
-                    reply, out = {"ok": False, "why": f"{type(e).__name__}: {e}"}, []
-                try:
-                    send(conn, reply, out)
-                except OSError:
-                    return
-                finally:
-                    if owned:
-                        for fd in out:
-                            os.close(fd)
+            rank = self._hello(conn)
+            if rank is None:
+                return
+            try:
+                while self._answer(conn, rank):
+                    pass
+            finally:
+                with self._lock:
+                    self._conns.pop(conn, None)
 
-    def _handle(self, m: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """The reply to one request, and descriptors to send with it. Takes ``fds``: each is
-        kept (a put's buffer) or closed, also when the request raises."""
-        op = m.get("op")
-        if op != "put":
-            for fd in fds:  # only a put hands over a descriptor
-                os.close(fd)
-        elif len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("put takes one descriptor")
+    def _hello(self, conn: socket.socket) -> int | None:
+        """The rank a new connection acts for; None where it is refused (told why)."""
         try:
-            rank = int(m.get("rank", 0))
-            return self._handle_locked(op, rank, m, fds)
-        except BaseException:
-            if op == "put":  # _put raises only before it keeps or closes the descriptor
-                os.close(fds[0])
-            raise
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if uid != os.geteuid():
+                why = (f"a process of uid {uid} (pid {pid}) may not use the channel of a "
+                       f"ciuic run of uid {os.geteuid()}")
+                log.warning("ciuic run: refused %s", why)
+                return self._refuse(conn, why)
+            message, fds = receive(conn)
+            _close(fds)
+            if message is None:
+                return None
+            said = msg.parse(message)
+        except ProtocolError as e:
+            return self._refuse(conn, f"protocol error: {e}")
+        except OSError:
+            return None
+        with self._lock:
+            if not isinstance(said, msg.Hello) or not hmac.compare_digest(
+                    said.secret.encode(), self.secret.encode()):
+                why = ("a connection must first say hello with the secret of this start "
+                       f"({KEY_ENV}, which ciuic run gives its workers)")
+                return self._refuse(conn, why)
+            self._conns[conn] = self.secret
+        try:
+            send(conn, {"ok": True})
+        except OSError:
+            return None
+        return said.rank
 
-    def _handle_locked(self, op: Any, rank: int, m: dict[str, Any], fds: list[int]
-                       ) -> tuple[dict[str, Any], list[int]]:
+    @staticmethod
+    def _refuse(conn: socket.socket, why: str) -> None:
+        """Say why, and drop what the peer sends for a second more (a socket closed with
+        messages unread resets the peer's, and it would not read why)."""
+        with contextlib.suppress(OSError):
+            send(conn, {"ok": False, "why": why})
+            conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + 1.0
+            while (left := deadline - time.monotonic()) > 0:
+                conn.settimeout(left)
+                data, fds, _, _ = socket.recv_fds(conn, 1, FDS_PER_MESSAGE)
+                _close(fds)
+                if not data:
+                    return
+
+    def _answer(self, conn: socket.socket, rank: int) -> bool:
+        """Answer the next request of ``rank``'s connection; False once it is gone."""
+        out: list[int] = []
+        lent: list[int] = []
+        try:
+            message, fds = receive(conn)
+        except ProtocolError as e:  # its descriptors are closed
+            reply = {"ok": False, "why": f"protocol error: {e}"}
+        except OSError:
+            return False
+        else:
+            if message is None:
+                return False
+            reply, out, lent = self._request(rank, message, fds)
+        try:
+            send(conn, reply, out)
+        except OSError:
+            return False
+        finally:
+            _close(lent)
+        return True
+
+    def _request(self, rank: int, message: dict[str, Any], fds: list[int]
+                 ) -> tuple[dict[str, Any], list[int], list[int]]:
+        """The reply to one request, the descriptors to send with it, and those of them to
+        close once sent. Takes ``fds``: each is kept (a put's buffer) or closed."""
+        try:
+            m = msg.parse(message)
+            if not isinstance(m, msg.Put):
+                _close(fds)
+                fds = []
+            elif len(fds) != 1:
+                raise ProtocolError(f"put takes one descriptor, not {len(fds)}")
+            if isinstance(m, msg.Fetch):  # its descriptor is closed once sent
+                reply, out = self._fetch(asdict(m))
+                return reply, out, out
+            if isinstance(m, msg.Fds):
+                return self._fds(rank, m)
+            return (*self._handle(rank, m, fds), [])
+        except ProtocolError as e:
+            _close(fds)
+            return {"ok": False, "why": f"protocol error: {e}"}, [], []
+        except Exception as e:  # a request that cannot be met: answered, never fatal here
+            _close(fds)
+            return {"ok": False, "why": f"{type(e).__name__}: {e}"}, [], []
+
+    def _handle(self, rank: int, m: msg.Request, fds: list[int]
+                ) -> tuple[dict[str, Any], list[int]]:
+        """``fds`` (a put's one descriptor) is kept or closed here, unless this raises."""
         with self._lock:
             r = self._ranks.setdefault(rank, _Rank())
-            if op == "attach":
+            if isinstance(m, msg.Attach):
                 return self._attach(r), [self._fd]
-            if op == "fds":
-                return self._fds(r, m)
-            if op == "put":
-                return self._put(r, m, fds), []
-            if op == "free":
-                for i in m["ids"]:
-                    b = r.buffers.pop(int(i), None)
+            if isinstance(m, msg.Put):
+                return self._put(r, m, fds[0]), []
+            if isinstance(m, msg.Free):
+                for i in m.ids:
+                    b = r.buffers.pop(i, None)
                     if b is not None:
                         os.close(b.fd)
-                    if int(i) in r.ids:  # a published buffer is gone: no host copy
+                    if i in r.ids:  # a published buffer is gone: no host copy
                         r.unpublish()
                         self._generation += 1
                 return {"ok": True}, []
-            if op == "invalidate":
+            if isinstance(m, msg.Invalidate):
                 r.unpublish()
                 self._generation += 1
                 return {"ok": True}, []
-            if op == "publish":
+            if isinstance(m, msg.Publish):
                 return self._publish(r, m), []
-            if op == "chunks":
+            if isinstance(m, msg.Chunks):
                 return self._index(), []
-            if op == "listen":
+            if isinstance(m, msg.Listen):
                 return self._listen(), []
-            if op == "peers":
-                return self._join(m), []
-        raise ValueError(f"unknown request {op!r}")
+            if isinstance(m, msg.Peers):
+                return self._join(asdict(m)), []
+        raise ProtocolError(f"rank {rank} already said hello on this connection")
 
     def _attach(self, r: _Rank) -> dict[str, Any]:
         # buffers the last process registered but did not publish are garbage now
@@ -223,56 +312,70 @@ class Holder(NodeService):
         return {"ok": True, "tier": self.budget is not None and self.released is None,
                 "copy": copy, "why": self.released, "restart": self.restart}
 
-    def _fds(self, r: _Rank, m: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        ids = [int(i) for i in m["ids"]][:FDS_PER_MESSAGE]
-        owner = m.get("owner")
-        if owner is not None and int(owner) < 0:  # a replica of node -1 - owner
-            return self._replica_fds(int(owner), ids)
-        if owner is not None and int(owner) != int(m.get("rank", 0)):
-            other = self._ranks.get(int(owner))  # another rank's: only what it published
-            if other is None or not other.published() or not set(ids) <= set(other.ids):
-                return {"ok": False, "why": f"rank {owner} no longer publishes these buffers"}, []
-            r = other
-        if not all(i in r.buffers for i in ids):
-            return {"ok": False, "why": "unknown buffers"}, []
-        return {"ok": True, "ids": ids}, [r.buffers[i].fd for i in ids]
+    def _fds(self, rank: int, m: msg.Fds) -> tuple[dict[str, Any], list[int], list[int]]:
+        """Descriptors of this rank's buffers, or lent read-only: another rank's published
+        ones, a replica's (the third list: the read-only ones, closed once sent)."""
+        ids = list(m.ids[:FDS_PER_MESSAGE])
+        with self._lock:
+            if m.owner is not None and m.owner < 0:  # a replica of node -1 - owner
+                reply, fds = self._replica_fds(m.owner, ids)
+            elif m.owner is not None and m.owner != rank:
+                other = self._ranks.get(m.owner)  # another rank's: only what it published
+                if other is None or not other.published() or not set(ids) <= set(other.ids):
+                    return ({"ok": False, "why": f"rank {m.owner} no longer publishes these "
+                             "buffers"}, [], [])
+                reply, fds = {"ok": True, "ids": ids}, [other.buffers[i].fd for i in ids]
+            else:
+                r = self._ranks.setdefault(rank, _Rank())
+                if not all(i in r.buffers for i in ids):
+                    return {"ok": False, "why": "unknown buffers"}, [], []
+                return {"ok": True, "ids": ids}, [r.buffers[i].fd for i in ids], []
+            lent = []
+            try:
+                for fd in fds:
+                    lent.append(_read_only(fd))
+            except BaseException:
+                _close(lent)
+                raise
+        return reply, lent, lent
 
-    def _put(self, r: _Rank, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        nbytes, i = int(m["nbytes"]), int(m["id"])  # (raising here: the caller closes fds)
+    def _put(self, r: _Rank, m: msg.Put, fd: int) -> dict[str, Any]:
+        """Keep (or close) ``fd``, buffer ``m.id`` of ``m.nbytes``, once it is sealed against
+        resizing and holds that many: a put that says more than its descriptor holds is
+        refused before it counts against the budget (raising, the caller closes ``fd``)."""
+        _sealed(fd, SKEW + m.nbytes)
         if self.budget is None or self.released is not None:
-            os.close(fds[0])
+            os.close(fd)
             return {"ok": False, "why": self.released or "no host-memory tier"}
-        self._make_room(nbytes)
+        self._make_room(m.nbytes)
         held = self._ranks_held()
-        if held + nbytes > self.budget:
-            os.close(fds[0])
-            why = (f"the host copy would hold {_gib(held + nbytes)}, over its budget of "
+        if held + m.nbytes > self.budget:
+            os.close(fd)
+            why = (f"the host copy would hold {_gib(held + m.nbytes)}, over its budget of "
                    f"{_gib(self.budget)} (ciuic run --host-memory)")
             self._release(why)
             log.warning("ciuic run: host-memory copy released: %s; restarts restore "
                         "from the store", why)
             return {"ok": False, "why": why}
-        old = r.buffers.pop(i, None)
+        old = r.buffers.pop(m.id, None)
         if old is not None:
             os.close(old.fd)
-        r.buffers[i] = _Buffer(fds[0], nbytes)
+        r.buffers[m.id] = _Buffer(fd, m.nbytes)
         return {"ok": True}
 
-    def _publish(self, r: _Rank, m: dict[str, Any]) -> dict[str, Any]:
-        ids = [int(i) for i in m["ids"]]
+    def _publish(self, r: _Rank, m: msg.Publish) -> dict[str, Any]:
+        ids = list(m.ids)
         if self.released is not None or not all(i in r.buffers for i in ids):
             return {"ok": False, "why": self.released or "unknown buffers"}
         known = set(ids)
-        leaves: list[list[Any]] = [[str(p), int(i), int(off), int(n)]
-                                   for p, i, off, n in m.get("leaves", [])]
-        chunks: list[list[Any]] = [[str(d), int(n), int(i), int(off)]
-                                   for d, n, i, off in m.get("chunks", [])]
-        spans = [(i, off, n) for _, i, off, n in leaves] + [(i, off, n) for _, n, i, off in chunks]
+        spans = ([(x.buffer, x.offset, x.nbytes) for x in m.leaves]
+                 + [(c.buffer, c.offset, c.nbytes) for c in m.chunks])
         for i, off, n in spans:
-            if i not in known or off < 0 or n < 0 or off + n > r.buffers[i].nbytes:
+            if i not in known or off + n > r.buffers[i].nbytes:
                 raise ValueError(f"bytes {off}..{off + n} of buffer {i} are not published")
-        r.snapshot, r.step, r.ids = str(m["snapshot"]), int(m["step"]), ids
-        r.leaves, r.chunks = leaves, chunks
+        r.snapshot, r.step, r.ids = m.snapshot, m.step, ids
+        r.leaves = [[x.path, x.buffer, x.offset, x.nbytes] for x in m.leaves]
+        r.chunks = [[c.digest, c.nbytes, c.buffer, c.offset] for c in m.chunks]
         self.fetched.clear()  # what the restore before this snapshot fetched
         self._generation += 1
         self._published.notify_all()
@@ -295,3 +398,35 @@ class Holder(NodeService):
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+_RESIZE = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def _sealed(fd: int, nbytes: int) -> None:
+    """Check that ``fd`` is a memfd of at least ``nbytes``, and seal it against resizing (so
+    that no mapping of it faults), and its mode read-only for its owner (so that a descriptor
+    lent read-only is not opened again for writing through /proc); :class:`ProtocolError`
+    otherwise."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError("put takes a memfd")
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _RESIZE)
+    except OSError as e:
+        raise ProtocolError(f"put takes a memfd made with MFD_ALLOW_SEALING ({e})") from None
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise ProtocolError(f"put says {nbytes - SKEW} bytes, and its memfd holds "
+                            f"{max(0, size - SKEW)}")
+    os.fchmod(fd, 0o400)
+
+
+def _read_only(fd: int) -> int:
+    """A read-only descriptor of what ``fd`` opens (the caller closes it)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)

@@ -139,7 +139,8 @@ class HostTier:
         (no tier any more, or over its budget: logged)."""
         with self._lock:
             i, self._next = self._next, self._next + 1
-        fd = os.memfd_create(f"ciuic:{name[-200:]}", os.MFD_CLOEXEC)
+        # the supervisor seals it against resizing, so that no mapping of it faults
+        fd = os.memfd_create(f"ciuic:{name[-200:]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, SKEW + nbytes)
             region = self._region(fd, i, nbytes)
