@@ -181,26 +181,25 @@ class Holder(NodeService):
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             if uid != os.geteuid():
-                why = (f"a process of uid {uid} (pid {pid}) may not use the channel of a "
-                       f"ciuic run of uid {os.geteuid()}")
-                log.warning("ciuic run: refused %s", why)
-                return self._refuse(conn, why)
+                return self._refuse(conn, pid, f"a process of uid {uid} may not use the "
+                                    f"channel of a ciuic run of uid {os.geteuid()}")
             message, fds = receive(conn)
             _close(fds)
             if message is None:
                 return None
             said = msg.parse(message)
         except ProtocolError as e:
-            return self._refuse(conn, f"protocol error: {e}")
+            return self._refuse(conn, pid, f"protocol error: {e}")
         except OSError:
             return None
         with self._lock:
-            if not isinstance(said, msg.Hello) or not hmac.compare_digest(
-                    said.secret.encode(), self.secret.encode()):
-                why = ("a connection must first say hello with the secret of this start "
-                       f"({KEY_ENV}, which ciuic run gives its workers)")
-                return self._refuse(conn, why)
-            self._conns[conn] = self.secret
+            known = isinstance(said, msg.Hello) and hmac.compare_digest(
+                said.secret.encode(), self.secret.encode())
+            if known:
+                self._conns[conn] = self.secret
+        if not isinstance(said, msg.Hello) or not known:
+            return self._refuse(conn, pid, "a connection must first say hello with the secret "
+                                f"of this start ({KEY_ENV}, which ciuic run gives its workers)")
         try:
             send(conn, {"ok": True})
         except OSError:
@@ -208,9 +207,10 @@ class Holder(NodeService):
         return said.rank
 
     @staticmethod
-    def _refuse(conn: socket.socket, why: str) -> None:
-        """Say why, and drop what the peer sends for a second more (a socket closed with
-        messages unread resets the peer's, and it would not read why)."""
+    def _refuse(conn: socket.socket, pid: int, why: str) -> None:
+        """Log and say why, and drop what the peer sends for a second more (a socket closed
+        with messages unread resets the peer's, and it would not read why)."""
+        log.warning("ciuic run: refused a connection of pid %d to its channel: %s", pid, why)
         with contextlib.suppress(OSError):
             send(conn, {"ok": False, "why": why})
             conn.shutdown(socket.SHUT_WR)
