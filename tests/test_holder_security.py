@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ciuic.supervisor import messages
-from ciuic.supervisor.channel import ENV, KEY_ENV, Link, receive, send
+from ciuic.supervisor.channel import ENV, FDS_PER_MESSAGE, KEY_ENV, Link, receive, send
 from ciuic.supervisor.holder import Holder
 from ciuic.supervisor.messages import ProtocolError
 
@@ -303,6 +303,25 @@ def test_a_message_in_shared_memory_that_says_more_than_it_holds_is_refused(
         reply, fds = receive(link._sock)
         assert reply is not None and not reply["ok"] and fds == []
         assert "a message in shared memory of" in reply["why"], reply
+    assert link.request({"op": "chunks"})[0]["ok"]
+
+
+def test_descriptors_that_come_with_a_refused_message_are_closed(holder: Holder) -> None:
+    link = Link(holder.name, 0, holder.secret)
+    null = os.open(os.devnull, os.O_RDONLY)
+    before = len(os.listdir("/proc/self/fd"))
+    cases: list[tuple[bytes, int, str]] = [
+        (b'{"op": "chunks"}', 3, ""),  # only a put hands over a descriptor
+        (b'{"op": "put", "id": 1, "nbytes": 8}', 2, "put takes one descriptor, not 2"),
+        (b"[[[", 4, "not JSON"),
+        (b'{"op": "chunks"}', 250, f"{FDS_PER_MESSAGE} descriptors"),
+    ]
+    for data, n, why in cases:
+        socket.send_fds(link._sock, [data], [null] * n)
+        reply, fds = receive(link._sock)
+        assert reply is not None and fds == [] and why in reply.get("why", ""), reply
+    assert len(os.listdir("/proc/self/fd")) == before  # the holder kept none of them
+    os.close(null)
     assert link.request({"op": "chunks"})[0]["ok"]
 
 
