@@ -176,6 +176,9 @@ def test_a_connection_without_this_starts_secret_is_refused(holder: Holder) -> N
         assert reply is not None and not reply["ok"] and fds == 0
     with pytest.raises(PermissionError, match="secret of this start"):
         Link(holder.name, 1, "f" * 32)
+    with _raw(holder) as sock:  # a lone surrogate is no secret either (and breaks no thread)
+        reply, fds = _ask(sock, {"op": "hello", "secret": "\ud800", "rank": 1})
+        assert reply is not None and not reply["ok"] and fds == 0
     # a new start: its secret opens connections, the one before no longer does, and the
     # connections of the start before (its workers are gone) are closed
     old = holder.secret
@@ -375,3 +378,21 @@ def test_the_holder_answers_any_message_and_goes_on_serving(holder: Holder,
         assert link.request({"op": "chunks"})[0]["ok"]
     finally:
         link.close()
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(_REQUESTS.map(lambda m: {**m, "op": "hello"}), _REQUESTS,
+                 _JSON.map(lambda v: json.dumps(v).encode()), st.binary(min_size=1, max_size=200)))
+def test_any_first_message_but_this_starts_hello_is_refused(holder: Holder,
+                                                            message: Any) -> None:
+    with _raw(holder) as sock:
+        if isinstance(message, dict):
+            send(sock, message)
+        else:
+            sock.send(message)
+        reply, fds = receive(sock)
+        assert fds == [] and isinstance(reply, dict) and reply["ok"] is False, reply
+        assert reply["why"]
+        assert receive(sock) == (None, [])  # closed
+    assert Link(holder.name, 0, holder.secret).request({"op": "chunks"})[0]["ok"]

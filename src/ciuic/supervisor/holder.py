@@ -194,7 +194,7 @@ class Holder(NodeService):
             return None
         with self._lock:
             known = isinstance(said, msg.Hello) and hmac.compare_digest(
-                said.secret.encode(), self.secret.encode())
+                said.secret.encode("utf-8", "surrogatepass"), self.secret.encode())
             if known:
                 self._conns[conn] = self.secret
         if not isinstance(said, msg.Hello) or not known:

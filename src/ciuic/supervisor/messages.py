@@ -139,10 +139,25 @@ def _int(lo: int = 0, hi: int = MAX_INT) -> Callable[[Any, str], int]:
 
 
 def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str) or len(v) > _MAX_TEXT:
+    if not isinstance(v, str) or len(v) > _MAX_TEXT or not _utf8(v):
         raise ProtocolError(f"{where} must be a string of at most {_MAX_TEXT} characters, "
                             f"not {_show(v)}")
     return v
+
+
+def _word(v: Any, where: str) -> str:
+    """A secret, a token, a key or a digest: printable ASCII."""
+    if not isinstance(v, str) or len(v) > _MAX_TEXT or not (v.isascii() and v.isprintable()):
+        raise ProtocolError(f"{where} must be printable ASCII, not {_show(v)}")
+    return v
+
+
+def _utf8(v: str) -> bool:
+    try:
+        v.encode()
+    except UnicodeEncodeError:  # a lone surrogate, which JSON can carry
+        return False
+    return True
 
 
 def _list(v: Any, where: str, n: int | None = None) -> list[Any]:
@@ -177,12 +192,12 @@ def _show(v: Any) -> str:
 _id = _int()
 _ids = _each(_id)
 _leaf = _row(_text, _id, _id, _id)
-_chunk = _row(_text, _id, _id, _id)
+_chunk = _row(_word, _id, _id, _id)
 
 #: op -> (the dataclass, {field: (check, default)}); a field without default is required
 _REQUIRED = object()
 _KINDS: dict[str, tuple[type[Any], dict[str, tuple[Callable[[Any, str], Any], Any]]]] = {
-    "hello": (Hello, {"secret": (_text, _REQUIRED), "rank": (_id, _REQUIRED)}),
+    "hello": (Hello, {"secret": (_word, _REQUIRED), "rank": (_id, _REQUIRED)}),
     "attach": (Attach, {"pid": (_id, 0)}),
     "fds": (Fds, {"ids": (_ids, _REQUIRED), "owner": (_int(-MAX_INT), None)}),
     "put": (Put, {"id": (_id, _REQUIRED), "path": (_text, ""), "nbytes": (_id, _REQUIRED)}),
@@ -193,10 +208,10 @@ _KINDS: dict[str, tuple[type[Any], dict[str, tuple[Callable[[Any, str], Any], An
                           "chunks": (_each(_chunk), ())}),
     "chunks": (Chunks, {}),
     "listen": (Listen, {}),
-    "peers": (Peers, {"token": (_text, _REQUIRED), "me": (_id, _REQUIRED),
+    "peers": (Peers, {"token": (_word, _REQUIRED), "me": (_id, _REQUIRED),
                       "nodes": (_each(_row(_id, _text, _int(0, 65535))), _REQUIRED),
-                      "keys": (_each(_text), ())}),
-    "fetch": (Fetch, {"d": (_text, _REQUIRED), "n": (_int(1, MAX_CHUNK), _REQUIRED)}),
+                      "keys": (_each(_word), ())}),
+    "fetch": (Fetch, {"d": (_word, _REQUIRED), "n": (_int(1, MAX_CHUNK), _REQUIRED)}),
 }
 
 
