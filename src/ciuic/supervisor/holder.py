@@ -182,7 +182,8 @@ class Holder(NodeService):
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
             if uid != os.geteuid():
                 return self._refuse(conn, pid, f"a process of uid {uid} may not use the "
-                                    f"channel of a ciuic run of uid {os.geteuid()}")
+                                    f"channel of a ciuic run of uid {os.geteuid()} (run the "
+                                    "job as the user that runs ciuic run)")
             message, fds = receive(conn)
             _close(fds)
             if message is None:
