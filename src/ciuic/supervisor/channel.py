@@ -168,10 +168,6 @@ class Link:
             self.close()
             raise PermissionError(f"the supervisor refused this process: {reply.get('why')}")
 
-    def another(self, timeout: float = 30.0) -> Link:
-        """A new connection to the same supervisor, for the same rank."""
-        return Link(self.name, self.rank, self.secret, timeout)
-
     @staticmethod
     def from_env() -> Link | None:
         """The link to the supervisor named in ``CIUIC_SUPERVISOR``; None when not under

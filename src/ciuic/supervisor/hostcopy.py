@@ -12,8 +12,8 @@ host copy of the state that ciuic keeps anyway, so the tier costs no second copy
 A process that dies between the two leaves no valid host copy, and its restart restores from the
 store; one that dies after a commit leaves the buffers of the snapshot it committed, which the
 restarted process maps again. Every rank of the node may also map the chunks the others
-published (:meth:`HostTier.node_chunks`): a restore takes any chunk it needs from there. Every
-chunk taken from memory is checked against the manifest's digest
+published, lent read-only (:meth:`HostTier.node_chunks`): a restore takes any chunk it needs
+from there. Every chunk taken from memory is checked against the manifest's digest
 (:func:`ciuic.chain.read.take_chunk`); a chunk that differs is read from the store.
 
 A leaf of :data:`MIN_BYTES` or more gets a ``memfd`` of its own; smaller ones (biases, RNG
