@@ -10,11 +10,13 @@ import dataclasses
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from ciuic import SnapshotManager
 from ciuic.chain import gc, lease
 from ciuic.chain.repo import Repository
+from ciuic.errors import CaptureError
 from ciuic.format import layout
 from ciuic.format.digest import digest
 from ciuic.format.manifest import utc_now
@@ -106,3 +108,15 @@ def test_a_server_keeps_answering_after_a_writer_commits_a_deep_manifest(
             assert [(j["job"], j["snapshots"]) for j in jobs.json()["jobs"]] == [("j", 1)]
         chain = httpx.get(f"{url}/v1/projects/p/jobs/j/snapshots", headers=auth, timeout=60)
         assert chain.status_code == 200 and len(chain.json()["snapshots"]) == 1
+
+
+def test_a_value_nested_too_deeply_to_read_back_is_not_written(tmp_path: Path) -> None:
+    deep: object = 1
+    for _ in range(150):
+        deep = [deep]
+    with SnapshotManager("p", job="j", store=str(tmp_path / "s"), handle_signals=False) as m:
+        m.save(1, torch.nn.Linear(3, 2))
+        with pytest.raises(CaptureError, match="nests deeper than 100 levels"):
+            m.save(2, torch.nn.Linear(3, 2), extra=deep)
+        latest = m.latest()
+        assert latest is not None and latest.step == 1

@@ -28,8 +28,8 @@ from ciuic.errors import CaptureError, CorruptObject
 #: write it
 MAX_DEPTH = 100
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_QUOTED = re.compile(rb'"[^"]*"')
+_NOT_BRACKET_OR_QUOTE = bytes(c for c in range(256) if c not in b'[]{}"')
 _STEP = [0] * 256
 _STEP[ord("[")] = _STEP[ord("{")] = 1
 _STEP[ord("]")] = _STEP[ord("}")] = -1
@@ -37,7 +37,8 @@ _STEP[ord("]")] = _STEP[ord("}")] = -1
 
 def _check(value: Any, where: str, depth: int = 0) -> None:
     if isinstance(value, (dict, list)) and depth >= MAX_DEPTH:
-        raise CaptureError(f"canonical JSON: {where or 'the value'} nests deeper than "
+        at = where if len(where) <= 60 else where[:60] + "..."
+        raise CaptureError(f"canonical JSON: {at or 'the value'} nests deeper than "
                            f"{MAX_DEPTH} levels of lists and dicts; store a flatter value")
     if isinstance(value, dict):
         for k, v in value.items():
@@ -67,8 +68,12 @@ def dumps(value: Any) -> bytes:
 
 def depth(data: bytes) -> int:
     """How deep the arrays and objects of valid JSON ``data`` nest (``[[1],{}]`` is 2), counted
-    without recursion: the brackets outside its strings."""
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    without recursion: the brackets outside its strings. In byte operations (a tenth of the
+    parse's time): escaped backslashes and quotes out, then all but brackets and quotes, then
+    the strings (quotes and the brackets between them)."""
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = unescaped.translate(None, _NOT_BRACKET_OR_QUOTE).replace(b'""', b"")
+    brackets = _QUOTED.sub(b"", marks) if b'"' in marks else marks
     return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
