@@ -167,3 +167,22 @@ def test_a_damaged_catalog_row_is_a_damaged_object_naming_it() -> None:
                             ("{}", '{"healthy": 1}'), ("\udcff", None)):
         with pytest.raises(CorruptObject, match="the catalog's row of snapshot abc"):
             row_values("abc", metrics, health)
+
+
+def test_deeply_nested_request_bodies_are_refused_with_a_json_error(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from ciuic.catalog.keys import create_key
+    from ciuic.server import create_app
+
+    with Repository.open(tmp_path / "s") as repo:
+        key = create_key(repo.catalog, "p", "writer")[0]
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+    nests = [DEEP.decode(), '{"keys":' + DEEP.decode(), '{"a":' * 900 + "1" + "}" * 900]
+    with TestClient(create_app(str(tmp_path / "s")), raise_server_exceptions=False) as http:
+        for method, path in (("POST", "/v1/projects/p/objects/missing"),
+                             ("PUT", "/v1/projects/p/jobs/j/runs/r1")):
+            for body in nests:
+                r = http.request(method, path, content=body, headers=headers)
+                assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
