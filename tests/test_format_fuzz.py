@@ -11,12 +11,13 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ciuic.errors import CaptureError, CorruptObject, IntegrityError, UnreadableObject
-from ciuic.format import canonical, chunks
+from ciuic.format import canonical, chunks, floatcodec
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import Keyring, generate_key_text, parse_key_text
 from ciuic.format.descriptor import TensorDescriptor
@@ -190,6 +191,23 @@ def test_any_chunk_bytes_unframe_or_are_a_damaged_object(blob: bytes) -> None:
         assert e.key == "chunks/ab/x"
         return
     assert bytes(plain) == bytes(16)
+
+
+PLAIN = np.random.default_rng(0).normal(0, 0.02, 2_000).astype(np.float32).tobytes()
+_PACKED = floatcodec.encode(PLAIN, 4, float_kind="f32")
+assert _PACKED is not None
+PACKED = b"".join(bytes(b) for b in chunks.frame(PLAIN, _PACKED))
+
+
+@FUZZ
+@given(mutated(PACKED))
+def test_any_compressed_chunk_bytes_unframe_or_are_a_damaged_object(blob: bytes) -> None:
+    try:
+        plain = chunks.unframe("chunks/ab/y", blob, digest(PLAIN), len(PLAIN))
+    except UnreadableObject as e:
+        assert e.key == "chunks/ab/y"
+        return
+    assert bytes(plain) == PLAIN
 
 
 KEYRING = Keyring([parse_key_text(generate_key_text())])
