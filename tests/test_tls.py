@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
 import os
 import subprocess
 import sys
@@ -108,3 +109,13 @@ def test_serve_refuses_plain_http_on_a_public_address(tmp_path: Path) -> None:
     cert, _ = self_signed(tmp_path)
     half = cli(store, "serve", "--certfile", str(cert))
     assert half.returncode == 2 and "both --certfile and --keyfile" in half.stderr
+
+
+def test_a_client_warns_when_its_key_would_cross_the_network_in_cleartext(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ciuic"):
+        HttpStore("http://127.0.0.1:1", "p", "k").close()
+        assert "cleartext" not in caplog.text
+        HttpStore("http://192.0.2.7:8470", "p", "k").close()
+    assert "http://192.0.2.7:8470 is reached over plain HTTP" in caplog.text
+    assert "cleartext" in caplog.text

@@ -50,7 +50,9 @@ def serve(host: str, port: int, catalog: str | None, certfile: str | None,
     HTTPS (--certfile and --keyfile), or put a TLS proxy in front (docs/server.md)."""
     if (certfile is None) != (keyfile is None):
         raise click.UsageError("TLS needs both --certfile and --keyfile")
-    if certfile is None and not _loopback(host):
+    from ciuic.store.http import is_loopback
+
+    if certfile is None and not is_loopback(host):
         if not plain_http:
             raise click.UsageError(
                 f"--host {host} without TLS sends every API key in cleartext over the network. "
@@ -83,16 +85,6 @@ def serve(host: str, port: int, catalog: str | None, certfile: str | None,
                 access_log=False, timeout_graceful_shutdown=30, ssl_certfile=certfile,
                 ssl_keyfile=keyfile)
 
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return False
 
 
 @app.group("apikey", cls=Group, no_args_is_help=True)

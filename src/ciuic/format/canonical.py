@@ -98,13 +98,12 @@ def _loads(data: bytes, *, floats: bool) -> Any:
     def no_float(text: str) -> Any:
         raise ValueError(f"floating-point number {text} in canonical JSON")
 
+    raw = bytes(data)  # a bytearray or memoryview too; anything else is a TypeError
     try:
-        value = json.loads(bytes(data).decode("utf-8"), parse_float=None if floats else no_float,
+        value = json.loads(raw.decode("utf-8"), parse_float=None if floats else no_float,
                            parse_constant=None if floats else no_float)
     except RecursionError:
         raise ValueError("nested too deeply to parse") from None
-    except TypeError as e:  # not bytes at all
-        raise ValueError(f"not JSON bytes: {e}") from None
-    if (found := depth(data)) > MAX_DEPTH:
+    if (found := depth(raw)) > MAX_DEPTH:
         raise ValueError(f"nested {found} levels deep; at most {MAX_DEPTH} are allowed")
     return value

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ipaddress
+import logging
 import os
 import ssl
 from collections.abc import Iterator, Sequence
@@ -40,6 +42,7 @@ from ciuic.format import canonical
 from ciuic.store.base import Data, Store, check_key, check_prefix, joined
 from ciuic.threads import Pools
 
+log = logging.getLogger("ciuic")
 _MISSING_BATCH = 10_000  # keys per "missing" request (the server takes up to 100 000)
 
 
@@ -52,6 +55,17 @@ def split_url(url: str) -> tuple[str, str]:
                                  "https://HOST/v1/projects/PROJECT")
     base = "/".join(parts[:-3])
     return f"{parsed.scheme}://{parsed.netloc}{base}", parts[-1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback: a name other than
+    ``localhost`` may resolve to anything, so it is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def tls_context() -> ssl.SSLContext:
@@ -115,7 +129,12 @@ class HttpStore(Store):
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(timeout, connect=knobs.get().s3_connect_timeout_s),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=32),
-            verify=tls_context())
+            verify=tls_context() if urlparse(endpoint).scheme == "https" else True)
+        host = urlparse(endpoint).hostname or ""
+        if urlparse(endpoint).scheme == "http" and not is_loopback(host):
+            log.warning("the ciuic server at %s is reached over plain HTTP: the API key crosses "
+                        "the network in cleartext; use https:// (docs/server.md, \"TLS\")",
+                        endpoint)
         #: a batch's PUTs in parallel (the client is shared between threads)
         self._pools = Pools(knobs.get().s3_concurrency, "ciuic-http")
 
