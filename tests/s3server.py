@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,15 +26,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def http_process(cmd: list[str], probe: str, log: Path, what: str) -> Iterator[None]:
-    """Run ``cmd`` (a server), wait until ``probe`` answers, stop it afterwards."""
+def http_process(cmd: list[str], probe: str, log: Path, what: str,
+                 tls: ssl.SSLContext | None = None) -> Iterator[None]:
+    """Run ``cmd`` (a server), wait until ``probe`` answers (over ``tls``, for https), stop it
+    afterwards."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    urllib.request.urlopen(probe, timeout=2).close()
+                    urllib.request.urlopen(probe, timeout=2, context=tls).close()
                     break
                 except OSError:
                     if proc.poll() is not None or time.monotonic() > deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,8 +31,15 @@ def new_key(store: Path, project: str, role: str) -> str:
 
 
 @contextlib.contextmanager
-def serve(store: Path, log: Path) -> Iterator[str]:
-    url = f"http://127.0.0.1:{(port := free_port())}"
+def serve(store: Path, log: Path, tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+    """A `ciuic serve` on a free loopback port: its URL. ``tls``: (certificate, key) files,
+    served over HTTPS (the certificate names 127.0.0.1)."""
+    port = free_port()
     cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
-    with http_process(cmd, f"{url}/health", log, "ciuic serve"):
+    context = None
+    if tls is not None:
+        cmd += ["--certfile", str(tls[0]), "--keyfile", str(tls[1])]
+        context = ssl.create_default_context(cafile=str(tls[0]))
+    url = f"{'http' if tls is None else 'https'}://127.0.0.1:{port}"
+    with http_process(cmd, f"{url}/health", log, "ciuic serve", context):
         yield url

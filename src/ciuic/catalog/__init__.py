@@ -28,8 +28,8 @@ from sqlalchemy.pool import StaticPool
 from ciuic.catalog.models import SCHEMA_VERSION, Job, Meta, Project, Run, RunEvent, Snapshot
 from ciuic.catalog.schema import bring_to_head
 from ciuic.errors import AmbiguousReference, ConfigurationError, SnapshotNotFound
-from ciuic.format.info import SnapshotInfo
-from ciuic.format.manifest import HealthVerdict, Manifest, utc_now
+from ciuic.format.info import SnapshotInfo, row_values
+from ciuic.format.manifest import Manifest, utc_now
 from ciuic.format.records import RUN_FIELDS, EventRow, JobRow, RunFields, RunReport, RunRow
 
 
@@ -261,12 +261,12 @@ class Catalog:
             s.execute(delete(Snapshot).where(Snapshot.id == snapshot_id))
 
     def _info(self, row: Snapshot, project: str, job: str) -> SnapshotInfo:
+        metrics, health = row_values(row.id, row.metrics, row.health)
         return SnapshotInfo(
             id=row.id, project=project, job=job, step=row.step, parent=row.parent,
             created=row.created, total_bytes=row.total_bytes, new_bytes=row.new_bytes,
             tensors=row.tensors, world_size=row.world_size, body=row.body,
-            metrics=json.loads(row.metrics), status=row.status, seq=row.seq,
-            health=None if row.health is None else HealthVerdict.from_json(json.loads(row.health)),
+            metrics=metrics, status=row.status, seq=row.seq, health=health,
         )
 
     def _select(self) -> Any:

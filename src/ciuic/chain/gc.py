@@ -27,8 +27,15 @@ from ciuic import knobs
 from ciuic.chain.read import body_keys, body_states, chunk_refs
 from ciuic.chain.repo import Repository, list_manifests
 from ciuic.chain.runs import IDENTITY, pid_alive
-from ciuic.errors import CiuicError, IntegrityError, ObjectNotFound, StoreError, UnreadableObject
-from ciuic.format import layout
+from ciuic.errors import (
+    CiuicError,
+    CorruptObject,
+    IntegrityError,
+    ObjectNotFound,
+    StoreError,
+    UnreadableObject,
+)
+from ciuic.format import canonical, layout
 from ciuic.format.layout import chunk_key, digest_of_key
 from ciuic.store import LocalStore, Store
 from ciuic.words import counted
@@ -45,21 +52,25 @@ def _is_live(store: Store, key: str, stale_s: float) -> bool:
     marker's age does (its owner refreshes it while it works).
     """
     try:
-        info = json.loads(store.get(key))
-    except (ObjectNotFound, ValueError):
+        info = canonical.parse(store.get(key), key, "gc marker", floats=True)
+    except (ObjectNotFound, CorruptObject):
         return False
+    pid, at = (info.get("pid", -1), info.get("time", 0)) if isinstance(info, dict) else (-1, 0)
+    if not (isinstance(pid, int) and isinstance(at, (int, float))):
+        return False  # not a marker ciuic wrote: damaged
     same_machine = all(info.get(k) == v for k, v in IDENTITY.items()) and IDENTITY["pidns"]
-    if same_machine and not pid_alive(int(info.get("pid", -1))):
+    if same_machine and not pid_alive(pid):
         return False
-    return bool(time.time() - float(info.get("time", 0)) < stale_s)
+    return bool(time.time() - float(at) < stale_s)
 
 
 def read_epoch(store: Store) -> int:
     try:
-        return int(json.loads(store.get(layout.GC_EPOCH))["epoch"])
+        return int(canonical.parse(store.get(layout.GC_EPOCH), layout.GC_EPOCH, "gc epoch",
+                                   floats=True)["epoch"])
     except ObjectNotFound:
         return 0
-    except (ValueError, KeyError, TypeError):
+    except (CorruptObject, ValueError, KeyError, TypeError):
         return -1
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ciuic.chain.runs import IDENTITY
-from ciuic.errors import FencedOut, ObjectNotFound
-from ciuic.format import layout
+from ciuic.errors import CorruptObject, FencedOut, ObjectNotFound
+from ciuic.format import canonical, layout
 from ciuic.store import Store
 
 
@@ -59,7 +59,9 @@ def check(store: Store, lease: Lease) -> None:
     if newest == lease.key:
         return
     info = _read(store, newest) or {}
-    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(info.get("time", 0))))
+    at = info.get("time")
+    since = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+             if isinstance(at, (int, float)) and 0 <= at < 1e11 else "an unknown time")
     raise FencedOut(
         f"another process took over job {lease.project}/{lease.job} at {since} (pid "
         f"{info.get('pid', '?')} on {info.get('host', '?')}, run {info.get('run', '?')}); this "
@@ -70,7 +72,7 @@ def check(store: Store, lease: Lease) -> None:
 
 def _read(store: Store, key: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(store.get(key))
-    except (ObjectNotFound, ValueError):
+        value = canonical.parse(store.get(key), key, "lease", floats=True)
+    except (ObjectNotFound, CorruptObject):
         return None
     return value if isinstance(value, dict) else None

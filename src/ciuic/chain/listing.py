@@ -20,7 +20,6 @@ Imports neither SQLAlchemy nor the catalog, nor :mod:`ciuic.chain.repo` (which d
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sqlite3
 from collections.abc import Callable, Iterable
@@ -31,7 +30,6 @@ from urllib.parse import urlparse
 
 from ciuic.chain import home
 from ciuic.format import layout
-from ciuic.format.manifest import HealthVerdict
 from ciuic.format.records import EventRow, JobRow, RunRow
 from ciuic.store.local import LocalStore
 from ciuic.version import CATALOG_HEAD, CATALOG_SCHEMA_VERSION
@@ -198,7 +196,7 @@ class _Reader:
 
     def snapshots(self, project: str, job: str) -> list[SnapshotInfo]:
         """As ``Catalog.snapshots(project, job, status=None, newest_first=True)``."""
-        from ciuic.format.info import SnapshotInfo
+        from ciuic.format.info import SnapshotInfo, row_values
 
         rows = self.db.execute(f"SELECT {', '.join('snapshots.' + c for c in _INFO)} "
                                f"{_SNAPSHOTS} {_A_JOB} ORDER BY snapshots.seq DESC",
@@ -206,9 +204,8 @@ class _Reader:
         out = []
         for row in rows:
             fields = dict(zip(_INFO, row, strict=True))
-            fields["metrics"] = json.loads(fields["metrics"])
-            fields["health"] = (None if fields["health"] is None
-                                else HealthVerdict.from_json(json.loads(fields["health"])))
+            fields["metrics"], fields["health"] = row_values(fields["id"], fields["metrics"],
+                                                             fields["health"])
             out.append(SnapshotInfo(project=project, job=job, **fields))
         return out
 

@@ -7,16 +7,19 @@ naming the object; a missing object raises it too (as "missing"). Never unpickle
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ciuic.chain.repo import Repository
-from ciuic.errors import CorruptObject, ObjectNotFound, UnreadableObject
+from ciuic.errors import CorruptObject, IntegrityError, ObjectNotFound, UnreadableObject
 from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import SEALED_OVERHEAD
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.digest import Buffer, digest
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.parts import BodyPart, listed_parts, merge
@@ -60,6 +63,31 @@ def body_states(repo: Repository, m: mf.Manifest, *, parts: bool = True) -> dict
         if listed is not None:
             merge(states, Parts(repo, m, listed).all(), key)
     return states
+
+
+@contextlib.contextmanager
+def damaged_body(key: str) -> Iterator[None]:
+    """Inside: an :class:`IntegrityError` that names no object (a malformed tree, descriptor or
+    inline value in a body: ``format.tree``, ``restore.leaves``) is the body's
+    :class:`CorruptObject`, so that a reader (the server's routes, ``ciuic inspect``, ``diff``)
+    tells it as it tells any damage."""
+    try:
+        yield
+    except UnreadableObject:
+        raise
+    except IntegrityError as e:
+        raise CorruptObject(key, str(e)) from e
+
+
+def checked_leaves(states: dict[str, Any], key: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every tensor of a body's states (``dist`` aside) as (path, kind, descriptor), the tree and
+    each descriptor checked: :class:`CorruptObject` naming the body ``key`` where one is
+    malformed, so that what follows may read the descriptors' fields as they are typed."""
+    with damaged_body(key):
+        found = walk_leaves({k: v for k, v in states.items() if k != "dist"})
+        for path, _kind, desc in found:
+            TensorDescriptor.from_json(desc, path)
+    return found
 
 
 def body_keys(m: mf.Manifest, states: dict[str, Any]) -> list[str]:

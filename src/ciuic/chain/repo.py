@@ -282,9 +282,12 @@ class Repository:
         return [k.snapshot_id
                 for k in list_manifests(self.scope(project).store, project, job)]
 
-    def sync_job(self, project: str, job: str) -> int:
+    def sync_job(self, project: str, job: str,
+                 damaged: list[UnreadableObject] | None = None) -> int:
         """Make the catalog follow the store for one job: add rows for manifests it lacks, and
-        mark pruned the snapshots whose body is gone. Returns how many rows were added.
+        mark pruned the snapshots whose body is gone. Returns how many rows were added; a
+        manifest that cannot be read gets no row (``ciuic verify`` reports it), and its error is
+        appended to ``damaged`` when given.
 
         A crash between the commit (manifest) and the catalog insert leaves the first gap; a
         body deleted through another catalog (another client's retention, a server's
@@ -298,7 +301,7 @@ class Repository:
         """
         repo = self.scope(project)
         if repo is not self:
-            return repo.sync_job(project, job)
+            return repo.sync_job(project, job, damaged)
         rows = self.catalog.snapshots(project, job, status=None)
         known = {i.id for i in rows}
         listed = self.manifest_ids(project, job)
@@ -322,8 +325,11 @@ class Repository:
                 continue
             try:
                 found[sid] = self.read_manifest(project, job, sid)
-            except (UnreadableObject, ObjectNotFound):
-                continue  # damaged manifests are reported by `ciuic verify`
+            except UnreadableObject as e:
+                if damaged is not None:
+                    damaged.append(e)
+            except ObjectNotFound:
+                continue  # deleted since the listing
         self._add_rows(found, lambda sid: self.store)
         return len(found)
 

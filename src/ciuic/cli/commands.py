@@ -28,7 +28,7 @@ from ciuic.cli.app import (
     tensor_table,
     time_text,
 )
-from ciuic.errors import CiuicError, IntegrityError, MissingKey
+from ciuic.errors import CiuicError, IntegrityError, MissingKey, UnreadableObject
 from ciuic.words import counted, listed, reasons_in_short
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
@@ -50,13 +50,15 @@ def ls() -> None:
     location = store_location()
     check_existing(location)
     rows = read_jobs(location)  # without SQLAlchemy, when the catalog is in sync
+    damaged: list[UnreadableObject] = []
     if rows is None:
         repo = open_existing(location)
         for project, job in repo.jobs():
-            repo.sync_job(project, job)
+            repo.sync_job(project, job, damaged)
         rows = repo.catalog.jobs()
     if not rows:
         console.print("No jobs yet.")
+        report_damaged(damaged)
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("job", no_wrap=True)
@@ -69,6 +71,17 @@ def ls() -> None:
         t.add_row(f"{r.project}/{r.job}", str(r.snapshots), last, time_text(r.latest),
                   size_text(r.new_bytes))
     console.print(t)
+    report_damaged(damaged)
+
+
+def report_damaged(damaged: list[UnreadableObject]) -> None:
+    """After a listing: each manifest it left out because it cannot be read; exit 1 if any."""
+    for e in damaged:
+        err.print(f"damaged, not listed: {e}", style="red", markup=False, highlight=False)
+    if damaged:
+        err.print("`ciuic verify` checks every snapshot; a restore skips a damaged one for the "
+                  "newest intact one before it", markup=False)
+        raise click.exceptions.Exit(1)
 
 
 @app.command("log")
@@ -84,19 +97,21 @@ def log_cmd(job: str, all_: bool) -> None:
     location = store_location()
     check_existing(location)
     found = read_log(location, job)  # without SQLAlchemy, when the catalog is in sync
+    damaged: list[UnreadableObject] = []
     if found is not None:
         project, name, every = found.project, found.job, found.snapshots
         runs, events = found.runs, found.events
     else:
         repo = open_existing(location)
         project, name = repo.split_job(job)
-        repo.sync_job(project, name)
+        repo.sync_job(project, name, damaged)
         every = repo.catalog.snapshots(project, name, status=None, newest_first=True)
         runs, events = repo.catalog.runs(project, name), repo.catalog.events(project, name,
                                                                              limit=EVENTS)
     snaps = [s for s in every if all_ or s.status == "committed"]
     if not snaps:
         console.print(f"Job {project}/{name} has no snapshots.")
+        report_damaged(damaged)
         return
     notes = history(runs, events, every, listed_pruned=all_)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
@@ -108,6 +123,7 @@ def log_cmd(job: str, all_: bool) -> None:
             title += (f": lineage {len(groups) - k} of {len(groups)}, from step {root.step} "
                       f"({root.short_id}, {time_text(root.created)} UTC)")
         console.print(_chain_table(title, group, notes))
+    report_damaged(damaged)
 
 
 def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:

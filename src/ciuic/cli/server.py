@@ -34,9 +34,33 @@ def _actor() -> str:
 @click.option("--port", type=int, default=8470, metavar="N", help="Port to listen on")
 @click.option("--catalog", help="Catalog database URL (default: the store's SQLite; "
               "postgresql://... for a team)")
-def serve(host: str, port: int, catalog: str | None) -> None:
+@click.option("--certfile", type=click.Path(exists=True, dir_okay=False), metavar="PEM",
+              help="Serve HTTPS with this certificate (chain) file; with --keyfile")
+@click.option("--keyfile", type=click.Path(exists=True, dir_okay=False), metavar="PEM",
+              help="The certificate's private key file")
+@click.option("--plain-http", is_flag=True,
+              help="Serve plain HTTP on a non-loopback --host: only behind a TLS-terminating "
+              "proxy on a network you trust (API keys cross it in cleartext)")
+def serve(host: str, port: int, catalog: str | None, certfile: str | None,
+          keyfile: str | None, plain_http: bool) -> None:
     """Serve the store (--store / CIUIC_HOME) to clients: the API under /v1, its schema at
-    /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish."""
+    /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish.
+
+    Clients send their API key with every request: on any address but the loopback, serve
+    HTTPS (--certfile and --keyfile), or put a TLS proxy in front (docs/server.md)."""
+    if (certfile is None) != (keyfile is None):
+        raise click.UsageError("TLS needs both --certfile and --keyfile")
+    from ciuic.store.http import is_loopback
+
+    if certfile is None and not is_loopback(host):
+        if not plain_http:
+            raise click.UsageError(
+                f"--host {host} without TLS sends every API key in cleartext over the network. "
+                "Give --certfile and --keyfile (HTTPS); or listen on 127.0.0.1 behind a TLS "
+                "proxy on this machine; or, with a TLS-terminating proxy on a network you "
+                "trust in front, pass --plain-http (docs/server.md, \"TLS\")")
+        err.print(f"warning: serving plain HTTP on {host}: API keys cross the network in "
+                  "cleartext (--plain-http); a TLS proxy must be in front", style="bold")
     try:
         import uvicorn
 
@@ -47,7 +71,8 @@ def serve(host: str, port: int, catalog: str | None) -> None:
     import logging
 
     location = store_location()
-    console.print(f"serving {location} on http://{host}:{port} (API schema: /docs)")
+    scheme = "http" if certfile is None else "https"
+    console.print(f"serving {location} on {scheme}://{host}:{port} (API schema: /docs)")
     # one JSON line per request on stderr (ciuic.server.observe), instead of uvicorn's own
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -57,7 +82,9 @@ def serve(host: str, port: int, catalog: str | None) -> None:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     uvicorn.run(create_app(location, catalog), host=host, port=port, log_level="info",
-                access_log=False, timeout_graceful_shutdown=30)
+                access_log=False, timeout_graceful_shutdown=30, ssl_certfile=certfile,
+                ssl_keyfile=keyfile)
+
 
 
 @app.group("apikey", cls=Group, no_args_is_help=True)

@@ -6,6 +6,8 @@ import datetime as dt
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ciuic.errors import CorruptObject
+from ciuic.format import canonical
 from ciuic.format.manifest import HealthVerdict, Manifest, parse_time
 
 
@@ -61,3 +63,20 @@ class SnapshotInfo:
             tensors=m.tensors, world_size=m.world_size, body=m.body, metrics=dict(m.metrics),
             status=status, health=m.health,
         )
+
+
+def row_values(snapshot_id: str, metrics: str, health: str | None
+               ) -> tuple[dict[str, Any], HealthVerdict | None]:
+    """A catalog row's metrics and health (the JSON text the catalog keeps) as values;
+    :class:`CorruptObject` naming the row when they are not what the catalog writes."""
+    key = f"the catalog's row of snapshot {snapshot_id}"
+    values = canonical.parse(metrics, key, "metrics", floats=True)
+    if not isinstance(values, dict):
+        raise CorruptObject(key, f"its metrics are not an object: {metrics[:80]!r}")
+    if health is None:
+        return values, None
+    try:
+        return values, HealthVerdict.from_json(canonical.parse(health, key, "health",
+                                                               floats=True))
+    except TypeError as e:
+        raise CorruptObject(key, str(e)) from None

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic.errors import CorruptObject, UnsupportedFormat
+from ciuic.errors import CorruptObject, IntegrityError, UnsupportedFormat
 from ciuic.format import canonical, tree
 from ciuic.format.digest import digest, is_digest
 from ciuic.format.parts import SPLIT_BODY_FORMAT
@@ -181,7 +181,7 @@ class Manifest:
                 format=obj["format"],
             )
             parse_time(m.created)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, IntegrityError) as e:  # metrics: IntegrityError
             raise CorruptObject(key, f"malformed manifest: {e}") from e
         if not is_digest(m.body) or (m.parent and not is_digest(m.parent)):
             raise CorruptObject(key, "malformed manifest: bad body or parent digest")
@@ -193,10 +193,7 @@ class Manifest:
 def _load(data: bytes, key: str, kind: str, what: str,
           formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict[str, Any]:
     """Parse a canonical-JSON object of ``kind`` and check its format version."""
-    try:
-        obj = canonical.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptObject(key, f"not canonical JSON: {e}") from e
+    obj = canonical.parse(data, key, f"snapshot {what} (canonical JSON)")
     if not isinstance(obj, dict) or obj.get("kind") != kind:
         raise CorruptObject(key, f"not a ciuic snapshot {what}")
     if obj.get("format") not in formats:

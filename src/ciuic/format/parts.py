@@ -64,8 +64,8 @@ class BodyPart:
         actual = digest(data, key=name_key)
         if actual != expected_digest:
             raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+        obj = canonical.parse(data, key, "body part (canonical JSON)")
         try:
-            obj = canonical.loads(data)
             if not isinstance(obj, dict) or obj.get("kind") != PART_KIND:
                 raise ValueError("not a ciuic body part")
             if obj.get("format") != SPLIT_BODY_FORMAT:

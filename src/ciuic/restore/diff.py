@@ -19,11 +19,12 @@ from typing import Any, overload
 
 import torch
 
-from ciuic.chain.read import READ_THREADS, read_body
+from ciuic.chain.read import READ_THREADS, checked_leaves, damaged_body, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.info import SnapshotInfo
-from ciuic.format.tree import decode, walk_leaves
+from ciuic.format.layout import body_key
+from ciuic.format.tree import decode
 from ciuic.restore.boxread import read_box
 from ciuic.restore.leaves import leaf_buffer, materialize
 from ciuic.state.capture import normalize_key
@@ -90,12 +91,17 @@ def json_safe(v: Any) -> Any:
     return v
 
 
-def _leaves(states: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+def _leaves(states: dict[str, Any], info: SnapshotInfo
+            ) -> dict[str, tuple[str, dict[str, Any]]]:
     out: dict[str, tuple[str, dict[str, Any]]] = {}
-    for path, kind, desc in walk_leaves({k: v for k, v in states.items() if k != "dist"}):
+    for path, kind, desc in checked_leaves(states, _body(info)):
         key = normalize_key(path[len("model/"):]) if path.startswith("model/") else None
         out["model/" + key if key is not None else path] = (kind, desc)
     return out
+
+
+def _body(info: SnapshotInfo) -> str:
+    return body_key(info.project, info.job, info.body)
 
 
 def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -204,7 +210,7 @@ def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInf
     manifest_a, states_a = read_body(repo_a, a)
     manifest_b, states_b = read_body(repo_b, b)
     out = SnapshotDiff(a, b)
-    la, lb = _leaves(states_a), _leaves(states_b)
+    la, lb = _leaves(states_a, a), _leaves(states_b, b)
     order = sorted(set(la) | set(lb), key=lambda p: (_noisy(p), p))
     if max_read_bytes is not None and sum(
             int(la[p][1].get("nbytes", 0)) + int(lb[p][1].get("nbytes", 0)) for p in order
@@ -225,8 +231,11 @@ def diff(repo_a: Repository, a: SnapshotInfo, repo_b: Repository, b: SnapshotInf
                 continue
             t.read = True
             out.bytes_read += int(da.get("nbytes", 0)) + int(db.get("nbytes", 0))
-            _compare(t, read_tensor(repo_a, path, ka, da, pool),
-                     read_tensor(repo_b, path, kb, db, pool))
+            with damaged_body(_body(a)):
+                ta = read_tensor(repo_a, path, ka, da, pool)
+            with damaged_body(_body(b)):
+                tb = read_tensor(repo_b, path, kb, db, pool)
+            _compare(t, ta, tb)
     pa, pb = _plain(states_a), _plain(states_b)
     for path in sorted(set(pa) | set(pb)):
         va, vb = pa.get(path, _MISSING), pb.get(path, _MISSING)

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ciuic.chain.read import READ_THREADS, read_body
+from ciuic.chain.read import READ_THREADS, checked_leaves, damaged_body, read_body
 from ciuic.chain.repo import Repository
 from ciuic.errors import SnapshotNotFound
 from ciuic.format import stats as st
 from ciuic.format.info import SnapshotInfo
-from ciuic.format.tree import walk_leaves
+from ciuic.format.layout import body_key
 from ciuic.restore.diff import read_tensor
 
 
@@ -55,10 +55,6 @@ def _finite(v: float | None) -> float | None:
     return None if v is None or not math.isfinite(v) else v
 
 
-def _leaves(states: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    return list(walk_leaves({k: v for k, v in states.items() if k != "dist"}))
-
-
 def is_float_dtype(name: str) -> bool:
     """Whether a descriptor's dtype name is a float one (the tensors that get statistics)."""
     return name.startswith(("float", "bfloat", "<f"))
@@ -68,12 +64,14 @@ def tensors(repo: Repository, info: SnapshotInfo, compute: bool = False,
             compute_max_bytes: int | None = None) -> list[TensorRow]:
     """Every tensor of a snapshot with its statistics: as recorded, or (``compute``) computed
     from the data for float tensors that have none, while the bytes so read stay within
-    ``compute_max_bytes``."""
+    ``compute_max_bytes``. A malformed body is its :class:`CorruptObject`."""
     _, states = read_body(repo, info)
     rows = []
     budget = compute_max_bytes
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-inspect") as pool:
-        for path, kind, desc in _leaves(states):
+    key = body_key(info.project, info.job, info.body)
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-inspect") as pool, \
+            damaged_body(key):
+        for path, kind, desc in checked_leaves(states, key):
             row = TensorRow(path, str(desc.get("dtype")), list(desc.get("shape", [])),
                             int(desc.get("nbytes", 0)), st.of_descriptor(desc))
             if (row.stats is None and compute and is_float_dtype(row.dtype)
@@ -96,14 +94,16 @@ class Histogram:
 def histogram(repo: Repository, info: SnapshotInfo, tensor: str, bins: int = 20) -> Histogram:
     """One tensor's statistics and the histogram of its finite values (reads the tensor)."""
     _, states = read_body(repo, info)
-    leaves = {p: (k, d) for p, k, d in _leaves(states)}
+    key = body_key(info.project, info.job, info.body)
+    leaves = {p: (k, d) for p, k, d in checked_leaves(states, key)}
     if tensor not in leaves:
         near = sorted(p for p in leaves if tensor.split("/")[-1] in p)[:5] or sorted(leaves)[:5]
         raise SnapshotNotFound(f"snapshot {info.short_id} has no tensor {tensor!r} (tensors "
                                f"such as {', '.join(near)}; `ciuic inspect {info.short_id}` "
                                "lists them)")
     kind, desc = leaves[tensor]
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-inspect") as pool:
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-inspect") as pool, \
+            damaged_body(key):
         value = read_tensor(repo, tensor, kind, desc, pool)
     flat = value.reshape(-1)
     if flat.is_complex() or flat.dtype == torch.bool:

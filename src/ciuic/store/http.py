@@ -9,23 +9,40 @@ missing chunks are sent. The key comes from the constructor or ``CIUIC_API_KEY``
 Errors: 401/403 raise :class:`~ciuic.errors.StoreAccessError` at once (a wrong key does not get
 better by retrying); 404 is :class:`~ciuic.errors.ObjectNotFound`; anything else, including a
 server that cannot be reached, is a :class:`~ciuic.errors.StoreError` that
-:class:`~ciuic.store.retry.RetryingStore` retries within bounds.
+:class:`~ciuic.store.retry.RetryingStore` retries within bounds; an answer that is not the JSON
+the API gives is one too.
+
+TLS: an ``https://`` server's certificate is verified against ``CIUIC_CA`` (a PEM file of the
+certificate authority, or of the server's own self-signed certificate; or a directory of them)
+when set, else against the system's trust store. A certificate that fails to verify raises
+:class:`~ciuic.errors.StoreAccessError` at once, saying what to set.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import ipaddress
+import logging
 import os
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlparse
 
 from ciuic import knobs
-from ciuic.errors import ConfigurationError, ObjectNotFound, StoreAccessError, StoreError
+from ciuic.errors import (
+    ConfigurationError,
+    CorruptObject,
+    ObjectNotFound,
+    StoreAccessError,
+    StoreError,
+)
+from ciuic.format import canonical
 from ciuic.store.base import Data, Store, check_key, check_prefix, joined
 from ciuic.threads import Pools
 
+log = logging.getLogger("ciuic")
 _MISSING_BATCH = 10_000  # keys per "missing" request (the server takes up to 100 000)
 
 
@@ -38,6 +55,46 @@ def split_url(url: str) -> tuple[str, str]:
                                  "https://HOST/v1/projects/PROJECT")
     base = "/".join(parts[:-3])
     return f"{parsed.scheme}://{parsed.netloc}{base}", parts[-1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback: a name other than
+    ``localhost`` may resolve to anything, so it is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context() -> ssl.SSLContext:
+    """How a client verifies a server's certificate: against ``CIUIC_CA`` (a PEM file or a
+    directory of them) when set, else the system's trust store (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` move it)."""
+    ca = os.environ.get("CIUIC_CA")
+    if not ca:
+        return ssl.create_default_context()
+    if not os.path.exists(ca):
+        raise ConfigurationError(f"CIUIC_CA is {ca!r}, which does not exist; set it to the PEM "
+                                 "file of the certificate authority that signed the server's "
+                                 "certificate (or to the server's self-signed certificate)")
+    try:
+        if os.path.isdir(ca):
+            return ssl.create_default_context(capath=ca)
+        return ssl.create_default_context(cafile=ca)
+    except (ssl.SSLError, ValueError) as e:
+        raise ConfigurationError(f"CIUIC_CA {ca!r} holds no usable PEM certificate: {e}") from e
+
+
+def _untrusted(e: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate failure inside an HTTP error, if it is one."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class HttpStore(Store):
@@ -71,15 +128,47 @@ class HttpStore(Store):
         self._client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(timeout, connect=knobs.get().s3_connect_timeout_s),
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=32))
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=32),
+            verify=tls_context() if urlparse(endpoint).scheme == "https" else True)
+        host = urlparse(endpoint).hostname or ""
+        if urlparse(endpoint).scheme == "http" and not is_loopback(host):
+            log.warning("the ciuic server at %s is reached over plain HTTP: the API key crosses "
+                        "the network in cleartext; use https:// (docs/server.md, \"TLS\")",
+                        endpoint)
         #: a batch's PUTs in parallel (the client is shared between threads)
         self._pools = Pools(knobs.get().s3_concurrency, "ciuic-http")
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _send(self, method: str, path: str, **kw: Any) -> Any:
+        """One request; :class:`StoreAccessError` for a certificate that does not verify (it
+        does not get better by retrying), :class:`StoreError` for a server not reached."""
         try:
-            r = self._client.request(method, path, **kw)
+            return self._client.request(method, path, **kw)
         except self._httpx.HTTPError as e:
+            bad = _untrusted(e)
+            if bad is not None:
+                raise StoreAccessError(
+                    f"the ciuic server at {self.endpoint} presented a certificate this client "
+                    f"does not trust ({bad.verify_message or bad}): set CIUIC_CA to the PEM "
+                    "file of the certificate authority that signed it (or to the server's "
+                    "self-signed certificate), or add that authority to the system's trust "
+                    "store; check that the URL's host is one the certificate names") from None
             raise StoreError(f"cannot reach the ciuic server at {self.endpoint}: {e}") from e
+
+    def _answer(self, r: Any, *fields: str) -> dict[str, Any]:
+        """A JSON answer holding ``fields``; :class:`StoreError` when it is not one."""
+        where = f"{r.request.method} {r.request.url.path}"
+        try:
+            value = canonical.parse(r.content, where, "answer", floats=True)
+        except CorruptObject as e:
+            raise StoreError(f"the ciuic server at {self.endpoint} answered {where} with "
+                             f"{e.reason}") from None
+        if not (isinstance(value, dict) and all(f in value for f in fields)):
+            raise StoreError(f"the ciuic server at {self.endpoint} answered {where} without "
+                             f"{', '.join(fields)}: {r.text[:200]!r}")
+        return value
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self._send(method, path, **kw)
         if r.status_code in (401, 403):
             raise StoreAccessError(f"the ciuic server at {self.endpoint} refused the request "
                                    f"({r.status_code}): {_message(r)}")
@@ -124,14 +213,16 @@ class HttpStore(Store):
         for i in range(0, len(keys), _MISSING_BATCH):
             r = self._call("POST", "/objects/missing",
                            json={"keys": keys[i:i + _MISSING_BATCH]})
-            out += [str(k) for k in r.json()["missing"]]
+            out += [str(k) for k in self._answer(r, "missing")["missing"]]
         return out
 
     def list(self, prefix: str = "") -> Iterator[str]:
         check_prefix(prefix)
         after = ""
         while True:
-            page = self._call("GET", "/objects", params={"prefix": prefix, "after": after}).json()
+            page = self._answer(self._call("GET", "/objects",
+                                           params={"prefix": prefix, "after": after}),
+                                "keys", "more")
             yield from page["keys"]
             if not page["more"] or not page["keys"]:
                 return
@@ -147,16 +238,13 @@ class HttpStore(Store):
 
     def whoami(self) -> dict[str, Any]:
         """The key's project and role, as the server sees them."""
-        try:
-            r = self._client.get(f"{self.endpoint}/v1/whoami")
-        except self._httpx.HTTPError as e:
-            raise StoreError(f"cannot reach the ciuic server at {self.endpoint}: {e}") from e
+        r = self._send("GET", f"{self.endpoint}/v1/whoami")
         if r.status_code in (401, 403):
             raise StoreAccessError(f"the ciuic server at {self.endpoint} refused the key: "
                                    f"{_message(r)}")
         if r.status_code >= 400:
             raise StoreError(f"the ciuic server answered {r.status_code}: {_message(r)}")
-        return dict(r.json())
+        return self._answer(r, "project")
 
     def close(self) -> None:
         self._pools.shutdown()
