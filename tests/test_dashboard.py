@@ -444,7 +444,8 @@ def test_a_job_with_one_snapshot_labels_its_one_step_once(site: Site, tmp_path: 
 def test_an_answer_for_a_page_already_left_is_dropped(site: Site, tmp_path: Path) -> None:
     """A slow job's chain arriving after the user went on to another page replaced that page
     (and said it was ready under the other page's address). The browser holds the chain's
-    answers (from the real server) until the second page shows, then lets them through."""
+    answers (from the real server) until the second page shows, then lets them through. While
+    a page loads, the one shown is marked busy (dimmed): nothing said a click was under way."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -459,8 +460,11 @@ def test_an_answer_for_a_page_already_left_is_dropped(site: Site, tmp_path: Path
             "location.hash = '/p/dash/j/train';")
         WebDriverWait(driver, 30).until(lambda d: d.execute_script("return window.held.length")
                                         == 2)
+        assert driver.find_element(By.ID, "view").get_attribute("aria-busy") == "true"
+        assert driver.find_element(By.ID, "jobs").is_displayed()  # the last page, dimmed
         driver.execute_script("location.hash = '/p/dash/j/sick'")
         wait_ready(driver, "/p/dash/j/sick")
+        assert driver.find_element(By.ID, "view").get_attribute("aria-busy") is None
         driver.execute_script("window.held.forEach((go) => go())")
         WebDriverWait(driver, 30).until(lambda d: d.execute_script(
             "return document.body.dataset.dropped || document.body.dataset.ready") != (
