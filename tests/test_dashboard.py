@@ -6,6 +6,7 @@ job, the runs column at 1000, 1400 and 1920 pixels, a server stopped under the p
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,6 +134,9 @@ def test_load_navigate_verify_and_screenshot(site: Site, tmp_path: Path) -> None
         wait_ready(driver, "/p/dash")
         jobs = driver.find_element(By.ID, "jobs").text
         assert "train" in jobs and "5" in jobs  # steps 0, 10, 20, 30 and the final 39
+        # when each job saved last (which one is running): the jobs' page did not say
+        cells = driver.find_elements(By.CSS_SELECTOR, '#jobs tr[data-job="train"] td')
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", cells[-1].text), cells[-1].text
         shot("jobs")
         driver.find_element(By.LINK_TEXT, "train").click()
         wait_ready(driver, "/p/dash/j/train")
