@@ -184,6 +184,9 @@ def test_health_plots_and_the_diff_of_two_snapshots(site: Site,
         assert len(driver.find_elements(By.CSS_SELECTOR, "#chart circle.unhealthy")) == 1
         # step 3's model holds a NaN: its norm is NaN, not a point that looks healthy
         assert len(driver.find_elements(By.CSS_SELECTOR, "#norms circle")) == 2
+        # and the page says why the norm's line ends at step 2 (nothing did)
+        assert driver.find_element(By.ID, "norms-unplotted").text == (
+            "No finite L2 norm (a NaN or Inf in the state): model at step 3.")
         assert "model" in driver.find_element(By.ID, "norms").text
         driver.save_screenshot(str(tmp_path / "sick.png"))
         rows[0].find_element(By.CSS_SELECTOR, "a.diff").click()
