@@ -478,6 +478,22 @@ def test_an_answer_for_a_page_already_left_is_dropped(site: Site, tmp_path: Path
             "/p/dash/j/sick"))
         assert driver.execute_script("return document.body.dataset.ready") == "/p/dash/j/sick"
         assert driver.find_element(By.TAG_NAME, "h2").text == "dash/sick: 3 snapshots"
+        # a snapshot's page, whose tensors come after the user went back to the jobs: dropped
+        # too (the page caught the late answer and showed itself)
+        driver.execute_script(
+            "window.held = []; const real = window.fetch;"
+            "window.fetch = (u, o) => u.includes('/tensors') ? new Promise("
+            "  (done) => window.held.push(() => done(real(u, o)))) : real(u, o);")
+        driver.find_elements(By.CSS_SELECTOR, "#timeline tr[data-step] a")[0].click()
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script("return window.held.length")
+                                        == 1)
+        driver.execute_script("location.hash = '/p/dash'")
+        wait_ready(driver, "/p/dash")
+        driver.execute_script("window.held.forEach((go) => go())")
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+            "return document.body.dataset.dropped") == "2" or d.find_element(
+            By.TAG_NAME, "h2").text != "Jobs of dash")
+        assert driver.find_element(By.TAG_NAME, "h2").text == "Jobs of dash"
     finally:
         driver.quit()
 
