@@ -75,8 +75,8 @@ def _wait(cond: object, timeout: float = 20.0) -> None:
     raise AssertionError("timed out")
 
 
-@pytest.fixture
-def two() -> Iterator[list[Holder]]:
+@pytest.fixture(name="two")
+def two_holders() -> Iterator[list[Holder]]:
     holders = [Holder(budget=64 << 20), Holder(budget=64 << 20)]
     yield holders
     for h in holders:
@@ -128,7 +128,7 @@ def test_a_chunk_that_arrives_damaged_is_refused_and_the_replica_never_serves(
         two: list[Holder]) -> None:
     nodes = _join(two)
     good = os.urandom(10_000)
-    client = PeerClient(nodes[1], TOKEN)
+    client = PeerClient(nodes[1], TOKEN, me=0)
     missing = client.call({"op": "put_begin", "src": 0, "sid": "s",
                            "entries": [[digest(good), len(good)]]})["missing"]
     assert missing == [[digest(good), len(good)]]
