@@ -286,6 +286,25 @@ def test_replicas_in_transit_side_by_side_count_against_the_budget() -> None:
         b.close()
 
 
+def test_a_replica_in_transit_gives_way_to_the_nodes_own_copy() -> None:
+    a, b = Holder(budget=64 << 20), Holder(budget=8 << 20)
+    try:
+        nodes = _join([a, b])
+        data = os.urandom(6 << 20)
+        client = PeerClient(nodes[1], TOKEN, me=0)
+        client.call({"op": "put_begin", "src": 0, "sid": "s",
+                     "entries": [[digest(data), len(data)]]})
+        _publish(b, 0, "own", [os.urandom(4 << 20)])  # a rank of node 1 stages 4 MiB
+        assert b.released is None
+        with pytest.raises(PeerError, match="dropped to keep this node's own copy"):
+            client.call({"op": "put", "d": digest(data)}, data)
+        client.close()
+        assert b.replicas.by_src == {}
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize(("me", "src", "why"), [
     (0, -1, "src is not a whole number"),
     (7, 7, "node 7 is not another node of this job"),

@@ -86,7 +86,7 @@ class PeerClient:
         self._wire = Wire(self._sock)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_login(self._wire, token, me, min(timeout, HANDSHAKE_S),
+            client_login(self._wire, token, me, min(3 * timeout, HANDSHAKE_S),
                          f"node {node.rank} ({node.host})")
         except BaseException:
             self._sock.close()

@@ -24,6 +24,7 @@ from ciuic.format.digest import digest
 from ciuic.supervisor.peers import Receiving
 
 _keys = itertools.count(1)
+_DROPPED = "the replica was dropped to keep this node's own copy within --host-memory"
 
 
 class Segment:
@@ -111,11 +112,15 @@ class Replicas:
         with self._lock:
             self._transit.discard(receiving)
 
+    def _dropped(self, receiving: _Receiving) -> bool:
+        """Whether a replica in transit was dropped (:meth:`clear`) to make room."""
+        with self._lock:
+            return receiving not in self._transit
+
     def complete(self, replica: Replica, receiving: _Receiving) -> None:
         with self._lock:
             if receiving not in self._transit:
-                raise ValueError("the replica was dropped to keep this node's own copy within "
-                                 "--host-memory")
+                raise ValueError(_DROPPED)
             self._transit.discard(receiving)
             before = self._segments()
             self.by_src[replica.src] = replica
@@ -156,6 +161,8 @@ class _Receiving(Receiving):
     def buffer(self, d: str, n: int) -> memoryview:
         if self._done:
             raise ValueError("the replica was abandoned")
+        if self._owner._dropped(self):
+            raise ValueError(_DROPPED)
         at = self._at.get(d)
         if at is None or self._sizes.get(d) != n:
             raise ValueError(f"chunk {d[:12]} of {n} bytes is not part of this replica")
