@@ -92,21 +92,22 @@ class PeerClient:
             self._sock.close()
             raise
 
-    def _reply(self) -> Frame:
+    def _reply(self, chunk: bool = False) -> Frame:
+        """The next reply; one that carries a payload it should not (only a ``get`` that
+        succeeds does) is read past and raises."""
         frame = self._wire.recv(self._timeout)
-        if frame.n and frame.header.get("ok") is not True:
-            raise PeerError(f"node {self.node.rank}: a refusal with a payload")
+        if frame.n and not (chunk and frame.header.get("ok") is True):
+            self._wire.recv_payload(None)
+            raise PeerError(f"node {self.node.rank}: a reply with bytes it should not have")
         return frame
 
     def call(self, header: dict[str, Any], payload: bytes | memoryview = b""
              ) -> dict[str, Any]:
         self._wire.send(header, payload, self._timeout)
-        frame = self._reply()
-        if frame.n:
-            raise PeerError(f"node {self.node.rank}: a payload this request does not take")
-        if frame.header.get("ok") is not True:
-            raise PeerError(f"node {self.node.rank}: {str(frame.header.get('why'))[:500]}")
-        return frame.header
+        reply = self._reply().header
+        if reply.get("ok") is not True:
+            raise PeerError(f"node {self.node.rank}: {str(reply.get('why'))[:500]}")
+        return reply
 
     def ping(self) -> dict[str, Any]:
         """The node's status (:meth:`ChunkHost.status`)."""
@@ -119,7 +120,7 @@ class PeerClient:
     def get(self, d: str, dest: memoryview) -> bool:
         """Chunk ``d`` into ``dest`` (its length); False where the node no longer holds it."""
         self._wire.send(Get(d, len(dest)).to_json(), timeout=self._timeout)
-        frame = self._reply()
+        frame = self._reply(chunk=True)
         if frame.header.get("ok") is not True:
             return False
         if frame.n != len(dest):
@@ -132,10 +133,7 @@ class PeerClient:
         """Chunk ``d``: ``n`` bytes of ``fd`` from ``offset``; the node's reply (not checked)."""
         with mapped(fd, offset, n) as view:
             self._wire.send(Put(d, n).to_json(), view, self._timeout)
-        frame = self._reply()
-        if frame.n:
-            raise PeerError(f"node {self.node.rank}: a payload this request does not take")
-        return frame.header
+        return self._reply().header
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -161,6 +159,8 @@ class ChunkHost:
 
     def receive_replica(self, src: int, sid: str, entries: list[tuple[str, int]]
                         ) -> Receiving:  # pragma: no cover - protocol
+        """A replica of node ``src`` begins; ValueError (answered as a refusal): ``src`` is
+        not another node of the job, or the replica does not fit the memory budget."""
         raise NotImplementedError
 
 
@@ -170,7 +170,9 @@ class Receiving:
     missing: list[tuple[str, int]]
 
     def buffer(self, d: str, n: int) -> memoryview:  # pragma: no cover - protocol
-        """Where chunk ``d`` of ``n`` bytes is to be received."""
+        """Where chunk ``d`` of ``n`` bytes is to be received; ValueError (answered as a
+        refusal, the replica goes on): not one of the replica's missing chunks, or the replica
+        was dropped to make room."""
         raise NotImplementedError
 
     def arrived(self, d: str, view: memoryview) -> None:  # pragma: no cover - protocol
@@ -178,7 +180,8 @@ class Receiving:
         raise NotImplementedError
 
     def complete(self) -> None:  # pragma: no cover - protocol
-        """Every entry arrived: the replica replaces the previous one of its source."""
+        """Every entry arrived: the replica replaces the previous one of its source
+        (ValueError where some did not, or the replica was dropped to make room)."""
         raise NotImplementedError
 
     def abandon(self) -> None:  # pragma: no cover - protocol
