@@ -106,6 +106,16 @@ def test_connections_past_the_handshake_limit_are_closed_at_once() -> None:
         _wait(lambda: _pings(node))
 
 
+def test_connections_past_the_connection_limit_are_closed_at_once() -> None:
+    with _server(max_connections=2) as (_, node):
+        clients = [PeerClient(node, TOKEN) for _ in range(2)]
+        with pytest.raises(ConnectionError):
+            PeerClient(node, TOKEN)
+        clients.pop().close()
+        _wait(lambda: _pings(node))  # a place is free again
+        clients[0].close()
+
+
 def _pings(node: Node) -> bool:
     try:
         client = PeerClient(node, TOKEN)

@@ -18,6 +18,8 @@ from typing import Any
 from ciuic.format.chunks import HEADER_BYTES as SKEW
 from ciuic.supervisor.fetched import Fetched
 from ciuic.supervisor.peers import (
+    MAX_CONNECTIONS,
+    PER_NODE,
     ChunkHost,
     Node,
     PeerClient,
@@ -113,6 +115,7 @@ class NodeService(ChunkHost):
         mine = [n for n in nodes if n.rank == me]
         if self._server is None or not mine or mine[0].port != self._server.port:
             return
+        self._server.max_connections = MAX_CONNECTIONS + PER_NODE * len(nodes)
         try:
             self._server.serve_on(mine[0].host)
         except OSError as e:

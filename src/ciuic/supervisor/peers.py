@@ -56,9 +56,12 @@ log = logging.getLogger("ciuic")
 HANDSHAKE_S = 10.0
 #: seconds a logged-in connection may ask nothing before the server closes it
 IDLE_S = 120.0
-#: connections a node's chunk service holds at most, and of them not logged in yet
-MAX_CONNECTIONS = 512
-MAX_HANDSHAKES = 16
+#: connections a node's chunk service holds at most, besides :data:`PER_NODE` for each node of
+#: the job (every other node keeps one open for its pings, and opens one to read the index);
+#: and of them not logged in yet (a thread and a few KiB each)
+MAX_CONNECTIONS = 1024
+PER_NODE = 4
+MAX_HANDSHAKES = 256
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,9 @@ class PeerServer:
         self._host = host
         self._token = token
         self._handshake_s, self._idle_s = handshake_s, idle_s
-        self._max, self._max_login = max_connections, max_handshakes
+        #: (the job's nodes known, :meth:`serve_on` raises it by :data:`PER_NODE` each)
+        self.max_connections = max_connections
+        self._max_login = max_handshakes
         self._closed = False
         self._lock = threading.Lock()
         self._conns = self._logging_in = 0
@@ -270,7 +275,7 @@ class PeerServer:
             except OSError:
                 return
             with self._lock:
-                full = self._conns >= self._max or self._logging_in >= self._max_login
+                full = self._conns >= self.max_connections or self._logging_in >= self._max_login
                 if full:
                     self.turned_away += 1
                 else:
