@@ -116,6 +116,14 @@ def test_connections_past_the_connection_limit_are_closed_at_once() -> None:
         clients[0].close()
 
 
+def test_a_logged_in_connection_that_asks_nothing_is_closed() -> None:
+    with _server(idle_s=1.0) as (_, node):
+        client = PeerClient(node, TOKEN)
+        assert client.ping()["ok"]
+        assert _closed_by_peer(client._sock, timeout=30)
+        client.close()
+
+
 def _pings(node: Node) -> bool:
     try:
         client = PeerClient(node, TOKEN)

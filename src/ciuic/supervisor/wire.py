@@ -64,12 +64,14 @@ def payload_s(n: int) -> float:
     return TIMEOUT_S + n / MIN_BYTES_PER_S
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float,
+                step_s: float = TIMEOUT_S) -> None:
+    """``view`` filled by ``deadline`` (monotonic), each read within ``step_s``."""
     while view:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the peer sent too slowly")
-        sock.settimeout(min(left, TIMEOUT_S))
+        sock.settimeout(min(left, step_s))
         n = sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the peer closed the connection")
@@ -173,7 +175,8 @@ class Wire:
         prefix = bytearray(_PREFIX.size)
         view = memoryview(prefix)
         end = None if within_s is None else time.monotonic() + within_s
-        _recv_exact(self.sock, view[:1], time.monotonic() + wait_s if end is None else end)
+        first = time.monotonic() + wait_s if end is None else end
+        _recv_exact(self.sock, view[:1], first, step_s=wait_s)
         deadline = time.monotonic() + TIMEOUT_S if end is None else end
         _recv_exact(self.sock, view[1:], deadline)
         hn, pn = _PREFIX.unpack(prefix)
