@@ -414,7 +414,7 @@ def fuzzed() -> Iterator[Node]:
         yield node
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[
     HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=2048))
 @example(data=struct.pack("!IQ", 50_000, 0) + b"[" * 50_000)
@@ -431,7 +431,7 @@ def test_fuzz_bytes_before_login_are_refused_and_the_server_goes_on(fuzzed: Node
     assert _pings(fuzzed)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[
     HealthCheck.function_scoped_fixture])
 @given(headers=st.lists(_headers, min_size=1, max_size=4),
        payload=st.binary(max_size=64))
