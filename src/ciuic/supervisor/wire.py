@@ -135,10 +135,6 @@ class Wire:
         self._rx_seq = 0
         self._pending = 0  # payload bytes of the last frame, not read yet
 
-    @property
-    def authenticated(self) -> bool:
-        return self._rx is not None
-
     def login(self, tx: bytes, rx: bytes) -> None:
         self._tx, self._rx = tx, rx
 
