@@ -75,8 +75,8 @@ def _wait(cond: object, timeout: float = 20.0) -> None:
     raise AssertionError("timed out")
 
 
-@pytest.fixture
-def two() -> Iterator[list[Holder]]:
+@pytest.fixture(name="two")
+def two_holders() -> Iterator[list[Holder]]:
     holders = [Holder(budget=64 << 20), Holder(budget=64 << 20)]
     yield holders
     for h in holders:
@@ -89,7 +89,7 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
     # a chunk far larger than a socket's send buffer: the push waits for the receiver
     pieces = [os.urandom(100_000), os.urandom(50_000), b"\x07" * 4096, os.urandom(24 << 20)]
     ds = _publish(two[0], 0, "s1", pieces)
-    _wait(lambda: 0 in two[1].replicas.by_src)
+    _wait(lambda: 0 in two[1].replicas.by_src and two[0].pushed)  # (noted after the reply)
     assert sorted(two[1].replicas.by_src[0].chunks) == sorted(ds)
     assert two[0].pushed[-1] == (1, 4, sum(len(p) for p in pieces))
     # the replica is in node 1's index for its own ranks, mapped like a rank's buffers
@@ -106,8 +106,10 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
         assert reader.read(d, memoryview(dest)) and bytes(dest) == p
     assert not reader.read("0" * 64, memoryview(bytearray(10)))
     reader.close()
-    two[1].close()  # nothing of theirs stays open in this process (each get had a descriptor)
-    assert not _open_memfds()
+    two[1].close()
+    # nothing of theirs stays open in this process (each get had a descriptor, which its
+    # thread closes once the bytes are sent)
+    _wait(lambda: not _open_memfds())
 
 
 def test_unchanged_chunks_are_not_sent_again_and_a_wrong_token_reads_nothing(
@@ -128,7 +130,7 @@ def test_a_chunk_that_arrives_damaged_is_refused_and_the_replica_never_serves(
         two: list[Holder]) -> None:
     nodes = _join(two)
     good = os.urandom(10_000)
-    client = PeerClient(nodes[1], TOKEN)
+    client = PeerClient(nodes[1], TOKEN, me=0)
     missing = client.call({"op": "put_begin", "src": 0, "sid": "s",
                            "entries": [[digest(good), len(good)]]})["missing"]
     assert missing == [[digest(good), len(good)]]

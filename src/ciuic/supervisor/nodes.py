@@ -18,6 +18,8 @@ from typing import Any
 from ciuic.format.chunks import HEADER_BYTES as SKEW
 from ciuic.supervisor.fetched import Fetched
 from ciuic.supervisor.peers import (
+    MAX_CONNECTIONS,
+    PER_NODE,
     ChunkHost,
     Node,
     PeerClient,
@@ -100,12 +102,26 @@ class NodeService(ChunkHost):
             self._reader = None
             self.fetched.clear()
         self._token, self._me, self._nodes = token, me, nodes
+        self._serve_on(me, nodes)
         self.replicas.keys = [bytes.fromhex(k) for k in m.get("keys", [])]
         if not self._pinging and len(self._nodes) > 1:
             self._pinging = True
             threading.Thread(target=self._ping_loop, name="ciuic-run-ping",
                              daemon=True).start()
         return {"ok": True}
+
+    def _serve_on(self, me: int, nodes: list[Node]) -> None:
+        """Serve this node's chunks on the one address its ranks told the other nodes."""
+        mine = [n for n in nodes if n.rank == me]
+        if self._server is None or not mine or mine[0].port != self._server.port:
+            return
+        self._server.max_connections = MAX_CONNECTIONS + PER_NODE * len(nodes)
+        try:
+            self._server.serve_on(mine[0].host)
+        except OSError as e:
+            run_log.warning("ciuic run: this node's memory cannot be served to the other nodes "
+                            "on %s:%d (%s): their restores read the store", mine[0].host,
+                            mine[0].port, e)
 
     def _close_nodes(self) -> None:
         with self._lock:
@@ -240,6 +256,11 @@ class NodeService(ChunkHost):
 
     def receive_replica(self, src: int, sid: str, entries: list[tuple[str, int]]
                         ) -> Receiving:
+        with self._lock:
+            others = {n.rank for n in self._nodes if n.rank != self._me}
+        if src not in others:
+            raise ValueError(f"node {src} is not another node of this job (they are "
+                             f"{sorted(others)})")
         return self.replicas.begin(src, sid, entries)
 
     def _push_loop(self) -> None:

@@ -4,7 +4,9 @@ A replica is what one source node published at its latest commit, chunk by chunk
 ``memfd`` *segments*: each transfer writes the chunks the previous replica of that source did
 not hold into one new segment, and the chunks it did hold are kept where they are. A replica
 serves only once every chunk arrived and matched its digest; it then replaces the previous one
-of its source, and segments no replica uses any more are closed.
+of its source, and segments no replica uses any more are closed. A replica in transit counts
+against the budget from its start (its new segment's bytes), so that transfers side by side
+cannot together pass it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ciuic.format.digest import digest
 from ciuic.supervisor.peers import Receiving
 
 _keys = itertools.count(1)
+_DROPPED = "the replica was dropped to keep this node's own copy within --host-memory"
 
 
 class Segment:
@@ -73,10 +76,13 @@ class Replicas:
         self.keys: list[bytes] = []
         self.received = 0  # complete replicas
         self.abandoned = 0
+        self._transit: set[_Receiving] = set()  # replicas in transit, counted in held()
 
     def held(self) -> int:
-        """Bytes of every segment in use (call with the lock held)."""
-        return sum(s.nbytes for s in self._segments())
+        """Bytes of every segment in use, and of the replicas in transit (call with the lock
+        held)."""
+        return (sum(s.nbytes for s in self._segments())
+                + sum(r.nbytes for r in self._transit))
 
     def _segments(self) -> set[Segment]:
         return {p.segment for r in self.by_src.values() for p in r.chunks.values()}
@@ -98,10 +104,24 @@ class Replicas:
             if not self._room(need):
                 raise ValueError(f"a replica of node {src} needs {need} more bytes than the "
                                  "host-memory budget (ciuic run --host-memory) leaves")
-        return _Receiving(self, src, sid, kept, missing)
+            receiving = _Receiving(self, src, sid, kept, missing)
+            self._transit.add(receiving)
+        return receiving
 
-    def complete(self, replica: Replica) -> None:
+    def _ended(self, receiving: _Receiving) -> None:
         with self._lock:
+            self._transit.discard(receiving)
+
+    def _dropped(self, receiving: _Receiving) -> bool:
+        """Whether a replica in transit was dropped (:meth:`clear`) to make room."""
+        with self._lock:
+            return receiving not in self._transit
+
+    def complete(self, replica: Replica, receiving: _Receiving) -> None:
+        with self._lock:
+            if receiving not in self._transit:
+                raise ValueError(_DROPPED)
+            self._transit.discard(receiving)
             before = self._segments()
             self.by_src[replica.src] = replica
             for segment in before - self._segments():
@@ -109,10 +129,12 @@ class Replicas:
             self.received += 1
 
     def clear(self) -> None:
-        """Drop every replica (call with the lock held)."""
+        """Drop every replica, and those in transit (their next chunk is refused; call with
+        the lock held)."""
         for segment in self._segments():
             segment.close()
         self.by_src.clear()
+        self._transit.clear()
 
     def close(self) -> None:
         with self._lock:
@@ -125,7 +147,8 @@ class _Receiving(Receiving):
         self._owner = owner
         self._src, self._sid = src, sid
         self.missing = missing
-        self._segment = Segment(sum(n for _, n in missing))
+        self.nbytes = sum(n for _, n in missing)
+        self._segment = Segment(self.nbytes)
         self._at: dict[str, int] = {}
         self._sizes = dict(missing)
         pos = 0
@@ -136,6 +159,10 @@ class _Receiving(Receiving):
         self._done = False
 
     def buffer(self, d: str, n: int) -> memoryview:
+        if self._done:
+            raise ValueError("the replica was abandoned")
+        if self._owner._dropped(self):
+            raise ValueError(_DROPPED)
         at = self._at.get(d)
         if at is None or self._sizes.get(d) != n:
             raise ValueError(f"chunk {d[:12]} of {n} bytes is not part of this replica")
@@ -150,13 +177,14 @@ class _Receiving(Receiving):
         lacking = [d for d, _ in self.missing if d not in self._chunks]
         if lacking:
             raise ValueError(f"the replica lacks {len(lacking)} chunks")
+        self._owner.complete(Replica(self._src, self._sid, self._chunks), self)
         self._done = True
         if not any(p.segment is self._segment for p in self._chunks.values()):
             self._segment.close()  # every chunk was kept from the previous replica
-        self._owner.complete(Replica(self._src, self._sid, self._chunks))
 
     def abandon(self) -> None:
         if not self._done:
             self._done = True
             self._owner.abandoned += 1
+            self._owner._ended(self)
             self._segment.close()
