@@ -149,7 +149,7 @@ def test_the_default_limit_turns_away_connections_that_never_log_in() -> None:
 
 
 def test_a_node_serves_only_on_the_address_it_told_the_others(two: list[Holder]) -> None:
-    port = Link(two[0].name, 0).request({"op": "listen"})[0]["port"]
+    port = Link(two[0].name, 0, two[0].secret).request({"op": "listen"})[0]["port"]
     with pytest.raises(ConnectionRefusedError):  # before the job's nodes are known: nothing
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     nodes = _join(two)
@@ -341,7 +341,7 @@ def test_a_replica_from_a_forged_source_is_refused(two: list[Holder], me: int | 
     assert client.ping()["ok"]  # the connection goes on
     client.close()
     assert two[1].replicas.by_src == {}
-    index = Link(two[1].name, 0).request({"op": "chunks"})[0]
+    index = Link(two[1].name, 0, two[1].secret).request({"op": "chunks"})[0]
     assert index["chunks"] == []
 
 
