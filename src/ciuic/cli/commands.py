@@ -445,6 +445,10 @@ def gc(dry_run: bool, wait: float) -> None:
 def reindex() -> None:
     """Rebuild the catalog from the store alone (the store is the truth)."""
     repo = current_repo()
+    if repo.read_only:
+        raise CiuicError(f"the store {repo.name} is on a read-only file system: its catalog "
+                         "cannot be rebuilt, and nothing was written. Remount it read-write "
+                         "and run reindex again (reading commands index it in your cache)")
     with progress_bar() as bar:
         task = bar.add_task("reindex", total=None)
         counts = repo.reindex(progress=lambda key: bar.advance(task))
