@@ -243,26 +243,41 @@ def verify(target: str | None, deep: bool) -> None:
             if locked:
                 status += (f"; [yellow]{counted(sum(locked.values()), 'object')} could not be "
                            "checked[/yellow] (sealed with a key that is not configured)")
+            aside = f", {report.quarantined} quarantined" if report.quarantined else ""
             say(f"{project}/{job}: {counted(report.snapshots, 'snapshot')} checked, "
-                f"{report.pruned} pruned, {counted(report.chunks_checked, 'chunk')} "
+                f"{report.pruned} pruned{aside}, {counted(report.chunks_checked, 'chunk')} "
                 f"{'re-hashed' if deep else 'present'}: {status}", 2)
             if lost:
                 say(f"  [red]the catalog lists {counted(len(lost), 'snapshot')} the store has "
                     f"no manifest of[/red] ({_steps(lost)}): {REINDEX}", 4)
             for p in damage:
-                console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
+                step = "step ?" if p.step is None else f"step {p.step}"  # an unreadable manifest
+                console.print(f"  [red]{step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
-            if damage:
-                first = damage[0].snapshot[:12]
-                say(f"  a restore skips a damaged snapshot for the newest intact one before it; "
-                    f"`{command('prune', f'{project}/{job}', '--snapshot', first)}` drops one "
-                    f"(then `{command('gc')}` frees what only it used)", 4)
+            _advise(project, job, damage)
             for key_id, n in locked.items():
                 say(f"  [yellow]{counted(n, 'object')} sealed with key {key_id}[/yellow], which "
                     "is not configured, could not be checked:\n  set CIUIC_ENCRYPTION_KEY_FILE "
                     "(or CIUIC_ENCRYPTION_KEY) to it, or add it to CIUIC_DECRYPTION_KEYS", 4)
     if bad:
         raise click.exceptions.Exit(1)
+
+
+def _advise(project: str, job: str, damage: list[Problem]) -> None:
+    """What to do about a job's damage: a damaged manifest (its snapshot committed or pruned
+    already) is moved aside by `ciuic gc --quarantine`; a committed snapshot's damaged body or
+    chunk is pruned by name. (A broken link names its parent's manifest: moved aside too.)"""
+    from ciuic.format import layout
+    manifests = {p.key for p in damage if layout.parse_manifest(p.key) is not None}
+    if manifests:
+        say(f"  {counted(len(manifests), 'damaged manifest')}: "
+            f"`{command('gc', '--quarantine')}` moves damaged manifests aside (to quarantine/ in "
+            "the store); until then each gc keeps what they may reference, and says so", 4)
+    data = [p for p in damage if p.key not in manifests and p.snapshot]
+    if data:
+        say(f"  a restore skips a damaged snapshot for the newest intact one before it; "
+            f"`{command('prune', f'{project}/{job}', '--snapshot', data[0].snapshot[:12])}` "
+            f"drops one (then `{command('gc')}` frees what only it used)", 4)
 
 
 #: what to do about snapshots the catalog lists and the store lacks
@@ -419,26 +434,41 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
 @click.option("--dry-run/--no-dry-run", default=False, help="Only count what would be deleted")
 @click.option("--wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
               help="Seconds to wait for saves in progress")
-def gc(dry_run: bool, wait: float) -> None:
-    """Delete chunks and bodies no snapshot references."""
+@click.option("--quarantine", is_flag=True,
+              help="First move damaged manifests and bodies aside, to quarantine/ in the store "
+              "(their snapshots cannot be restored either way); gc then frees what only they "
+              "used")
+def gc(dry_run: bool, wait: float, quarantine: bool) -> None:
+    """Delete chunks and bodies no snapshot references. A damaged manifest keeps what it may
+    reference (or, where that cannot be read, gc deletes nothing): each gc says so, and
+    --quarantine ends it."""
     from ciuic.chain.gc import GcResult, collect
     repo = current_repo()
     result = GcResult()
     with progress_bar() as bar:
         task = bar.add_task("gc: reading manifests", total=None)
         for store in repo.namespaces():  # in a server's storage, each project's store too
-            result.add(collect(store, dry_run=dry_run, wait_s=wait,
+            result.add(collect(store, dry_run=dry_run, wait_s=wait, quarantine_damaged=quarantine,
                                progress=lambda key: bar.advance(task)))
+    verb = "would move" if dry_run else "moved"
+    for key in result.quarantined:
+        say(f"{verb} {key} to quarantine/", 2, markup=False)
+    for d in result.damage:
+        if d.key not in result.quarantined:
+            say(f"[red]damaged: {d.key}[/red]: {d.reason}", 2, stderr=True)
+    warning = result.warning(command("gc", "--quarantine"))
     if result.skipped:
         say(f"[yellow]gc skipped: {result.skipped}[/yellow]", 2, stderr=True)
+        if warning:
+            say(f"[yellow]{warning}[/yellow]", 2, stderr=True)
         raise click.exceptions.Exit(2)
     verb = "would delete" if dry_run else "deleted"
     say(f"{verb} {counted(result.deleted_chunks, 'chunk')} and "
         f"{counted(result.deleted_bodies, 'body', 'bodies')}, "
         f"{'freeing' if not dry_run else 'which would free'} "
         f"{size_text(result.deleted_bytes)}; kept {counted(result.kept_chunks, 'chunk')}", 2)
-    for key in result.damaged:
-        err.print(f"[red]damaged, skipped: {key}[/red]")
+    if warning:
+        say(f"[yellow]warning: {warning}[/yellow]", 2, stderr=True)
 
 
 @app.command("reindex")

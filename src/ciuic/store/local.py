@@ -4,6 +4,10 @@ Durability: each object is written to a temporary file in its final directory, f
 renamed into place (``put``) or hard-linked into place (``create``, which fails if the name
 exists: an atomic create-if-absent), and the directory is fsync'ed. Temporary files start with
 ``.tmp-`` and are never listed; a crash can leave them behind and ``gc`` removes them.
+
+A full disk: the store holds :data:`RESERVE_BYTES` in ``.locks/reserve`` (never listed), which
+``gc`` frees to write its lock when nothing else can be written, then takes back once it has
+freed space (chain/gc.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from ciuic.store import direct as dio
 from ciuic.store.base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
+#: what a store holds in reserve for gc on a full disk: its lock and epoch, a page or two each
+RESERVE_BYTES = 64 * 1024
 log = logging.getLogger("ciuic")
 
 
@@ -130,6 +136,7 @@ class LocalStore(Store):
         self.direct = True
         #: bytes written with direct I/O by this store object
         self.direct_bytes = 0
+        self._reserved = False
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
@@ -475,6 +482,45 @@ class LocalStore(Store):
                 yield
             finally:
                 os.close(fd)  # closing releases the flock
+
+    @property
+    def _reserve(self) -> Path:
+        return self.root / ".locks" / "reserve"
+
+    def keep_reserve(self) -> None:
+        """Hold :data:`RESERVE_BYTES` in reserve (best effort: a full or read-only disk holds
+        none; checked once per store object once it holds them)."""
+        if self._reserved:
+            return
+        with contextlib.suppress(OSError):
+            if self._reserve.stat().st_size >= RESERVE_BYTES:
+                self._reserved = True
+                return
+        try:
+            self._reserve.parent.mkdir(exist_ok=True)
+            fd = os.open(self._reserve, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                except OSError as e:  # a file system without fallocate: written (not zeros,
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # which some compress)
+                        raise
+                    _write_all(fd, [memoryview(os.urandom(RESERVE_BYTES))])
+            finally:
+                os.close(fd)
+            self._reserved = True
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._reserve.unlink()  # not a part of one: the next call tries again
+
+    def release_reserve(self) -> bool:
+        """Free the reserve (for gc, on a full disk); whether it held any."""
+        self._reserved = False
+        try:
+            self._reserve.unlink()
+        except OSError:
+            return False
+        return True
 
     def _thread_lock(self, name: str) -> threading.Lock:
         with self._pending_lock:
