@@ -6,6 +6,8 @@ disk; prune and gc retried a read-only file system three times in a long line th
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import subprocess
@@ -14,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ciuic import SnapshotManager
+from ciuic.store.local import RESERVE_BYTES
 from tests.models import model_opt
 
 
@@ -45,6 +49,68 @@ def ciuic(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store), *args],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "200"})
+
+
+def fill(disk: Path) -> None:
+    """Write a file on ``disk`` until it is full."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def chunk_files(store: Path) -> set[Path]:
+    return {p for p in (store / "objects" / "chunks").rglob("*") if p.is_file()}
+
+
+def test_a_snapshot_that_fills_the_disk_removes_the_chunks_it_wrote(
+        disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A state larger than the disk: its final snapshot fails part-way. It left its chunks
+    behind (the disk stayed full), and its last line said "the latest snapshot is step None";
+    now the chunks it wrote go, those of the committed snapshot before it stay, and the line
+    says what is true."""
+    store = disk / "store"
+    small, small_opt = model_opt(64, 64)
+    with SnapshotManager("p", job="small", store=store, compression="off") as m:
+        m.save(0, small, small_opt)
+    before = chunk_files(store)
+    big, big_opt = model_opt(*[256] * 21)  # 20 chunks of 256 KiB: more than the disk holds
+    with caplog.at_level(logging.WARNING, "ciuic"):
+        m = SnapshotManager("p", job="big", store=store, compression="off",
+                            save_interval=1000)
+        m.step(1, big, big_opt)
+        m.close()  # its final snapshot, of step 1, fails: the disk is full
+    said = caplog.text
+    assert "no space left" in said and "the final snapshot at step 1 failed" in said, said
+    assert "step None" not in said and "this run committed no snapshot" in said, said
+    assert re.search(r"removed the failed snapshot's \d+ chunks", said), said
+    assert chunk_files(store) == before
+    assert not [p for p in store.rglob(".tmp-*")]
+    assert ciuic(store, "verify", "--deep").returncode == 0
+
+
+def test_gc_runs_on_a_full_disk(disk: Path) -> None:
+    """gc could not create its lock on a full disk ("creating .../locks/gc.json failed: no
+    space left ... run ciuic prune and ciuic gc"): it now uses the little space the store holds
+    in reserve for it, frees what pruned snapshots used, and takes the reserve back."""
+    store = disk / "store"
+    model, opt = model_opt(128, 128)
+    with SnapshotManager("p", job="j", store=store, compression="off") as m:
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            m.save(step, model, opt)
+    assert ciuic(store, "prune", "p/j", "--keep-last", "1").returncode == 0
+    fill(disk)
+    run = ciuic(store, "gc")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"deleted 2 chunks and 0 bodies", run.stdout), run.stdout
+    assert (store / "objects" / ".locks" / "reserve").stat().st_size == RESERVE_BYTES
+    assert ciuic(store, "verify", "--deep").returncode == 0
 
 
 def test_a_read_only_store_is_said_at_once_and_reindex_fails(disk: Path) -> None:

@@ -443,6 +443,9 @@ def gc(dry_run: bool, wait: float, quarantine: bool) -> None:
     reference (or, where that cannot be read, gc deletes nothing): each gc says so, and
     --quarantine ends it."""
     from ciuic.chain.gc import GcResult, collect
+    from ciuic.store.local import spare_room
+    if "://" not in store_location():  # a full disk: room to open the catalog, and the lock
+        spare_room(Path(store_location()).expanduser() / "objects")
     repo = current_repo()
     result = GcResult()
     with progress_bar() as bar:

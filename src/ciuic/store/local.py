@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,8 +34,9 @@ from ciuic.store import direct as dio
 from ciuic.store.base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
-#: what a store holds in reserve for gc on a full disk: its lock and epoch, a page or two each
-RESERVE_BYTES = 64 * 1024
+#: what a store holds in reserve for gc on a full disk: room to open the catalog beside it
+#: (SQLite's 32 KiB shared-memory file) and to write gc's lock and epoch
+RESERVE_BYTES = 128 * 1024
 log = logging.getLogger("ciuic")
 
 
@@ -111,6 +113,20 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def spare_room(objects: Path) -> bool:
+    """Free the reserve of the local store in ``objects`` when its disk has less than
+    :data:`RESERVE_BYTES` free, before a command that must run on a full disk (gc) opens its
+    catalog and writes its lock. Whether it freed any."""
+    try:
+        if shutil.disk_usage(objects).free >= RESERVE_BYTES:
+            return False
+        (objects / ".locks" / "reserve").unlink()
+    except OSError:
+        return False
+    log.warning("%s: the disk is full; gc uses the space held in reserve for it", objects)
+    return True
 
 
 class LocalStore(Store):
@@ -484,7 +500,7 @@ class LocalStore(Store):
                 os.close(fd)  # closing releases the flock
 
     @property
-    def _reserve(self) -> Path:
+    def _reserve(self) -> Path:  # (spare_room knows it too)
         return self.root / ".locks" / "reserve"
 
     def keep_reserve(self) -> None:
