@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from ciuic import SnapshotManager, knobs
-from ciuic.chain.gc import _is_live, collect
+from ciuic.chain.gc import InflightSave, _is_live, collect
 from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.retention import prune, prune_one
 from ciuic.chain.verify import verify_job
+from ciuic.chain.writer import ChunkCache, remove_unreferenced
 from ciuic.format import layout
 from ciuic.format.digest import digest
 from ciuic.format.info import SnapshotInfo
@@ -191,3 +192,23 @@ def test_training_warns_of_a_damaged_manifest_and_its_store_stops_growing(
     live = [s for job in ("old", "new") for s in repo.catalog.snapshots("p", job)]
     assert len(live) == 4
     assert set(repo.store.list("chunks/")) == set().union(*(chunks_of(repo, s) for s in live))
+
+
+def test_a_failed_snapshots_cleanup_spares_what_another_save_or_a_snapshot_uses(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The chunks a snapshot wrote before it failed on a full disk (issue #42, item 3) go only
+    under gc's protocol: not while another save is in flight (it may have found them stored),
+    and never one a committed snapshot references."""
+    infos = saved(store_dir, 1)
+    repo = Repository.open(store_dir)
+    used = chunks_of(repo, infos[0])
+    mine = layout.chunk_key("1" * 64)
+    repo.store.put(mine, b"a chunk only the failed snapshot wrote")
+    cache = ChunkCache()
+    cache.digests.add("1" * 64)
+    with caplog.at_level(logging.WARNING, "ciuic"), InflightSave(repo.store):
+        remove_unreferenced(repo, {*used, mine}, cache)
+    assert repo.store.has(mine) and "1 save in progress" in caplog.text
+    assert "1" * 64 not in cache.digests  # no longer trusted to be stored
+    remove_unreferenced(repo, {*used, mine}, cache)
+    assert not repo.store.has(mine) and all(repo.store.has(k) for k in used)
