@@ -196,9 +196,12 @@ def explain(damage: list[Damage], kept_chunks: int, quarantined: bool = False,
     if blocked:
         said = (f"{what}, {len(blocked)} of which may reference any chunk (what they "
                 "reference cannot be read): gc deletes nothing while they are there")
-    else:
+    elif kept_chunks:
         said = (f"{what}: gc kept the {counted(kept_chunks, 'chunk')} they may reference and "
                 "collected the rest")
+    else:
+        said = (f"{what}: no body they may name is left (their snapshots were pruned), so gc "
+                "kept nothing for them and collected the rest")
     todo = []
     if movable and not quarantined:
         todo.append(f"`{command}` moves the damaged ones aside (to quarantine/ in the store; "
