@@ -38,6 +38,7 @@ from ciuic.words import counted
 log = logging.getLogger("ciuic")
 T = TypeVar("T")
 
+
 def _marker() -> bytes:
     return json.dumps({**IDENTITY, "pid": os.getpid(), "time": time.time()}).encode()
 
