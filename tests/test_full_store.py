@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from ciuic import SnapshotManager
+from ciuic.chain.gc import collect
 from ciuic.chain.repo import Repository
-from ciuic.chain.retention import prune_one
+from ciuic.chain.retention import prune, prune_one
 from ciuic.store.local import RESERVE_BYTES
 from tests.models import model_opt
 
@@ -121,6 +122,27 @@ def test_gc_runs_on_a_full_disk(disk: Path) -> None:
     assert re.search(r"deleted 2 chunks and 0 bodies", run.stdout), run.stdout
     assert (store / "objects" / ".locks" / "reserve").stat().st_size == RESERVE_BYTES
     assert ciuic(store, "verify", "--deep").returncode == 0
+
+
+def test_gc_in_a_process_with_the_store_open_runs_on_a_full_disk(
+        disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A training job's retention (its catalog open already) runs gc on a full disk: the lock
+    and epoch are written in the store's reserve, which gc takes back once it freed space."""
+    store = disk / "store"
+    model, opt = model_opt(128, 128)
+    with SnapshotManager("p", job="j", store=store, compression="off") as m:
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            m.save(step, model, opt)
+    with Repository.open(store) as repo:
+        assert len(prune(repo, "p", "j", 1, None)) == 2
+        fill(disk)
+        with caplog.at_level(logging.WARNING, "ciuic"):
+            result = collect(repo)
+        assert result.deleted_chunks == 2 and not result.skipped
+        assert "gc uses the space held in reserve" in caplog.text
+    assert (store / "objects" / ".locks" / "reserve").stat().st_size == RESERVE_BYTES
 
 
 def test_a_read_only_store_is_said_at_once_and_reindex_fails(disk: Path) -> None:
