@@ -167,6 +167,13 @@ def test_a_damaged_pruned_manifest_has_advice_that_works(
         assert code == 0 and "deleted" in out, err
         assert "1 damaged or unreadable object: no body they may name is left" in err, err
         assert f"`ciuic --store {store} gc --quarantine`" in err, err
+    # the catalog rebuilt from the store lists only what it can read: the ID verify names
+    assert ciuic(capsys, monkeypatch, "--store", store, "reindex")[0] == 0
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--snapshot", first.id[:12])
+    err = " ".join(err.split())
+    assert code == 2 and "cannot be read, so it cannot be pruned" in err, err
+    assert f"`ciuic --store {store} gc --quarantine`" in err, err
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify")
     out = " ".join(out.split())
     assert code == 1 and key in out and "--snapshot" not in out, out

@@ -17,10 +17,11 @@ from ciuic.cli.app import (
     size_text,
     store_location,
 )
-from ciuic.errors import CiuicError
+from ciuic.errors import CiuicError, SnapshotNotFound
 from ciuic.words import counted, listed
 
 if TYPE_CHECKING:
+    from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
 
 
@@ -49,7 +50,7 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
     scoped = repo.scope(project)
     chosen: dict[str, SnapshotInfo] = {}  # by ID: a snapshot named twice goes once
     for ref in named:
-        info = repo.resolve(ref)
+        info = _resolve_named(repo, ref, project, name)
         if (info.project, info.job) != (project, name):
             raise CiuicError(f"{ref} is a snapshot of {info.project}/{info.job}, not of "
                              f"{project}/{name}")
@@ -67,6 +68,21 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
     verb = "would prune" if dry_run else "pruned"
     say(f"{verb} {counted(len(doomed), 'snapshot')}"
         + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)
+
+
+def _resolve_named(repo: Repository, ref: str, project: str, job: str) -> SnapshotInfo:
+    """The snapshot ``ref`` names; where the catalog lists none because its manifest is
+    damaged (it lists only what it could read), the error says what removes it."""
+    try:
+        return repo.resolve(ref)
+    except SnapshotNotFound:
+        damaged = [i for i in repo.manifest_ids(project, job) if i.startswith(ref.strip())]
+        if not damaged or len(ref.strip()) < 4:
+            raise
+        quarantine = command("gc", "--quarantine")
+        raise CiuicError(f"{ref}: the manifest of snapshot {damaged[0][:12]} of {project}/{job} "
+                         f"cannot be read, so it cannot be pruned; `{quarantine}` moves "
+                         "damaged manifests aside") from None
 
 
 @app.command("gc")
