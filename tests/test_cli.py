@@ -148,6 +148,46 @@ def test_prune_gc_reindex(populated: dict[str, object], capsys: pytest.CaptureFi
     assert out.count("pruned") == 2
 
 
+def test_a_damaged_pruned_manifest_has_advice_that_works(
+        populated: dict[str, object], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: verify advised `ciuic prune J --snapshot ID` for a pruned snapshot's damaged
+    manifest, which answered "no snapshot ID starts with ..."; gc refused for good. gc now
+    collects and warns at every run; verify advises `ciuic gc --quarantine`, which works: after
+    it, gc and verify are clean."""
+    store = str(populated["store"])
+    first = populated["infos"][0]  # type: ignore[index]
+    assert ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                 "--keep-last", "1")[0] == 0
+    key = layout.manifest_key("proj", "job1", first.id)
+    (Path(store) / "objects" / key).write_bytes(b"garbage\n")
+    for _ in range(2):
+        code, out, err = ciuic(capsys, monkeypatch, "--store", store, "gc")
+        err = " ".join(err.split())  # as wrapped to the width
+        assert code == 0 and "deleted" in out, err
+        assert "1 damaged or unreadable object: no body they may name is left" in err, err
+        assert f"`ciuic --store {store} gc --quarantine`" in err, err
+    # the catalog rebuilt from the store lists only what it can read: the ID verify names
+    assert ciuic(capsys, monkeypatch, "--store", store, "reindex")[0] == 0
+    code, _, err = ciuic(capsys, monkeypatch, "--store", store, "prune", "proj/job1",
+                         "--snapshot", first.id[:12])
+    err = " ".join(err.split())
+    assert code == 2 and "cannot be read, so it cannot be pruned" in err, err
+    assert f"`ciuic --store {store} gc --quarantine`" in err, err
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify")
+    out = " ".join(out.split())
+    assert code == 1 and key in out and "--snapshot" not in out, out
+    assert "step None" not in out, out
+    advised = re.search(r"`(ciuic [^`]*gc --quarantine)`", out)
+    assert advised is not None, out
+    code, out, err = ciuic(capsys, monkeypatch, *advised[1].split()[1:])
+    assert code == 0 and f"moved {key} to quarantine/" in out and not err, out + err
+    code, out, err = ciuic(capsys, monkeypatch, "--store", store, "gc")
+    assert code == 0 and not err, err
+    code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "--deep")
+    assert code == 0 and "1 quarantined" in out, out
+
+
 def test_counts_are_in_the_singular_or_the_plural(populated: dict[str, object],
                                                   capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

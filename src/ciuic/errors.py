@@ -9,6 +9,7 @@ Hierarchy::
     │   ├── ObjectNotFound (StoreError, KeyError)     a key that is not in the store
     │   ├── InvalidKey (StoreError, ValueError)       a malformed or unsafe key (path traversal...)
     │   ├── StoreAccessError (StoreError)             refused or nonexistent (bucket, credentials)
+    │   │   └── ReadOnlyStore (StoreAccessError)      a store on a read-only file system
     │   ├── StoreTimeout (StoreError)                 a store call did not finish in time
     │   └── DiskFull (StoreError)                     the store has no space left
     ├── IntegrityError (CiuicError)                   stored bytes cannot be used as they are
@@ -68,6 +69,11 @@ class InvalidKey(StoreError, ValueError):
 class StoreAccessError(StoreError):
     """The store refuses access or does not exist (no bucket, bad credentials): retrying does
     not help, so it is raised at once."""
+
+
+class ReadOnlyStore(StoreAccessError):
+    """The store's file system is read-only (EROFS): nothing in it can be changed until it is
+    mounted read-write again."""
 
 
 class StoreTimeout(StoreError):
@@ -180,6 +186,7 @@ __all__ = [
     "ObjectNotFound",
     "PeerError",
     "RankError",
+    "ReadOnlyStore",
     "RestoreError",
     "SnapshotNotFound",
     "StagingBudgetExceeded",

@@ -17,28 +17,32 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 from ciuic import knobs
-from ciuic.chain.read import body_keys, body_states, chunk_refs
-from ciuic.chain.repo import Repository, list_manifests
+from ciuic.chain.references import Damage, References, explain, quarantine, referenced
+from ciuic.chain.repo import Repository
 from ciuic.chain.runs import IDENTITY, pid_alive
 from ciuic.errors import (
     CiuicError,
     CorruptObject,
-    IntegrityError,
+    DiskFull,
     ObjectNotFound,
     StoreError,
-    UnreadableObject,
 )
 from ciuic.format import canonical, layout
-from ciuic.format.layout import chunk_key, digest_of_key
+from ciuic.format.layout import digest_of_key
 from ciuic.store import LocalStore, Store
 from ciuic.words import counted
+
+log = logging.getLogger("ciuic")
+T = TypeVar("T")
 
 
 def _marker() -> bytes:
@@ -84,6 +88,9 @@ class InflightSave:
 
     def __enter__(self) -> InflightSave:
         deadline = time.monotonic() + knobs.get().gc_wait_s
+        local = _local(self.store)
+        if local is not None:
+            local.keep_reserve()  # for a gc on a full disk
         while True:
             # marker first, then look for the lock (see the module docstring for why)
             self.store.put(self.key, _marker())
@@ -121,51 +128,31 @@ class GcResult:
     deleted_markers: int = 0
     deleted_temporaries: int = 0
     kept_chunks: int = 0
+    #: chunks kept only because a damaged manifest may reference them
+    kept_for_damage: int = 0
     skipped: str = ""
-    damaged: list[str] = field(default_factory=list)
+    #: the objects gc could not read (references.Damage), and those it moved to quarantine/
+    damage: list[Damage] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> list[str]:
+        return [d.key for d in self.damage]
 
     def add(self, other: GcResult) -> None:
         """Count ``other``'s (another store's gc) with these; a skip or damage in either is
         said."""
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, int):
+            if isinstance(mine, int | list):
                 setattr(self, f.name, mine + theirs)
         self.skipped = "; ".join(x for x in (self.skipped, other.skipped) if x)
-        self.damaged.extend(other.damaged)
 
-
-def referenced(repo: Repository, progress: Callable[[str], None] | None = None
-               ) -> tuple[set[str], set[str], list[str]]:
-    """(chunk keys, body keys) referenced by every snapshot in the store, and damaged keys."""
-    chunks: set[str] = set()
-    bodies: set[str] = set()
-    damaged: list[str] = []
-    store = repo.store
-    for mk in list_manifests(store):
-        if progress:
-            progress(mk.key)
-        try:
-            m = repo.read_manifest(mk.project, mk.job, mk.snapshot_id)
-        except (UnreadableObject, ObjectNotFound):
-            damaged.append(mk.key)
-            continue
-        bkey = layout.body_key(mk.project, mk.job, m.body)
-        bodies.add(bkey)
-        try:
-            states = body_states(repo, m)
-            bodies.update(body_keys(m, states))  # a split body's parts
-            refs = chunk_refs(states)
-        except UnreadableObject as e:
-            if not store.has(bkey):
-                continue  # pruned
-            damaged.append(f"{bkey} ({e.reason})")
-            continue
-        except IntegrityError:
-            damaged.append(bkey)
-            continue
-        chunks.update(chunk_key(d) for d in refs)
-    return chunks, bodies, damaged
+    def warning(self, command: str = "ciuic gc --quarantine") -> str:
+        """What gc did about damaged objects and how to end it (``command``: ``ciuic gc
+        --quarantine`` as the person would type it); "" when there were none."""
+        return explain(self.damage, self.kept_for_damage, bool(self.quarantined),
+                       command) if self.damage else ""
 
 
 class _LockRefresher:
@@ -181,16 +168,42 @@ class _LockRefresher:
             self.last = time.monotonic()
 
 
+def _local(store: Store) -> LocalStore | None:
+    inner = getattr(store, "inner", store)
+    return inner if isinstance(inner, LocalStore) else None
+
+
+def _spare(store: Store, write: Callable[[], T]) -> T:
+    """``write()`` (of the gc lock or epoch); on a full disk, again once a local store's reserve
+    (store/local.py) is freed for it: gc can then run, and free space, on a full disk."""
+    try:
+        return write()
+    except DiskFull:
+        local = _local(store)
+        if local is None or not local.release_reserve():
+            raise DiskFull(f"gc cannot write its lock in {store.location('locks/')}: the disk is "
+                           "full and holds no reserve for gc. Free a few KB outside the store, "
+                           "then run `ciuic gc` again") from None
+        log.warning("the store's disk is full: gc uses the space held in reserve for it")
+        return write()
+
+
 def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
-            progress: Callable[[str], None] | None = None) -> GcResult:
-    """Delete chunks and bodies that no manifest references. See the module docstring."""
+            progress: Callable[[str], None] | None = None, quarantine_damaged: bool = False,
+            only: set[str] | None = None) -> GcResult:
+    """Delete chunks and bodies that no manifest references. See the module docstring.
+
+    ``quarantine_damaged``: first move the damaged manifests and bodies to quarantine/
+    (references.py). ``only``: delete only those of these chunk keys that nothing references
+    (a failed save's own), and nothing else."""
     store = repo.store
     result = GcResult()
-    if not store.create(layout.GC_LOCK, _marker()):
+    if not _spare(store, lambda: store.create(layout.GC_LOCK, _marker())):
         if _is_live(store, layout.GC_LOCK, knobs.get().gc_lock_stale_s):
             result.skipped = "another gc is running"
             return result
-        store.put(layout.GC_LOCK, _marker())  # the previous gc died; take its lock over
+        # the previous gc died; take its lock over
+        _spare(store, lambda: store.put(layout.GC_LOCK, _marker()))
     try:
         deadline = time.monotonic() + wait_s
         while True:
@@ -208,35 +221,54 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
                 return result
             time.sleep(0.1)
         if not dry_run:
-            store.put(layout.GC_EPOCH, json.dumps({"epoch": read_epoch(store) + 1}).encode())
-        keep_chunks, keep_bodies, result.damaged = referenced(repo, progress)
-        if result.damaged:
-            # A manifest or body we cannot read may reference anything: delete nothing.
-            damaged = counted(len(result.damaged), "damaged or unreadable manifest or body",
-                              "damaged or unreadable manifests or bodies")
-            result.skipped = (f"{damaged} (a newer format, or corruption): gc deletes nothing "
-                              "until `ciuic verify` is clean")
+            epoch = json.dumps({"epoch": read_epoch(store) + 1}).encode()
+            _spare(store, lambda: store.put(layout.GC_EPOCH, epoch))
+        refs = referenced(repo, progress)
+        if quarantine_damaged and refs.damage:
+            result.quarantined = ([d.key for d in refs.damage if d.movable] if dry_run
+                                  else quarantine(repo, refs.damage))
+            if result.quarantined and not dry_run:
+                refs = referenced(repo, progress)
+        result.damage, result.kept_for_damage = refs.damage, refs.kept_for_damage
+        if refs.blocked:  # may reference anything: delete nothing
+            result.skipped = ("gc deletes nothing while an object it cannot read may "
+                              "reference any chunk")  # warning() says which, and what to do
             return result
-        refresh = _LockRefresher(store, dry_run)
-        for key in list(store.list(layout.CHUNKS)):
-            refresh()
-            if key in keep_chunks:
-                result.kept_chunks += 1
-                continue
-            digest_of_key(key)  # only ever delete well-formed chunk keys
-            result.deleted_bytes += _size(store, key)
-            if not dry_run:
-                store.delete(key)
-            result.deleted_chunks += 1
-        for key in list(store.list(layout.JOBS)):
-            if layout.parse_body(key) is not None and key not in keep_bodies:
-                result.deleted_bytes += _size(store, key)
-                if not dry_run:
-                    store.delete(key)
-                result.deleted_bodies += 1
-        local = getattr(store, "inner", store)
-        if isinstance(local, LocalStore) and not dry_run:
-            result.deleted_temporaries = local.remove_temporaries(knobs.get().temp_stale_s)
+        _delete(store, refs, result, dry_run, only)
         return result
     finally:
         store.delete(layout.GC_LOCK)
+        local = _local(store)
+        if local is not None and not dry_run:
+            local.keep_reserve()  # (again, where a full disk took it)
+
+
+def _delete(store: Store, refs: References, result: GcResult, dry_run: bool,
+            only: set[str] | None) -> None:
+    """Delete (count, with ``dry_run``) the chunks and bodies ``refs`` does not keep (only the
+    chunks of ``only``, where given), then stale temporaries of a local store."""
+    refresh = _LockRefresher(store, dry_run)
+    for key in sorted(only) if only is not None else list(store.list(layout.CHUNKS)):
+        refresh()
+        if key in refs.chunks:
+            result.kept_chunks += 1
+            continue
+        digest_of_key(key)  # only ever delete well-formed chunk keys
+        size = _size(store, key)
+        if only is not None and not size:
+            continue  # never written
+        result.deleted_bytes += size
+        if not dry_run:
+            store.delete(key)
+        result.deleted_chunks += 1
+    if only is not None:
+        return
+    for key in list(store.list(layout.JOBS)):
+        if layout.parse_body(key) is not None and key not in refs.bodies:
+            result.deleted_bytes += _size(store, key)
+            if not dry_run:
+                store.delete(key)
+            result.deleted_bodies += 1
+    local = _local(store)
+    if local is not None and not dry_run:
+        result.deleted_temporaries = local.remove_temporaries(knobs.get().temp_stale_s)

@@ -98,6 +98,8 @@ class Repository:
         #: the project whose store (in a server's storage) this repository is; None: a root
         self.project = project
         self._served: dict[str, Repository] | None = None
+        #: a local store that cannot be written, indexed by a catalog in the user's cache
+        self.read_only = False
 
     @property
     def keyring(self) -> Keyring:
@@ -140,12 +142,13 @@ class Repository:
                 raise ConfigurationError(f"store location {root} exists and is not a directory")
             store: Store = LocalStore(root / "objects")
             url = catalog_url or f"sqlite:///{root.resolve() / 'catalog.db'}"
-            if home.read_only(root) and writable:
+            unwritable = home.read_only(root)
+            if unwritable and writable:
                 raise ConfigurationError(
                     f"the store {root} cannot be written (a read-only file system, or no "
                     "permission), so no snapshot could be saved there: point store= or "
                     "CIUIC_HOME at a writable folder (`ciuic --store` can still read this one)")
-            if catalog_url is None and home.read_only(root):
+            if catalog_url is None and unwritable:
                 # a read-only store (a mounted copy, an archive) can still be read: its catalog
                 # is an index of the store, rebuilt in the user's cache as for a remote store
                 url = cached_catalog_url(f"file://{root.resolve()}")
@@ -158,6 +161,7 @@ class Repository:
         repo = cls(_tiers(store, mirror, durability), Catalog(url))
         if scheme in ("", "file"):
             repo.name = str(root)
+            repo.read_only = catalog_url is None and unwritable
         if repo.catalog.recreated_from is not None:
             counts = repo.reindex()
             log.warning("the catalog was damaged; it was moved to %s and rebuilt from the store "

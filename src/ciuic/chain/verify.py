@@ -4,7 +4,8 @@ For every manifest in the store (the store is the truth, not the catalog): its b
 ID and parse; its parent is another manifest of the job, with a step not above its own; a
 committed snapshot's body exists and hashes to the manifest's digest; every chunk the body
 references exists (``deep``: is re-read and re-hashed). Each chunk is checked once per run and
-every snapshot that uses a damaged chunk is reported.
+every snapshot that uses a damaged chunk is reported. A parent whose damaged manifest ``ciuic gc
+--quarantine`` moved aside is counted (``quarantined``), not reported again.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class VerifyReport:
     snapshots: int = 0
     pruned: int = 0
     chunks_checked: int = 0
+    #: the job's manifests moved to quarantine/ (damaged: `ciuic gc --quarantine`)
+    quarantined: int = 0
     problems: list[Problem] | None = None
 
     @property
@@ -67,6 +70,10 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
     problems = report.problems
     assert problems is not None
     ids = repo.manifest_ids(project, job)
+    aside = {k.snapshot_id for k in map(
+        layout.parse_manifest, _quarantined(repo, layout.manifests_prefix(project, job)))
+        if k is not None}
+    report.quarantined = len(aside)
     manifests: dict[str, mf.Manifest] = {}
     for sid in ids:
         key = layout.manifest_key(project, job, sid)
@@ -90,12 +97,12 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
                 continue
             if m.parent:
                 parent = manifests.get(m.parent)
-                if parent is None:
+                if parent is None and m.parent not in aside:
                     problems.append(Problem(sid, m.step,
                                             layout.manifest_key(project, job, m.parent),
                                             "the parent snapshot's manifest is missing or "
                                             "damaged: the chain is broken"))
-                elif parent.step > m.step:
+                elif parent is not None and parent.step > m.step:
                     problems.append(Problem(sid, m.step, layout.manifest_key(project, job, sid),
                                             f"step {m.step} follows parent step {parent.step}: "
                                             "the chain is out of order"))
@@ -132,6 +139,11 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
     if progress:
         progress(len(targets), len(targets))
     return report
+
+
+def _quarantined(repo: Repository, prefix: str) -> list[str]:
+    """The keys (as they were) of the objects under ``prefix`` moved to quarantine/."""
+    return [k[len(layout.QUARANTINE):] for k in repo.store.list(layout.quarantine_key(prefix))]
 
 
 def _unreferenced_chunks(repo: Repository, cache: dict[str, Problem | None]) -> list[Problem]:

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from ciuic import knobs
-from ciuic.chain.gc import InflightSave
+from ciuic.chain.gc import InflightSave, collect
 from ciuic.chain.health import HealthTracker
 from ciuic.chain.lease import Lease
 from ciuic.chain.lease import check as check_lease
 from ciuic.chain.repo import Repository
 from ciuic.engine.compression import CompressionPolicy, float_kind, usable_cores
-from ciuic.errors import StoreError
+from ciuic.errors import DiskFull, StoreError
 from ciuic.faults import failpoint
 from ciuic.format import chunks as ck
 from ciuic.format import layout
@@ -40,6 +40,7 @@ from ciuic.format.descriptor import ChunkRef, TensorDescriptor
 from ciuic.format.layout import commit_lock_name
 from ciuic.format.tree import Leaf, dtype_name
 from ciuic.state.capture import Captured
+from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 
@@ -102,8 +103,12 @@ class _ChunkWriter:
     :meth:`drain` waits for the writes and raises the first failure."""
 
     def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec,
-                 compression: CompressionPolicy, io: ThreadPoolExecutor, io_threads: int) -> None:
+                 compression: CompressionPolicy, io: ThreadPoolExecutor, io_threads: int,
+                 created: set[str]) -> None:
         self.store = repo.store
+        #: the keys of the chunks this snapshot writes that the store lacked (not those it
+        #: writes again over a damaged copy): what a failed snapshot may remove
+        self.created = created
         self.cache = cache
         self.codec = codec
         self.compression = compression
@@ -171,6 +176,9 @@ class _ChunkWriter:
                     items.append((digests[i], keys[i], piece,
                                   self.compression.encode(kind, piece)))
                     out[i] = (digests[i], len(piece))
+            with self.lock:  # before the write: a write that fails part-way is counted too
+                self.created.update(keys[i] for i in claimed
+                                    if keys[i] in lacking and i not in replace)
             if items:
                 self._queue(items)
         except BaseException:  # nothing queued: unclaimed, a later snapshot writes them
@@ -379,7 +387,7 @@ class Written(NamedTuple):
 
 def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
                  codec: ObjectCodec, compression: CompressionPolicy | None = None,
-                 stats: bool = True) -> Written:
+                 stats: bool = True, created: set[str] | None = None) -> Written:
     """Store every leaf's chunks the store lacks and set each leaf's descriptor.
 
     A small leaf is inlined; a larger one is cut into pieces (:class:`_Piece`) that are named
@@ -387,7 +395,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     unchanged (``Leaf.digests``) are not hashed again. With ``stats``, every float leaf's
     descriptor gets its statistics (:mod:`ciuic.format.stats`), reduced piece by piece on the
     threads that hash the pieces; a piece the last snapshot already reduced (same digest, same
-    dtype) is not reduced again."""
+    dtype) is not reduced again. ``created`` gathers the keys of the chunks written that the
+    store lacked."""
     k = knobs.get()
     compression = compression or CompressionPolicy("off")
     compression.start_snapshot()
@@ -411,7 +420,8 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     # writer, normal under a synchronous one (manager/pipeline.py)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-write") as io, \
             ThreadPoolExecutor(naming_threads(), thread_name_prefix="ciuic-chunk") as pool:
-        writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads)
+        writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads,
+                              created if created is not None else set())
         if repo.store.batch_missing and pieces:
             writer.ask_in_one_batch([p.data for p in pieces], [p.known for p in pieces], pool)
         namer = _Namer(writer, cache.stats)
@@ -481,15 +491,45 @@ class SnapshotContent:
 
 
 def write_snapshot(w: SnapshotWrite, captured: Captured) -> tuple[mf.Manifest, str]:
-    """Persist ``captured`` as a snapshot and commit it. Returns (manifest, snapshot ID)."""
-    with InflightSave(w.repo.store) as inflight:
-        w.cache.sync(inflight.epoch)
-        written = write_leaves(w.repo, captured.leaves, w.cache, w.codec, w.compression,
-                               stats=w.health is not None)
-        failpoint("chunks.sync")  # made durable with the body, before the manifest
-        return commit_snapshot(w, SnapshotContent(
-            captured.states, captured.metrics, len(captured.leaves), written.total,
-            written.new))
+    """Persist ``captured`` as a snapshot and commit it. Returns (manifest, snapshot ID).
+
+    On a full disk, a snapshot that fails removes the chunks it wrote that nothing references
+    (:func:`remove_unreferenced`): else every failed snapshot left a full disk fuller."""
+    created: set[str] = set()
+    try:
+        with InflightSave(w.repo.store) as inflight:
+            w.cache.sync(inflight.epoch)
+            written = write_leaves(w.repo, captured.leaves, w.cache, w.codec, w.compression,
+                                   stats=w.health is not None, created=created)
+            failpoint("chunks.sync")  # made durable with the body, before the manifest
+            return commit_snapshot(w, SnapshotContent(
+                captured.states, captured.metrics, len(captured.leaves), written.total,
+                written.new))
+    except DiskFull:
+        remove_unreferenced(w.repo, created, w.cache)
+        raise
+
+
+def remove_unreferenced(repo: Repository, created: set[str], cache: ChunkCache) -> None:
+    """Remove the chunks of ``created`` (a failed snapshot's: chunks the store lacked) that no
+    snapshot references, under gc's protocol: only while no other save is in flight (it may
+    have found them stored and use them), and keeping those a snapshot committed since uses.
+    Where it cannot, ``ciuic gc`` removes them later."""
+    if not created:
+        return
+    cache.digests.difference_update(layout.digest_of_key(k) for k in created)
+    try:
+        result = collect(repo, only=created)
+    except Exception as e:
+        log.warning("the failed snapshot's chunks stay in the store (%s); `ciuic gc` removes "
+                    "them", e)
+        return
+    if result.skipped:
+        log.warning("the failed snapshot's chunks stay in the store (%s); `ciuic gc` removes "
+                    "them", result.skipped)
+    elif result.deleted_chunks:
+        log.warning("removed the failed snapshot's %s (%d bytes) from the full store",
+                    counted(result.deleted_chunks, "chunk"), result.deleted_bytes)
 
 
 def commit_snapshot(w: SnapshotWrite, content: SnapshotContent) -> tuple[mf.Manifest, str]:

@@ -2,7 +2,8 @@
 
 Owns the commands people type; imports any package below it. ``app`` holds the Click
 application and what every command shares; ``commands`` the store's commands (ls, log, show,
-verify, restore, prune, gc, reindex, push, pull, copy, keygen, demo); ``inspect`` the ones that
+verify, restore, push, pull, copy, keygen, demo); ``upkeep`` those that change what it keeps
+(prune, gc, reindex); ``inspect`` the ones that
 look inside snapshots (diff); ``server`` the server's
 (serve, apikey). Nothing imports this package but ``ciuic.__main__`` and the console script.
 
@@ -19,7 +20,13 @@ from ciuic.errors import CiuicError
 
 def main() -> None:
     """The console script: every command registered, errors printed as one line (exit 2)."""
-    from ciuic.cli import commands, inspect, run, server  # noqa: F401 - registering the commands
+    from ciuic.cli import (  # noqa: F401 - registering the commands
+        commands,
+        inspect,
+        run,
+        server,
+        upkeep,
+    )
     from ciuic.cli.app import app, err
 
     try:

@@ -1,5 +1,5 @@
-"""The store's commands: ls, log, show, verify, restore, prune, gc, reindex, push, pull, copy,
-keygen, demo."""
+"""The store's commands: ls, log, show, verify, restore, push, pull, copy, keygen, demo (prune,
+gc and reindex: cli/upkeep.py)."""
 
 from __future__ import annotations
 
@@ -259,26 +259,41 @@ def verify(target: str | None, deep: bool) -> None:
             if locked:
                 status += (f"; [yellow]{counted(sum(locked.values()), 'object')} could not be "
                            "checked[/yellow] (sealed with a key that is not configured)")
+            aside = f", {report.quarantined} quarantined" if report.quarantined else ""
             say(f"{project}/{job}: {counted(report.snapshots, 'snapshot')} checked, "
-                f"{report.pruned} pruned, {counted(report.chunks_checked, 'chunk')} "
+                f"{report.pruned} pruned{aside}, {counted(report.chunks_checked, 'chunk')} "
                 f"{'re-hashed' if deep else 'present'}: {status}", 2)
             if lost:
                 say(f"  [red]the catalog lists {counted(len(lost), 'snapshot')} the store has "
                     f"no manifest of[/red] ({_steps(lost)}): {REINDEX}", 4)
             for p in damage:
-                console.print(f"  [red]step {p.step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
+                step = "step ?" if p.step is None else f"step {p.step}"  # an unreadable manifest
+                console.print(f"  [red]{step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
                               highlight=False)
-            if damage:
-                first = damage[0].snapshot[:12]
-                say(f"  a restore skips a damaged snapshot for the newest intact one before it; "
-                    f"`{command('prune', f'{project}/{job}', '--snapshot', first)}` drops one "
-                    f"(then `{command('gc')}` frees what only it used)", 4)
+            _advise(project, job, damage)
             for key_id, n in locked.items():
                 say(f"  [yellow]{counted(n, 'object')} sealed with key {key_id}[/yellow], which "
                     "is not configured, could not be checked:\n  set CIUIC_ENCRYPTION_KEY_FILE "
                     "(or CIUIC_ENCRYPTION_KEY) to it, or add it to CIUIC_DECRYPTION_KEYS", 4)
     if bad:
         raise click.exceptions.Exit(1)
+
+
+def _advise(project: str, job: str, damage: list[Problem]) -> None:
+    """What to do about a job's damage: a damaged manifest (its snapshot committed or pruned
+    already) is moved aside by `ciuic gc --quarantine`; a committed snapshot's damaged body or
+    chunk is pruned by name. (A broken link names its parent's manifest: moved aside too.)"""
+    from ciuic.format import layout
+    manifests = {p.key for p in damage if layout.parse_manifest(p.key) is not None}
+    if manifests:
+        say(f"  {counted(len(manifests), 'damaged manifest')}: "
+            f"`{command('gc', '--quarantine')}` moves damaged manifests aside (to quarantine/ in "
+            "the store); until then each gc keeps what they may reference, and says so", 4)
+    data = [p for p in damage if p.key not in manifests and p.snapshot]
+    if data:
+        say(f"  a restore skips a damaged snapshot for the newest intact one before it; "
+            f"`{command('prune', f'{project}/{job}', '--snapshot', data[0].snapshot[:12])}` "
+            f"drops one (then `{command('gc')}` frees what only it used)", 4)
 
 
 #: what to do about snapshots the catalog lists and the store lacks
@@ -384,89 +399,6 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
     return (f"No intact snapshot before it was found; `"
             f"{command('verify', '--deep', f'{info.project}/{info.job}')}` names every damaged "
             "object")
-
-
-@app.command("prune")
-@argument("job", help="PROJECT/JOB")
-@click.option("--keep-last", type=click.IntRange(min=1), metavar="N",
-              help="Keep the N highest steps")
-@click.option("--keep-every", type=click.IntRange(min=1), metavar="K",
-              help="Keep steps that are multiples of K")
-@click.option("--snapshot", "named", multiple=True, metavar="SNAP",
-              help="Prune this snapshot of the job, whatever the rules keep (a damaged one: "
-              "a restore then starts from the one before it); repeatable")
-@click.option("--dry-run/--no-dry-run", default=False, help="Only show what would go")
-def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[str, ...],
-          dry_run: bool) -> None:
-    """Prune a job's snapshots by retention rules, or by name (then run `ciuic gc` to free
-    chunks). A pruned snapshot's manifest stays: the chain stays verifiable."""
-    from ciuic.chain.retention import prune as prune_job
-    from ciuic.chain.retention import prune_one
-    if keep_last is None and keep_every is None and not named:
-        raise CiuicError("say what to keep or drop: --keep-last N and/or --keep-every K, or "
-                         "--snapshot SNAP")
-    repo = current_repo()
-    project, name = repo.split_job(job)
-    repo.sync_job(project, name)
-    scoped = repo.scope(project)
-    chosen: dict[str, SnapshotInfo] = {}  # by ID: a snapshot named twice goes once
-    for ref in named:
-        info = repo.resolve(ref)
-        if (info.project, info.job) != (project, name):
-            raise CiuicError(f"{ref} is a snapshot of {info.project}/{info.job}, not of "
-                             f"{project}/{name}")
-        if info.status == "pruned":
-            say(f"{info.ref} ({info.short_id}) is pruned already", 2)
-        else:
-            chosen.setdefault(info.id, info)
-    if not dry_run:
-        for info in chosen.values():
-            prune_one(scoped, info)
-    doomed = list(chosen.values())
-    if keep_last is not None or keep_every is not None:
-        ruled = prune_job(scoped, project, name, keep_last, keep_every, dry_run=dry_run)
-        doomed += [s for s in ruled if s.id not in chosen]
-    verb = "would prune" if dry_run else "pruned"
-    say(f"{verb} {counted(len(doomed), 'snapshot')}"
-        + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)
-
-
-@app.command("gc")
-@click.option("--dry-run/--no-dry-run", default=False, help="Only count what would be deleted")
-@click.option("--wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
-              help="Seconds to wait for saves in progress")
-def gc(dry_run: bool, wait: float) -> None:
-    """Delete chunks and bodies no snapshot references."""
-    from ciuic.chain.gc import GcResult, collect
-    repo = current_repo()
-    result = GcResult()
-    with progress_bar() as bar:
-        task = bar.add_task("gc: reading manifests", total=None)
-        for store in repo.namespaces():  # in a server's storage, each project's store too
-            result.add(collect(store, dry_run=dry_run, wait_s=wait,
-                               progress=lambda key: bar.advance(task)))
-    if result.skipped:
-        say(f"[yellow]gc skipped: {result.skipped}[/yellow]", 2, stderr=True)
-        raise click.exceptions.Exit(2)
-    verb = "would delete" if dry_run else "deleted"
-    say(f"{verb} {counted(result.deleted_chunks, 'chunk')} and "
-        f"{counted(result.deleted_bodies, 'body', 'bodies')}, "
-        f"{'freeing' if not dry_run else 'which would free'} "
-        f"{size_text(result.deleted_bytes)}; kept {counted(result.kept_chunks, 'chunk')}", 2)
-    for key in result.damaged:
-        err.print(f"[red]damaged, skipped: {key}[/red]")
-
-
-@app.command("reindex")
-def reindex() -> None:
-    """Rebuild the catalog from the store alone (the store is the truth)."""
-    repo = current_repo()
-    with progress_bar() as bar:
-        task = bar.add_task("reindex", total=None)
-        counts = repo.reindex(progress=lambda key: bar.advance(task))
-    say(f"indexed {counted(counts['snapshots'], 'snapshot')} and {counts['pruned']} pruned; "
-        f"{counted(counts['removed'], 'stale row')} removed; "
-        f"{counted(counts['damaged'], 'damaged manifest')} skipped", 2)
 
 
 def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:

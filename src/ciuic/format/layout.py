@@ -33,6 +33,8 @@ GC_LOCK = "locks/gc.json"
 GC_EPOCH = "locks/gc-epoch.json"
 PASSPHRASE_SALT = "keys/passphrase-salt"
 PROJECTS = "projects/"
+#: damaged objects moved aside by ``ciuic gc --quarantine``, each under its old key
+QUARANTINE = "quarantine/"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
@@ -117,6 +119,12 @@ def lease_key(project: str, job: str, token: int) -> str:
 def commit_lock_name(project: str, job: str) -> str:
     """The name of the job's commit lock (``Store.lock``)."""
     return f"{job_prefix(project, job)}commit"
+
+
+def quarantine_key(key: str) -> str:
+    """Where ``ciuic gc --quarantine`` moves a damaged object (out of every listing gc and the
+    readers make)."""
+    return f"{QUARANTINE}{key}"
 
 
 def inflight_key(name: str) -> str:

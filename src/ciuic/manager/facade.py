@@ -362,8 +362,10 @@ class SnapshotManager:
             if emergency:
                 log.error("Emergency snapshot at step %d failed: %s", step, e)
             else:
-                log.error("the final snapshot at step %d failed (%s); the latest snapshot is "
-                          "step %s", step, e, self._pipeline.last_committed_step)
+                latest = self._pipeline.last_committed_step
+                log.error("the final snapshot at step %d failed (%s); %s", step, e,
+                          "this run committed no snapshot and restored none" if latest is None
+                          else f"the latest snapshot is step {latest}")
             return
         if emergency:
             log.warning("Emergency snapshot at step %d saved (%s); exiting (run the job again "

@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import secrets
+import shlex
 import socket
 import sys
 import threading
@@ -109,6 +110,8 @@ class RunSession:
         self._last_heartbeat = 0.0
         self._ended: str | None = None  # the end record_end() was first given
         self._unwritable = False  # the catalog could not be written, and that was said
+        #: the damaged objects retention's gc last warned of (once a run, not once a snapshot)
+        self._damage_said: list[str] = []
         self._probe_due = False  # the store's write speed is measured from the first step()
         #: under ``ciuic run``: the heartbeats, the host-memory tier, the previous start's cause
         self.supervised: Supervised | None = attach()
@@ -332,6 +335,10 @@ class RunSession:
             result = collect(self.repo)  # skips when a save is in flight or data is damaged
             log.debug("retention pruned %s; gc deleted %s %s", counted(len(pruned), "snapshot"),
                       counted(result.deleted_chunks, "chunk"), result.skipped)
+            if result.damaged and result.damaged != self._damage_said:
+                log.warning("retention's gc in %s: %s", self.repo.name, result.warning(
+                    f"ciuic --store {shlex.quote(self.repo.name)} gc --quarantine"))
+            self._damage_said = result.damaged or self._damage_said
 
     def _record(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Write ``what`` to the catalog (rank 0). A failure is logged and training goes on; a

@@ -4,6 +4,10 @@ Durability: each object is written to a temporary file in its final directory, f
 renamed into place (``put``) or hard-linked into place (``create``, which fails if the name
 exists: an atomic create-if-absent), and the directory is fsync'ed. Temporary files start with
 ``.tmp-`` and are never listed; a crash can leave them behind and ``gc`` removes them.
+
+A full disk: the store holds :data:`RESERVE_BYTES` in ``.locks/reserve`` (never listed), which
+``gc`` frees to write its lock when nothing else can be written, then takes back once it has
+freed space (chain/gc.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +34,9 @@ from ciuic.store import direct as dio
 from ciuic.store.base import Data, Store, check_key, check_prefix, parts
 
 _TMP = ".tmp-"
+#: what a store holds in reserve for gc on a full disk: room to open the catalog beside it
+#: (SQLite's 32 KiB shared-memory file) and to write gc's lock and epoch
+RESERVE_BYTES = 128 * 1024
 log = logging.getLogger("ciuic")
 
 
@@ -107,6 +115,20 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def spare_room(objects: Path) -> bool:
+    """Free the reserve of the local store in ``objects`` when its disk has less than
+    :data:`RESERVE_BYTES` free, before a command that must run on a full disk (gc) opens its
+    catalog and writes its lock. Whether it freed any."""
+    try:
+        if shutil.disk_usage(objects).free >= RESERVE_BYTES:
+            return False
+        (objects / ".locks" / "reserve").unlink()
+    except OSError:
+        return False
+    log.warning("%s: the disk is full; gc uses the space held in reserve for it", objects)
+    return True
+
+
 class LocalStore(Store):
     """Objects as files under ``root``; keys map to relative paths."""
 
@@ -130,6 +152,7 @@ class LocalStore(Store):
         self.direct = True
         #: bytes written with direct I/O by this store object
         self.direct_bytes = 0
+        self._reserved = False
 
     def write_speed(self, measure: bool = True) -> tuple[float, float | None]:
         """Measured: :data:`PROBE_BYTES` written and fsync'ed into the store's directory, once
@@ -475,6 +498,45 @@ class LocalStore(Store):
                 yield
             finally:
                 os.close(fd)  # closing releases the flock
+
+    @property
+    def _reserve(self) -> Path:  # (spare_room knows it too)
+        return self.root / ".locks" / "reserve"
+
+    def keep_reserve(self) -> None:
+        """Hold :data:`RESERVE_BYTES` in reserve (best effort: a full or read-only disk holds
+        none; checked once per store object once it holds them)."""
+        if self._reserved:
+            return
+        with contextlib.suppress(OSError):
+            if self._reserve.stat().st_size >= RESERVE_BYTES:
+                self._reserved = True
+                return
+        try:
+            self._reserve.parent.mkdir(exist_ok=True)
+            fd = os.open(self._reserve, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                except OSError as e:  # a file system without fallocate: written (not zeros,
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # which some compress)
+                        raise
+                    _write_all(fd, [memoryview(os.urandom(RESERVE_BYTES))])
+            finally:
+                os.close(fd)
+            self._reserved = True
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._reserve.unlink()  # not a part of one: the next call tries again
+
+    def release_reserve(self) -> bool:
+        """Free the reserve (for gc, on a full disk); whether it held any."""
+        self._reserved = False
+        try:
+            self._reserve.unlink()
+        except OSError:
+            return False
+        return True
 
     def _thread_lock(self, name: str) -> threading.Lock:
         with self._pending_lock:

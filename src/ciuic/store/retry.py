@@ -1,11 +1,12 @@
 """``RetryingStore``: bounded retries with backoff, and a timeout on every call.
 
 Wraps any store. Transient failures (I/O errors, timeouts) are retried ``attempts`` times with
-exponential backoff; permanent ones are raised at once: a missing object, an invalid key, and a
-full disk (ENOSPC, EDQUOT), which says so and what to do. Each call runs in a helper thread so
-that a store that hangs (a stuck network mount, a server that never answers) costs at most
-``timeout_s`` per attempt; a call that timed out is abandoned, not killed (Python cannot kill a
-thread), and its thread is left to finish or hang on its own.
+exponential backoff; permanent ones are raised at once: a missing object, an invalid key, a
+full disk (ENOSPC, EDQUOT) and a read-only file system (EROFS), each saying so and what to do.
+Each call runs in a helper thread so that a store that hangs (a stuck network mount, a server
+that never answers) costs at most ``timeout_s`` per attempt; a call that timed out is
+abandoned, not killed (Python cannot kill a thread), and its thread is left to finish or hang
+on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ciuic.errors import (
     DiskFull,
     InvalidKey,
     ObjectNotFound,
+    ReadOnlyStore,
     StoreAccessError,
     StoreError,
     StoreTimeout,
@@ -76,6 +78,10 @@ class RetryingStore(Store):
                         f"{what} {self.inner.location(key)} failed: no space left on the store's "
                         "device. Free space, lower keep_last, or run `ciuic prune` and "
                         "`ciuic gc`") from e
+                if cause.errno == errno.EROFS:  # retrying cannot help: say so once, briefly
+                    raise ReadOnlyStore(
+                        f"{what} {key} failed: the store {self.inner.location()} is on a "
+                        "read-only file system; remount it read-write to change it") from e
                 error = e
             if attempt < self.attempts:
                 time.sleep(delay)
