@@ -25,8 +25,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def http_process(cmd: list[str], probe: str, log: Path, what: str) -> Iterator[None]:
-    """Run ``cmd`` (a server), wait until ``probe`` answers, stop it afterwards."""
+def http_process(cmd: list[str], probe: str, log: Path, what: str
+                 ) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``cmd`` (a server), wait until ``probe`` answers, stop it afterwards; yields the
+    process."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -40,7 +42,7 @@ def http_process(cmd: list[str], probe: str, log: Path, what: str) -> Iterator[N
                         raise RuntimeError(
                             f"{what} did not start: {log.read_text()[-3000:]}") from None
                     time.sleep(0.2)
-            yield
+            yield proc
         finally:
             stop(proc)
 

@@ -15,10 +15,11 @@ from tests.s3server import free_port, http_process
 KEY = re.compile(r"^ciuic_[0-9a-f]{12}_[A-Za-z0-9_-]{20,64}$")
 
 
-def cli(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(store: Path | str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``ciuic --store STORE ARGS`` (a folder, or a server's URL) with ``env`` added."""
     return subprocess.run([sys.executable, "-m", "ciuic", "--store", str(store), *args],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "200"})
+                          env={**os.environ, "COLUMNS": "200", **env})
 
 
 def new_key(store: Path, project: str, role: str) -> str:
@@ -30,8 +31,19 @@ def new_key(store: Path, project: str, role: str) -> str:
 
 
 @contextlib.contextmanager
-def serve(store: Path, log: Path) -> Iterator[str]:
+def serve(store: Path, log: Path, any_keys: bool = False) -> Iterator[str]:
+    """``ciuic serve`` on a free port; ``any_keys``: a server that takes any well-formed object
+    key, not only the layout's (tests/helpers/open_server.py: the Store contract's test)."""
+    with serving(store, log, any_keys) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving(store: Path, log: Path, any_keys: bool = False) -> Iterator[tuple[str, int]]:
+    """:func:`serve`, yielding the server's URL and process id."""
     url = f"http://127.0.0.1:{(port := free_port())}"
     cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
-    with http_process(cmd, f"{url}/health", log, "ciuic serve"):
-        yield url
+    if any_keys:
+        cmd = [sys.executable, "-m", "tests.helpers.open_server", str(store), str(port)]
+    with http_process(cmd, f"{url}/health", log, "ciuic serve") as proc:
+        yield url, proc.pid

@@ -31,6 +31,7 @@ from ciuic.errors import CiuicError, IntegrityError, ObjectNotFound, StoreError,
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key, digest_of_key
 from ciuic.store import LocalStore, Store
+from ciuic.store.http import HttpStore
 from ciuic.words import counted
 
 
@@ -157,6 +158,16 @@ def referenced(repo: Repository, progress: Callable[[str], None] | None = None
     return chunks, bodies, damaged
 
 
+def _served(store: Store) -> HttpStore | None:
+    """The server project under ``store``'s wrappers (retries), if it is one."""
+    while not isinstance(store, HttpStore):
+        inner = getattr(store, "inner", None)
+        if not isinstance(inner, Store):
+            return None
+        store = inner
+    return store
+
+
 class _LockRefresher:
     """Re-writes the gc lock every ``gc_lock_refresh_s`` so that writers see it as live."""
 
@@ -172,8 +183,12 @@ class _LockRefresher:
 
 def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
             progress: Callable[[str], None] | None = None) -> GcResult:
-    """Delete chunks and bodies that no manifest references. See the module docstring."""
+    """Delete chunks and bodies that no manifest references. See the module docstring. A
+    project on a ciuic server is collected by the server (clients may not delete chunks)."""
     store = repo.store
+    server = _served(store)
+    if server is not None:
+        return GcResult(**server.gc(dry_run, wait_s))
     result = GcResult()
     if not store.create(layout.GC_LOCK, _marker()):
         if _is_live(store, layout.GC_LOCK, knobs.get().gc_lock_stale_s):

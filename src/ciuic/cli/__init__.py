@@ -4,7 +4,7 @@ Owns the commands people type; imports any package below it. ``app`` holds the C
 application and what every command shares; ``commands`` the store's commands (ls, log, show,
 verify, restore, prune, gc, reindex, push, pull, copy, keygen, demo); ``inspect`` the ones that
 look inside snapshots (diff); ``server`` the server's
-(serve, apikey). Nothing imports this package but ``ciuic.__main__`` and the console script.
+(serve, apikey, audit). Nothing imports this package but ``ciuic.__main__`` and the console script.
 
 May import: everything below it (the server and the demo included). The commands import torch
 only where they need it.
