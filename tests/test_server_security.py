@@ -363,3 +363,24 @@ def test_an_admin_reads_the_audit_log_by_project_key_action_and_time(
     run = cli(store, "audit", "--limit", "3")
     assert run.returncode == 0 and "older events: add --before" in run.stderr
     assert "q's secret" in run.stdout  # on the server's machine: every project
+
+
+def test_the_layout_names_the_kind_of_every_key_ciuic_writes() -> None:
+    """What the server's policy sorts keys by (``layout.kind_of``): every key ciuic writes has a
+    kind; a near miss has none (the server refuses it)."""
+    from ciuic.format import layout
+
+    d = "ab" * 32
+    assert [layout.kind_of(key) for key in (
+        layout.chunk_key(d), layout.manifest_key("p", "j", d), layout.body_key("p", "j", d),
+        layout.lease_key("p", "j", 7), layout.lease_key("p", "j", 10**12),
+        layout.inflight_key("x.json"), layout.probe_key("r"), layout.PASSPHRASE_SALT,
+        layout.GC_LOCK, layout.GC_EPOCH)] == [
+        "chunk", "manifest", "body", "lease", "lease", "inflight", "probe", "salt", "gc", "gc"]
+    for near_miss in (f"chunks/cd/{d}", "chunks/ab/x", f"jobs/p/j/manifests/{d}",
+                      "jobs/p/j/leases/7.json", "jobs/p/j/leases/0000000000007.json",
+                      "jobs/p/j/commit", "locks/other.json", "keys/other", "probes/a/b.json"):
+        assert layout.kind_of(near_miss) is None, near_miss
+    assert layout.newest_lease(["jobs/p/j/leases/999999999999.json",
+                                "jobs/p/j/leases/1000000000000.json"]) \
+        == "jobs/p/j/leases/1000000000000.json"
