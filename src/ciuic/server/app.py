@@ -398,15 +398,15 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             response.status_code = 409
             return {"key": key, "created": False}
         response.status_code = 201
-        if kind == "lease":
-            audit(catalog, f"key:{info.id}", project, "lease.take", key, _remote(request))
-        if m is not None:  # committed: record who saved it, index it; neither may undo it
-            metrics.snapshots.labels(project).inc()
+        if m is not None or kind == "lease":  # record who saved or took it; that cannot undo it
+            done = ("snapshot.save", f"{m.job} {m.snapshot_id}") if m else ("lease.take", key)
             try:
-                audit(catalog, f"key:{info.id}", project, "snapshot.save",
-                      f"{m.job} {m.snapshot_id}", _remote(request))
+                await run_in_threadpool(audit, catalog, f"key:{info.id}", project, *done,
+                                        _remote(request))
             except Exception as e:
-                log.error("could not audit the commit of %s: %s", key, e)
+                log.error("could not audit the creation of %s: %s", key, e)
+        if m is not None:  # committed: index it
+            metrics.snapshots.labels(project).inc()
             await run_in_threadpool(_index, project, m.job)
         return {"key": key, "created": True}
 
