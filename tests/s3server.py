@@ -27,9 +27,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def http_process(cmd: list[str], probe: str, log: Path, what: str,
-                 tls: ssl.SSLContext | None = None) -> Iterator[None]:
+                 tls: ssl.SSLContext | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``cmd`` (a server), wait until ``probe`` answers (over ``tls``, for https), stop it
-    afterwards."""
+    afterwards; yields the process."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -43,7 +43,7 @@ def http_process(cmd: list[str], probe: str, log: Path, what: str,
                         raise RuntimeError(
                             f"{what} did not start: {log.read_text()[-3000:]}") from None
                     time.sleep(0.2)
-            yield
+            yield proc
         finally:
             stop(proc)
 

@@ -214,3 +214,19 @@ def test_a_failed_snapshots_cleanup_spares_what_another_save_or_a_snapshot_uses(
     assert "1" * 64 not in cache.digests  # no longer trusted to be stored
     remove_unreferenced(repo, {*used, mine}, cache)
     assert not repo.store.has(mine) and all(repo.store.has(k) for k in used)
+
+
+def test_a_servers_gc_answer_carries_its_damage_back_to_the_client() -> None:
+    """The server's gc route answers ``asdict(GcResult)`` as JSON; the client rebuilds it with
+    the damage it found, so `ciuic gc` against a server warns as it does on a folder."""
+    import dataclasses
+
+    from ciuic.chain.gc import GcResult
+    from ciuic.chain.references import Damage
+
+    sent = GcResult(deleted_chunks=3, kept_for_damage=2, quarantined=["quarantine/x"],
+                    damage=[Damage("jobs/p/j/manifests/ab.json", "not JSON", "ab")])
+    got = GcResult.from_answer(json.loads(json.dumps(dataclasses.asdict(sent))))
+    assert got == sent
+    assert got.damaged == ["jobs/p/j/manifests/ab.json"]
+    assert "quarantine" in got.warning()

@@ -64,3 +64,27 @@ def test_local_store_lock_is_exclusive_across_processes(tmp_path: Path) -> None:
     holder.wait()
     assert waited > 0.5, f"the lock was not exclusive (waited {waited:.2f} s)"
     assert list(store.list()) == []  # lock files are not objects
+
+
+def test_lease_tokens_compare_as_numbers_past_twelve_digits(tmp_path: Path) -> None:
+    """Found by review (#43): a lease 999999999999 (forged, or simply reached) blocked its job
+    for good: the next token's key, 1000000000000, sorts before it as a string."""
+    from dataclasses import replace
+
+    from ciuic.chain.lease import acquire, check
+    from ciuic.format import layout
+
+    store = LocalStore(tmp_path / "objects")
+    assert store.create(layout.lease_key("p", "j", 999_999_999_999), b"{}")
+    newer = acquire(store, "p", "j", "run-b")
+    assert newer.token == 1_000_000_000_000
+    assert newer.key == "jobs/p/j/leases/1000000000000.json"
+    check(store, newer)  # the newest: it may commit
+    older = replace(newer, token=999_999_999_999)
+    with pytest.raises(FencedOut, match="another process took over job p/j"):
+        check(store, older)
+    assert acquire(store, "p", "j", "run-c").token == 1_000_000_000_001
+    with pytest.raises(FencedOut):
+        check(store, newer)
+    store.close()
+

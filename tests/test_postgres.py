@@ -56,7 +56,7 @@ def test_the_server_keeps_keys_and_audit_in_postgres(tmp_path: Path, pg_url: str
     with TestClient(create_app(str(tmp_path / "store"), pg_url)) as http:
         h = {"Authorization": f"Bearer {key}"}
         assert http.get("/v1/whoami", headers=h).json()["project"] == "team"
-        assert http.put("/v1/projects/team/objects/chunks/aa/x", headers=h,
+        assert http.put("/v1/projects/team/objects/chunks/aa/" + "aa" * 32, headers=h,
                         content=b"data").status_code == 200
         revoke_key(catalog, info.id)
         assert http.get("/v1/whoami", headers=h).status_code == 401

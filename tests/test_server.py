@@ -143,6 +143,11 @@ def test_snapshot_manager_over_http_restores_and_keeps_encryption_on_the_client(
 
 # -- roles, projects and validation (in-process) --------------------------------------------
 
+def chunk(c: str) -> str:
+    """A well-formed chunk key (the server takes only the layout's keys)."""
+    return f"chunks/{c}/{c * 32}"
+
+
 ROUTES: list[tuple[str, str, str]] = [  # method, path (project p), the least role it needs
     ("GET", "/v1/projects/p/jobs", "reader"),
     ("GET", "/v1/projects/p/jobs/default/snapshots", "reader"),
@@ -152,8 +157,11 @@ ROUTES: list[tuple[str, str, str]] = [  # method, path (project p), the least ro
     ("GET", "/v1/projects/p/objects/jobs/p/default/manifests/{sid}.json", "reader"),
     ("HEAD", "/v1/projects/p/objects/jobs/p/default/manifests/{sid}.json", "reader"),
     ("POST", "/v1/projects/p/objects/missing", "writer"),
-    ("PUT", "/v1/projects/p/objects/chunks/aa/test-object", "writer"),
-    ("DELETE", "/v1/projects/p/objects/chunks/aa/test-object", "writer"),
+    ("PUT", f"/v1/projects/p/objects/{chunk('aa')}", "writer"),
+    ("PUT", "/v1/projects/p/objects/inflight/test-object", "writer"),
+    ("DELETE", "/v1/projects/p/objects/inflight/test-object", "writer"),
+    ("POST", "/v1/projects/p/gc?dry_run=true", "writer"),
+    ("GET", "/v1/projects/p/audit", "admin"),
     ("DELETE", "/v1/projects/p/snapshots/{sid}", "admin"),
 ]
 
@@ -182,7 +190,7 @@ def app_with_keys(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], 
 def _call(http: TestClient, method: str, path: str, key: str | None) -> Any:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if method == "POST":
-        return http.post(path, headers=headers, json={"keys": ["chunks/aa/x"]})
+        return http.post(path, headers=headers, json={"keys": [chunk("aa")]})
     if method == "PUT":
         return http.put(path, headers=headers, content=b"hello")
     return http.request(method, path, headers=headers)
@@ -262,7 +270,7 @@ def test_a_batch_of_small_objects_goes_to_the_server_in_parallel(
             met.append(request.url.path)
 
     s._client.event_hooks = {"request": [in_pairs], "response": []}
-    keys = [f"chunks/aa/{i}" for i in range(4)]
+    keys = [chunk(c) for c in ("a0", "a1", "a2", "a3")]
     s.put_many([(k, k.encode() * 100) for k in keys], durable=False)
     assert sorted(met) == sorted(f"/v1/projects/batches/objects/{k}" for k in keys)
     s._client.event_hooks = {"request": [], "response": []}
@@ -300,11 +308,11 @@ def test_uploads_over_the_limit_are_refused(tmp_path: Path) -> None:
     repo.close()
     with TestClient(create_app(str(store), max_object_bytes=1000)) as http:
         h = {"Authorization": f"Bearer {key}"}
-        assert http.put("/v1/projects/p/objects/chunks/aa/ok", headers=h,
+        assert http.put(f"/v1/projects/p/objects/{chunk('aa')}", headers=h,
                         content=b"x" * 1000).status_code == 200
-        r = http.put("/v1/projects/p/objects/chunks/aa/big", headers=h, content=b"x" * 1001)
+        r = http.put(f"/v1/projects/p/objects/{chunk('bb')}", headers=h, content=b"x" * 1001)
         assert r.status_code == 413 and "limited to 1000 bytes" in r.json()["error"]["message"]
-        assert http.head("/v1/projects/p/objects/chunks/aa/big", headers=h).status_code == 404
+        assert http.head(f"/v1/projects/p/objects/{chunk('bb')}", headers=h).status_code == 404
 
 
 def test_the_api_is_described_by_its_openapi_schema(tmp_path: Path) -> None:
@@ -502,7 +510,7 @@ def test_metrics_and_structured_access_logs(
         manifest = "jobs/p/default/manifests/" + "cd" * 32 + ".json"
         assert http.put(f"/v1/projects/p/objects/{manifest}?create=true", headers=h,
                         content=b"x" * 100).status_code == 201
-    text = http.get("/metrics").text
+    text = http.get("/metrics", headers=h).text
     assert 'ciuic_requests_total{method="GET",route="/v1/whoami",status="200"} 1.0' in text
     assert 'ciuic_requests_total{method="GET",route="/v1/whoami",status="401"} 1.0' in text
     assert 'ciuic_snapshots_total{project="p"} 1.0' in text
@@ -521,11 +529,11 @@ def test_the_batch_missing_call_and_the_commit_semantics(
         app_with_keys: tuple[TestClient, dict[str, str], str]) -> None:
     http, keys, _ = app_with_keys
     h = {"Authorization": f"Bearer {keys['writer']}"}
-    assert http.put("/v1/projects/p/objects/chunks/aa/have", headers=h,
+    assert http.put(f"/v1/projects/p/objects/{chunk('aa')}", headers=h,
                     content=b"1").status_code == 200
     r = http.post("/v1/projects/p/objects/missing", headers=h,
-                  json={"keys": ["chunks/aa/have", "chunks/bb/lack", "chunks/cc/lack2"]})
-    assert r.status_code == 200 and r.json() == {"missing": ["chunks/bb/lack", "chunks/cc/lack2"]}
+                  json={"keys": [chunk("aa"), chunk("bb"), chunk("cc")]})
+    assert r.status_code == 200 and r.json() == {"missing": [chunk("bb"), chunk("cc")]}
     bad = http.post("/v1/projects/p/objects/missing", headers=h, json={"keys": ["../x"]})
     assert bad.status_code == 400
     commit = "/v1/projects/p/objects/jobs/p/default/manifests/" + "ef" * 32 + ".json"
@@ -546,7 +554,7 @@ def test_a_save_asks_the_server_once_which_chunks_it_lacks(
         with torch.no_grad():
             model[0].bias.add_(1)
         _save_through(http, keys["writer"], store, model)
-    text = http.get("/metrics").text
+    text = http.get("/metrics", headers={"Authorization": f"Bearer {keys['writer']}"}).text
     route = 'route="/v1/projects/{project}/objects/{key:path}"'
     heads = sum(int(float(n)) for n in re.findall(
         r'ciuic_requests_total\{method="HEAD",' + re.escape(route) + r',status="\d+"\} ([\d.]+)',

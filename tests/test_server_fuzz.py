@@ -21,7 +21,11 @@ from ciuic.chain.repo import Repository
 from ciuic.server import create_app
 
 NASTY = st.sampled_from(["..", ".", "%2e%2e", "a/../b", "", " ", "-", "x" * 300, "é", "\x00",
-                         "jobs", "chunks/aa", "p", "default", "0" * 64, "$x", "a//b"])
+                         "jobs", "chunks/aa", "p", "default", "0" * 64, "$x", "a//b",
+                         # keys of the layout's shapes: the server's policy for each kind
+                         "chunks/aa/" + "aa" * 32, "jobs/p/default/leases/000000000001.json",
+                         "jobs/p/default/bodies/" + "b" * 64 + ".json", "locks/gc.json",
+                         "inflight/x.json"])
 TEXT = st.one_of(NASTY, st.text(min_size=0, max_size=40))
 SCALAR = st.one_of(TEXT, st.integers(-2**70, 2**70), st.booleans(), st.floats(allow_nan=True),
                    st.none())
@@ -113,7 +117,7 @@ def test_the_fuzz_reaches_authorized_handlers(
     get through to the handlers."""
     http, keys, _ = api
     h = {"Authorization": f"Bearer {keys[1]}"}
-    assert http.put("/v1/projects/p/objects/chunks/aa/k", headers=h, content=b"x").status_code \
+    chunk = "chunks/ab/" + "ab" * 32
+    assert http.put(f"/v1/projects/p/objects/{chunk}", headers=h, content=b"x").status_code \
         == 200
-    assert http.get("/v1/projects/p/objects?prefix=chunks/", headers=h).json()["keys"] == [
-        "chunks/aa/k"]
+    assert chunk in http.get("/v1/projects/p/objects?prefix=chunks/", headers=h).json()["keys"]

@@ -15,6 +15,7 @@ import hmac
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 
@@ -125,12 +126,47 @@ def audit(catalog: Catalog, actor: str, project: str, action: str, target: str =
                          target=target, remote=remote))
 
 
-def audit_log(catalog: Catalog, project: str | None = None, limit: int = 100
-              ) -> list[dict[str, str]]:
-    """The newest audit events first."""
+#: the most events one read of the audit log returns (``limit``); older ones page by ``before``
+AUDIT_PAGE = 1000
+
+
+def audit_time(text: str) -> str:
+    """A bound for :func:`audit_log` (``2026-12-05``, ``2026-12-05T11:00``, with seconds, a
+    fraction or a zone; UTC unless it says otherwise) as the log writes its times."""
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigurationError(f"{text!r} is not a time: use ISO 8601, e.g. 2026-12-05 or "
+                                 "2026-12-05T11:30:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return utc_now(when.timestamp())
+
+
+def audit_log(catalog: Catalog, project: str | None = None, limit: int = 100, *,
+              key: str | None = None, action: str | None = None, since: str | None = None,
+              until: str | None = None, before: int | None = None) -> list[dict[str, Any]]:
+    """The newest audit events first, at most ``limit`` (up to :data:`AUDIT_PAGE`): of
+    ``project``, by the API key whose id is ``key``, of ``action``, at or after ``since`` and
+    before ``until`` (:func:`audit_time`), with an id below ``before`` (the next page: the last
+    event's id). Plain comparisons of strings and integers: the same on SQLite and
+    PostgreSQL."""
+    if not 1 <= limit <= AUDIT_PAGE:
+        raise ConfigurationError(f"limit must be between 1 and {AUDIT_PAGE}, got {limit}")
+    q = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+    if project is not None:
+        q = q.where(AuditEvent.project == project)
+    if key is not None:
+        q = q.where(AuditEvent.actor == f"key:{key}")
+    if action is not None:
+        q = q.where(AuditEvent.action == action)
+    if since is not None:
+        q = q.where(AuditEvent.at >= audit_time(since))
+    if until is not None:
+        q = q.where(AuditEvent.at < audit_time(until))
+    if before is not None:
+        q = q.where(AuditEvent.id < before)
     with catalog.session() as s:
-        q = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
-        if project is not None:
-            q = q.where(AuditEvent.project == project)
-        return [{"at": e.at, "actor": e.actor, "project": e.project, "action": e.action,
-                 "target": e.target, "remote": e.remote} for e in s.scalars(q)]
+        return [{"id": e.id, "at": e.at, "actor": e.actor, "project": e.project,
+                 "action": e.action, "target": e.target, "remote": e.remote}
+                for e in s.scalars(q)]

@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ciuic import knobs
 from ciuic.chain.references import Damage, References, explain, quarantine, referenced
@@ -39,6 +39,7 @@ from ciuic.errors import (
 from ciuic.format import canonical, layout
 from ciuic.format.layout import digest_of_key
 from ciuic.store import LocalStore, Store
+from ciuic.store.http import HttpStore
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
@@ -135,6 +136,12 @@ class GcResult:
     damage: list[Damage] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> GcResult:
+        """The result a server's gc route answered (``dataclasses.asdict`` of one)."""
+        damage = [Damage(**d) for d in answer.pop("damage", [])]
+        return cls(**answer, damage=damage)
+
     @property
     def damaged(self) -> list[str]:
         return [d.key for d in self.damage]
@@ -153,6 +160,16 @@ class GcResult:
         --quarantine`` as the person would type it); "" when there were none."""
         return explain(self.damage, self.kept_for_damage, bool(self.quarantined),
                        command) if self.damage else ""
+
+
+def _served(store: Store) -> HttpStore | None:
+    """The server project under ``store``'s wrappers (retries), if it is one."""
+    while not isinstance(store, HttpStore):
+        inner = getattr(store, "inner", None)
+        if not isinstance(inner, Store):
+            return None
+        store = inner
+    return store
 
 
 class _LockRefresher:
@@ -191,12 +208,22 @@ def _spare(store: Store, write: Callable[[], T]) -> T:
 def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
             progress: Callable[[str], None] | None = None, quarantine_damaged: bool = False,
             only: set[str] | None = None) -> GcResult:
-    """Delete chunks and bodies that no manifest references. See the module docstring.
+    """Delete chunks and bodies that no manifest references. See the module docstring. A
+    project on a ciuic server is collected by the server (clients may not delete chunks).
 
     ``quarantine_damaged``: first move the damaged manifests and bodies to quarantine/
     (references.py). ``only``: delete only those of these chunk keys that nothing references
     (a failed save's own), and nothing else."""
     store = repo.store
+    server = _served(store)
+    if server is not None:
+        if only is not None:
+            return GcResult()  # a failed save's chunks: the server's own gc collects them
+        if quarantine_damaged:
+            raise CiuicError("a ciuic server's damaged objects are moved aside on its machine: "
+                             "run `ciuic --store <the server's storage folder> gc --quarantine` "
+                             "there")
+        return GcResult.from_answer(server.gc(dry_run, wait_s))
     result = GcResult()
     if not _spare(store, lambda: store.create(layout.GC_LOCK, _marker())):
         if _is_live(store, layout.GC_LOCK, knobs.get().gc_lock_stale_s):

@@ -1,7 +1,8 @@
 """Who may commit to a job: a lease with a fencing token.
 
 A process that opens a job takes the next token by creating ``jobs/<p>/<j>/leases/<token>.json``
-(create-if-absent, so two starters never get the same token). Before every commit the writer
+(create-if-absent, so two starters never get the same token). Tokens compare as numbers (the
+key of token 10**12 sorts before 999999999999's). Before every commit the writer
 checks, under the store's commit lock for the job, that no lease with a higher token exists; a
 process that was replaced (a restarted job while the old process still runs) is *fenced out*:
 its commits are refused with :class:`FencedOut`, and it says what happened and what to do.
@@ -46,8 +47,8 @@ def _holder(run_id: str) -> bytes:
 def acquire(store: Store, project: str, job: str, run_id: str) -> Lease:
     """Take the next token for the job (every later commit of an older token is refused)."""
     with store.lock(layout.commit_lock_name(project, job)):
-        existing = sorted(store.list(layout.leases_prefix(project, job)))
-        token = layout.lease_token(existing[-1]) + 1 if existing else 1
+        newest = layout.newest_lease(store.list(layout.leases_prefix(project, job)))
+        token = layout.lease_token(newest) + 1 if newest else 1
         while not store.create(layout.lease_key(project, job, token), _holder(run_id)):
             token += 1
     return Lease(project, job, token, run_id)
@@ -55,8 +56,8 @@ def acquire(store: Store, project: str, job: str, run_id: str) -> Lease:
 
 def check(store: Store, lease: Lease) -> None:
     """Raise :class:`FencedOut` if a newer lease exists (call under the commit lock)."""
-    newest = max(store.list(layout.leases_prefix(lease.project, lease.job)), default=lease.key)
-    if newest == lease.key:
+    newest = layout.newest_lease(store.list(layout.leases_prefix(lease.project, lease.job)))
+    if newest is None or layout.lease_token(newest) <= lease.token:
         return
     info = _read(store, newest) or {}
     at = info.get("time")

@@ -5,7 +5,7 @@ application and what every command shares; ``commands`` the store's commands (ls
 verify, restore, push, pull, copy, keygen, demo); ``upkeep`` those that change what it keeps
 (prune, gc, reindex); ``inspect`` the ones that
 look inside snapshots (diff); ``server`` the server's
-(serve, apikey). Nothing imports this package but ``ciuic.__main__`` and the console script.
+(serve, apikey, audit). Nothing imports this package but ``ciuic.__main__`` and the console script.
 
 May import: everything below it (the server and the demo included). The commands import torch
 only where they need it.

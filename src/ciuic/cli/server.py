@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -137,3 +137,53 @@ def apikey_revoke(key_id: str) -> None:
     from ciuic.catalog.keys import revoke_key
     info = revoke_key(_server_repo().catalog, key_id, actor=_actor())
     console.print(f"revoked API key {info.id} of project {info.project}")
+
+
+@app.command("audit")
+@click.option("--project", help="Only this project (with a server URL: the URL's)")
+@click.option("--key", "key_id", metavar="ID", help="Only what this API key did (its id)")
+@click.option("--action", help="Only this action, e.g. snapshot.save, snapshot.prune, "
+              "object.delete.refused, lease.take, apikey.create")
+@click.option("--since", metavar="TIME", help="From this time on (ISO 8601, UTC unless said)")
+@click.option("--until", metavar="TIME", help="Before this time")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              help="At most this many events, newest first")
+@click.option("--before", type=click.IntRange(min=1), metavar="ID",
+              help="Events older than this one (the next page: the id the last page ended at)")
+def audit(project: str | None, key_id: str | None, action: str | None, since: str | None,
+          until: str | None, limit: int, before: int | None) -> None:
+    """Read the server's audit log, newest first: who saved, read, pruned and deleted what.
+
+    On the server's machine (--store: its storage) it reads the catalog, every project's
+    events; with --store https://HOST/v1/projects/P it asks the server for that project's (an
+    admin key: CIUIC_API_KEY)."""
+    from rich import box
+    from rich.table import Table
+
+    location = store_location()
+    filters: dict[str, Any] = {"key": key_id, "action": action, "since": since, "until": until,
+               "limit": limit, "before": before}
+    if location.startswith(("http://", "https://")):
+        from ciuic.store.http import HttpStore
+        server = HttpStore(location)
+        try:
+            if project not in (None, server.project):
+                raise click.BadParameter(f"the server URL names project {server.project}",
+                                         param_hint="--project")
+            page = server.audit(**filters)
+        finally:
+            server.close()
+        events, more = page["events"], page["next"]
+    else:
+        from ciuic.catalog.keys import audit_log
+        events = audit_log(_server_repo().catalog, project, **filters)
+        more = events[-1]["id"] if len(events) == limit else None
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # as `apikey list`
+    for header in ("id", "at", "actor", "project", "action", "target", "client"):
+        t.add_column(header, no_wrap=header not in ("target", "actor"), overflow="fold")
+    for e in events:
+        t.add_row(str(e["id"]), e["at"][:19] + "Z", e["actor"], e["project"], e["action"],
+                  e["target"], e["remote"])
+    console.print(t)
+    if more is not None:
+        err.print(f"older events: add --before {more}")

@@ -7,7 +7,8 @@ its repository).
     chunks/<d[:2]>/<d>                              a chunk (content-addressed: d is its digest)
     jobs/<project>/<job>/manifests/<id>.json        a snapshot's manifest (its ID is its digest)
     jobs/<project>/<job>/bodies/<digest>.json       a snapshot's body (content-addressed)
-    jobs/<project>/<job>/leases/<token:012d>.json   a run's lease (fencing token)
+    jobs/<project>/<job>/leases/<token:012d>.json   a run's lease (fencing token; 12 digits or
+                                                    more, compared as numbers)
     jobs/<project>/<job>/commit                     the job's commit lock (a lock name)
     locks/gc.json, locks/gc-epoch.json              the gc lock and the gc epoch
     inflight/<name>                                 a save in progress (gc leaves its chunks)
@@ -21,6 +22,7 @@ Project and job names are checked here (:func:`check_name`): they become parts o
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ciuic.errors import ConfigurationError, InvalidKey
@@ -42,7 +44,12 @@ _HEX = r"[0-9a-f]{64}"
 _MANIFEST = re.compile(rf"^jobs/({_PART})/({_PART})/manifests/({_HEX})\.json$")
 _BODY = re.compile(rf"^jobs/({_PART})/({_PART})/bodies/({_HEX})\.json$")
 _CHUNK = re.compile(rf"^chunks/[0-9a-f]{{2}}/({_HEX})$")
-_LEASE = re.compile(r"/leases/(\d{12})\.json$")
+# 12 digits, zero-padded; a token past 10**12 has more (never a leading zero then)
+_TOKEN = r"(?:\d{12}|[1-9]\d{12,17})"
+_LEASE = re.compile(rf"/leases/({_TOKEN})\.json$")
+_LEASE_KEY = re.compile(rf"^jobs/({_PART})/({_PART})/leases/({_TOKEN})\.json$")
+_INFLIGHT = re.compile(rf"^inflight/{_PART}$")
+_PROBE = re.compile(rf"^probes/{_PART}\.json$")
 
 
 def is_name(name: str) -> bool:
@@ -179,6 +186,42 @@ def lease_token(key: str) -> int:
     if m is None:
         raise InvalidKey(f"{key!r} is not a lease key")
     return int(m[1])
+
+
+def parse_lease(key: str) -> tuple[str, str, int] | None:
+    """(project, job, token) of a lease key as :func:`lease_key` writes it, or None."""
+    m = _LEASE_KEY.match(key)
+    return (m[1], m[2], int(m[3])) if m else None
+
+
+def newest_lease(keys: Iterable[str]) -> str | None:
+    """The lease key with the highest token among ``keys`` (by number: token 10**12 is newer
+    than 999999999999, whose key sorts after it), or None when there is none."""
+    leases = [k for k in keys if _LEASE.search(k)]
+    return max(leases, key=lease_token, default=None)
+
+
+def kind_of(key: str) -> str | None:
+    """Which of the layout's keys ``key`` is: ``chunk``, ``manifest``, ``body``, ``lease``,
+    ``inflight``, ``probe``, ``salt`` or ``gc`` (the gc lock and epoch); None for any key ciuic
+    never writes (a server refuses those)."""
+    if chunk_digest(key) is not None:
+        return "chunk" if key[len(CHUNKS):len(CHUNKS) + 2] == key[-64:-62] else None
+    if parse_manifest(key) is not None:
+        return "manifest"
+    if parse_body(key) is not None:
+        return "body"
+    if parse_lease(key) is not None:
+        return "lease"
+    if _INFLIGHT.match(key):
+        return "inflight"
+    if _PROBE.match(key):
+        return "probe"
+    if key == PASSPHRASE_SALT:
+        return "salt"
+    if key in (GC_LOCK, GC_EPOCH):
+        return "gc"
+    return None
 
 
 def is_content_addressed(key: str) -> bool:

@@ -11,6 +11,7 @@ each committed manifest it can read, and records who saved, read and deleted wha
 
 import logging
 import re
+from dataclasses import asdict
 from importlib import resources
 from typing import Annotated, Any
 
@@ -21,7 +22,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ciuic.catalog.keys import KeyInfo, audit, authenticate
+from ciuic.catalog.keys import AUDIT_PAGE, KeyInfo, audit, audit_log, authenticate
+from ciuic.chain.gc import collect
 from ciuic.chain.repo import Repository, list_jobs
 from ciuic.chain.retention import prune_one
 from ciuic.chain.runs import history
@@ -41,15 +43,17 @@ from ciuic.faults import failpoint
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.records import RunReport as RunRecord  # RunReport: the request's model
-from ciuic.server import inspect
+from ciuic.server import inspect, policy
+from ciuic.server.guard import DEFAULT_JSON_MAX_BYTES, Guard, key_of
 from ciuic.server.observe import install
-from ciuic.store.base import check_key, check_prefix
+from ciuic.store.base import check_prefix
 from ciuic.version import __version__
 
 log = logging.getLogger("ciuic.server")
 _RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
+GC_MAX_WAIT_S = 30.0  # the longest a gc asked through the API waits for saves in progress
 
 
 class MissingRequest(BaseModel):
@@ -95,9 +99,14 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def create_app(location: str | None = None, catalog_url: str | None = None, *,
-               max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> FastAPI:
+               max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+               json_max_bytes: int = DEFAULT_JSON_MAX_BYTES,
+               layout_keys_only: bool = True) -> FastAPI:
     """The app serving the store at ``location`` (a directory or URL; default ``$CIUIC_HOME``
-    or ``./.ciuic``) with the catalog at ``catalog_url`` (default: the store's)."""
+    or ``./.ciuic``) with the catalog at ``catalog_url`` (default: the store's). Request
+    bodies other than object uploads are capped at ``json_max_bytes``. ``layout_keys_only``
+    False lets any well-formed object key through (a test server for the Store contract,
+    whose keys are not ciuic's; ``ciuic serve`` never does)."""
     root = Repository.open(location, catalog_url)
     catalog = root.catalog
     repos: dict[str, Repository] = {}
@@ -112,6 +121,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                               "their content-addressed objects. Authenticate with "
                               "`Authorization: Bearer <API key>`.")
     app.state.root = root
+    app.add_middleware(Guard, catalog=catalog, json_max_bytes=json_max_bytes,
+                       routes=app.router.routes)  # inside the metrics: refusals are counted
     metrics = install(app)
 
     @app.exception_handler(ApiError)
@@ -141,16 +152,12 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return _error(500, "internal", str(e))
 
     def caller(request: Request) -> KeyInfo:
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get(
-            "x-api-key", "")
-        if not key:
-            raise ApiError(401, "missing_key", "send an API key: 'Authorization: Bearer <key>' "
-                           "(`ciuic apikey create --project P --role R` makes one)")
-        info = authenticate(catalog, key)
-        if info is None:
-            raise ApiError(401, "invalid_key", "the API key is unknown, revoked or expired")
-        request.state.key_id = info.id
+        """The request's key, as ciuic.server.guard checked it before the body was read."""
+        info = getattr(request.state, "key", None)
+        if info is None:  # pragma: no cover - every route with a key passes the guard
+            info = authenticate(catalog, key_of(dict(request.headers)))
+            if info is None:
+                raise ApiError(401, "invalid_key", "the API key is unknown, revoked or expired")
         return info
 
     Caller = Annotated[KeyInfo, Depends(caller)]
@@ -165,10 +172,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                            f"{info.role}")
 
     def object_key(project: str, key: str) -> str:
-        check_key(key)
-        if key.startswith(layout.JOBS) and not key.startswith(layout.jobs_prefix(project)):
-            raise ApiError(400, "invalid_name", f"{key}: a project's job objects live under "
-                           f"jobs/{project}/")
+        policy.object_kind(project, key, layout_keys_only)
         return key
 
     # -- health and identity ------------------------------------------------------------------
@@ -264,7 +268,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         if found.status != "committed":
             raise _gone(found)
         try:
-            return inspect.tensors(repo_of(project), found)
+            return inspect.tensors(repo_of(project), found, info.id)
         except MissingKey as e:
             raise ApiError(422, "encrypted", f"snapshot {found.short_id} is encrypted; only "
                            f"clients holding the key can read it ({e})") from e
@@ -294,7 +298,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             if found.status != "committed":
                 raise _gone(found)
         try:
-            return inspect.compare(repo_of(project), found_a, found_b)
+            return inspect.compare(repo_of(project), found_a, found_b, info.id)
         except MissingKey as e:
             raise ApiError(422, "encrypted", f"the snapshots are encrypted; only clients "
                            f"holding the key can compare them ({e})") from e
@@ -352,7 +356,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         check_prefix(prefix)
         keys: list[str] = []
         for k in repo_of(project).store.list(prefix):
-            if k > after:
+            if k > after and not k.startswith(layout.INFLIGHT):  # saves' markers: gc's own
                 keys.append(k)
                 if len(keys) == limit:
                     break
@@ -363,7 +367,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                          create: bool = False
                          ) -> dict[str, Any]:
         allow(info, project, "writer")
-        key = object_key(project, key)
+        kind = policy.object_kind(project, key, layout_keys_only)
+        policy.check_put(kind, create)
         declared = request.headers.get("content-length")
         if declared is not None and not declared.isdigit():
             raise ApiError(400, "invalid_request", "Content-Length must be a number of bytes")
@@ -379,27 +384,29 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         metrics.bytes.labels("in").inc(len(body))
         await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
         m = layout.parse_manifest(key)
-        if m is not None and not create:
-            raise ApiError(403, "forbidden", "a manifest is committed once, with "
-                           "PUT ...?create=true, and never replaced (it is the chain)")
         if not create:
-            if layout.is_content_addressed(key):  # named by their content: the first copy stays
+            if kind in ("chunk", "body"):  # named by their content: the first copy stays
                 await run_in_threadpool(store.create, key, bytes(body))
             else:
                 await run_in_threadpool(store.put, key, bytes(body))
             return {"key": key, "stored": True}
-        created = await run_in_threadpool(store.create, key, bytes(body))
+        data: bytes | None = bytes(body)
+        if kind == "lease":  # the job's next token only; the server notes whose key took it
+            data = await run_in_threadpool(policy.new_lease, store, key, bytes(body), info)
+        created = data is not None and await run_in_threadpool(store.create, key, data)
         if not created:
             response.status_code = 409
             return {"key": key, "created": False}
         response.status_code = 201
-        if m is not None:  # committed: record who saved it, index it; neither may undo it
-            metrics.snapshots.labels(project).inc()
+        if m is not None or kind == "lease":  # record who saved or took it; that cannot undo it
+            done = ("snapshot.save", f"{m.job} {m.snapshot_id}") if m else ("lease.take", key)
             try:
-                audit(catalog, f"key:{info.id}", project, "snapshot.save",
-                      f"{m.job} {m.snapshot_id}", _remote(request))
+                await run_in_threadpool(audit, catalog, f"key:{info.id}", project, *done,
+                                        _remote(request))
             except Exception as e:
-                log.error("could not audit the commit of %s: %s", key, e)
+                log.error("could not audit the creation of %s: %s", key, e)
+        if m is not None:  # committed: index it
+            metrics.snapshots.labels(project).inc()
             await run_in_threadpool(_index, project, m.job)
         return {"key": key, "created": True}
 
@@ -432,18 +439,54 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     @app.delete("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
     def delete_object(info: Caller, project: str, key: str, request: Request) -> dict[str, Any]:
         allow(info, project, "writer")
-        key = object_key(project, key)
-        if layout.parse_manifest(key) is not None:
-            raise ApiError(403, "forbidden", "manifests are kept forever (they are the chain); "
-                           "delete a snapshot with DELETE /v1/projects/P/snapshots/ID")
-        repo_of(project).store.delete(key)
+        kind = policy.object_kind(project, key, layout_keys_only)
+        store, actor = repo_of(project).store, f"key:{info.id}"
+        refused = policy.delete_refusal(store, kind, key, info)
+        if refused is not None:  # an attempt is audited too
+            audit(catalog, actor, project, "object.delete.refused", key, _remote(request))
+            raise ApiError(403, "forbidden", refused)
+        store.delete(key)
         body = layout.parse_body(key)
-        if body is not None:  # a client's retention: the server's catalog follows at once
+        if body is not None:  # retention or an admin: the server's catalog follows at once
             for snap in catalog.snapshots(body[0], body[1]):
                 if snap.body == body[2]:
                     catalog.set_status(snap.id, "pruned")
-            audit(catalog, f"key:{info.id}", project, "snapshot.prune", key, _remote(request))
+        audit(catalog, actor, project, "snapshot.prune" if body else "object.delete", key,
+              _remote(request))
         return {"key": key, "deleted": True}
+
+    # -- the server's gc and the audit log ----------------------------------------------------
+
+    @app.post("/v1/projects/{project}/gc", tags=["operations"])
+    def garbage_collect(info: Caller, project: str, request: Request, dry_run: bool = False,
+                        wait_s: Annotated[float, Query(ge=0, le=GC_MAX_WAIT_S)] = 0.0
+                        ) -> dict[str, Any]:
+        """``ciuic gc`` of the project, run by the server: the only way chunks are deleted
+        (it keeps every chunk and body a snapshot references). A writer's retention asks for
+        it; one gc at a time per project (another answers ``skipped``)."""
+        allow(info, project, "writer")
+        result = collect(repo_of(project), dry_run=dry_run, wait_s=wait_s)
+        if not dry_run:
+            skipped = f"; skipped: {result.skipped}" if result.skipped else ""
+            audit(catalog, f"key:{info.id}", project, "gc", f"{result.deleted_chunks} chunks, "
+                  f"{result.deleted_bodies} bodies deleted{skipped}", _remote(request))
+        return asdict(result)
+
+    @app.get("/v1/projects/{project}/audit", tags=["operations"])
+    def read_audit(info: Caller, project: str,
+                   key: Annotated[str | None, Query(max_length=64)] = None,
+                   action: Annotated[str | None, Query(max_length=64)] = None,
+                   since: Annotated[str | None, Query(max_length=64)] = None,
+                   until: Annotated[str | None, Query(max_length=64)] = None,
+                   limit: Annotated[int, Query(ge=1, le=AUDIT_PAGE)] = 100,
+                   before: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
+        """The project's audit log, newest first (admin): by key id, action and time
+        (``since`` inclusive, ``until`` exclusive; ISO 8601, UTC unless said). ``next``: the
+        ``before`` of the next page, null on the last."""
+        allow(info, project, "admin")
+        events = audit_log(catalog, project, limit, key=key, action=action, since=since,
+                           until=until, before=before)
+        return {"events": events, "next": events[-1]["id"] if len(events) == limit else None}
 
     return app
 

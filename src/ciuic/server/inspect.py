@@ -3,7 +3,9 @@ two snapshots, and the loss and norms along a chain."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ciuic.chain.repo import Repository
@@ -22,12 +24,43 @@ STATS_MAX_BYTES = 512 * 1024 * 1024
 DIFF_MAX_BYTES = 2 * 1024 * 1024 * 1024
 _ONE_AT_A_TIME = threading.Semaphore(1)  # reads of whole tensors: never several at once
 _ONE_DEEP_CHECK = threading.Semaphore(1)  # re-hashing a snapshot's chunks: one at a time
+#: reads of whole tensors (statistics, diffs) admitted at once, the running one included: the
+#: others wait for it holding a server thread, so a few, never the server's every thread
+READS_ADMITTED = 4
+_ADMITTED = threading.BoundedSemaphore(READS_ADMITTED)
+_READING: set[str] = set()  # the API keys with a read admitted
+_READING_LOCK = threading.Lock()
 
 
-def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
+@contextlib.contextmanager
+def _admitted(key_id: str) -> Iterator[None]:
+    """Admit one whole-tensor read for the API key ``key_id``, or refuse it at once with 429:
+    one read per key at a time (the second is refused, not queued), and at most
+    :data:`READS_ADMITTED` in all. Then the reads run one at a time."""
+    with _READING_LOCK:
+        if key_id in _READING:
+            raise ApiError(429, "busy", "this API key is already reading tensors on the server "
+                           "(statistics or a diff, one at a time per key); try again when "
+                           "that answers")
+        if not _ADMITTED.acquire(blocking=False):
+            raise ApiError(429, "busy", "the server is reading tensors for other requests; "
+                           "try again in a moment")
+        _READING.add(key_id)
+    try:
+        with _ONE_AT_A_TIME:
+            failpoint("server.inspect")  # tests: a long read
+            yield
+    finally:
+        with _READING_LOCK:
+            _READING.discard(key_id)
+            _ADMITTED.release()
+
+
+def tensors(repo: Repository, info: SnapshotInfo, key_id: str) -> dict[str, Any]:
     """Every tensor of a snapshot (path, dtype, shape, bytes) with its statistics: as the writer
-    recorded them (nothing read), else computed for up to ``STATS_MAX_BYTES``."""
-    with _ONE_AT_A_TIME:
+    recorded them (nothing read), else computed for up to ``STATS_MAX_BYTES`` (one read per
+    API key ``key_id`` at a time: :func:`_admitted`)."""
+    with _admitted(key_id):
         rows = look.tensors(repo, info, compute=True, compute_max_bytes=STATS_MAX_BYTES)
     return {"id": info.id, "step": info.step, "health": info.to_json()["health"],
             "tensors": [r.to_json() for r in rows],
@@ -35,12 +68,13 @@ def tensors(repo: Repository, info: SnapshotInfo) -> dict[str, Any]:
             "computed": any(r.computed for r in rows), "stats_limit_bytes": STATS_MAX_BYTES}
 
 
-def compare(repo: Repository, a: SnapshotInfo, b: SnapshotInfo) -> dict[str, Any]:
+def compare(repo: Repository, a: SnapshotInfo, b: SnapshotInfo, key_id: str) -> dict[str, Any]:
     """``ciuic diff`` of two snapshots of one project, as JSON (floats that are not finite as
-    null). Refused when the tensors it would have to read pass ``DIFF_MAX_BYTES``."""
+    null). Refused when the tensors it would have to read pass ``DIFF_MAX_BYTES``; one read per
+    API key ``key_id`` at a time (:func:`_admitted`)."""
     from ciuic.errors import ConfigurationError
 
-    with _ONE_AT_A_TIME:
+    with _admitted(key_id):
         result = diff(repo, a, repo, b, max_read_bytes=DIFF_MAX_BYTES)
         if result is None:
             raise ConfigurationError(

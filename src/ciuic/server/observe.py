@@ -8,6 +8,9 @@ Metrics (each app has its own registry, so several apps in one process never mix
 - ``ciuic_errors_total{route, code}``: responses of 500 and above;
 - ``ciuic_snapshots_total{project}``: commits (manifest creates);
 - ``ciuic_object_bytes_total{direction}``: bytes received and sent in objects.
+
+``/metrics`` needs an API key, of any role (a scraper sends it as a bearer token); the series
+labelled with a project show the key's project only, so no key learns another project's name.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import (
@@ -23,6 +26,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    Metric,
     generate_latest,
 )
 
@@ -73,7 +77,23 @@ def install(app: FastAPI) -> Metrics:
                 "client": request.client.host if request.client else None}))
 
     @app.get("/metrics", tags=["operations"], include_in_schema=True)
-    def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def prometheus(request: Request) -> Response:
+        """The metrics (any API key; the key's project's series only)."""
+        project = request.state.key.project  # the key was checked first (ciuic.server.guard)
+        return Response(generate_latest(_OfProject(metrics.registry, project)),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return metrics
+
+
+class _OfProject:
+    """A registry's metrics without the samples labelled with another project."""
+
+    def __init__(self, registry: CollectorRegistry, project: str) -> None:
+        self.registry, self.project = registry, project
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():  # fresh objects on every call
+            family.samples = [s for s in family.samples
+                              if s.labels.get("project", self.project) == self.project]
+            yield family

@@ -236,6 +236,20 @@ class HttpStore(Store):
         """Send a run's record and new events (``ciuic.manager.report``)."""
         self._call("PUT", f"/jobs/{quote(job)}/runs/{quote(run_id)}", json=report)
 
+    def gc(self, dry_run: bool = False, wait_s: float = 0.0) -> dict[str, Any]:
+        """Run the server's gc of this project (the only way a server's chunks are deleted):
+        ``GcResult``'s fields."""
+        r = self._call("POST", "/gc", params={"dry_run": str(dry_run).lower(),
+                                              "wait_s": min(wait_s, 30.0)},
+                       timeout=max(self._client.timeout.read or 0, wait_s + 600))
+        return dict(r.json())
+
+    def audit(self, **filters: Any) -> dict[str, Any]:
+        """A page of the project's audit log (an admin key): ``{"events", "next"}``; filters
+        as ``GET /v1/projects/P/audit`` takes them (None: not filtered)."""
+        params = {k: v for k, v in filters.items() if v is not None}
+        return dict(self._call("GET", "/audit", params=params).json())
+
     def whoami(self) -> dict[str, Any]:
         """The key's project and role, as the server sees them."""
         r = self._send("GET", f"{self.endpoint}/v1/whoami")
