@@ -224,9 +224,9 @@ def test_a_servers_gc_answer_carries_its_damage_back_to_the_client() -> None:
     from ciuic.chain.gc import GcResult
     from ciuic.chain.references import Damage
 
-    sent = GcResult(deleted_chunks=3, kept_for_damage=2, quarantined=["quarantine/x"],
+    sent = GcResult(deleted_chunks=3, kept_for_damage=2,
                     damage=[Damage("jobs/p/j/manifests/ab.json", "not JSON", "ab")])
     got = GcResult.from_answer(json.loads(json.dumps(dataclasses.asdict(sent))))
     assert got == sent
     assert got.damaged == ["jobs/p/j/manifests/ab.json"]
-    assert "quarantine" in got.warning()
+    assert "gc --quarantine" in got.warning()
