@@ -32,6 +32,8 @@ from ciuic.errors import CiuicError, IntegrityError, MissingKey
 from ciuic.words import counted, listed, reasons_in_short
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
+    from collections.abc import Collection
+
     from rich.progress import TaskID
     from rich.table import Table
 
@@ -80,7 +82,7 @@ def log_cmd(job: str, all_: bool) -> None:
     lineage."""
     from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
-    from ciuic.chain.runs import history
+    from ciuic.chain.runs import damaged, history
     location = store_location()
     check_existing(location)
     found = read_log(location, job)  # without SQLAlchemy, when the catalog is in sync
@@ -99,6 +101,7 @@ def log_cmd(job: str, all_: bool) -> None:
         console.print(f"Job {project}/{name} has no snapshots.")
         return
     notes = history(runs, events, every, listed_pruned=all_)
+    bad = damaged(events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
     for k, group in enumerate(groups):
@@ -107,10 +110,11 @@ def log_cmd(job: str, all_: bool) -> None:
             root = min(group, key=lambda s: s.seq)
             title += (f": lineage {len(groups) - k} of {len(groups)}, from step {root.step} "
                       f"({root.short_id}, {time_text(root.created)} UTC)")
-        console.print(_chain_table(title, group, notes))
+        console.print(_chain_table(title, group, notes, bad))
 
 
-def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:
+def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]],
+                 bad: Collection[str] = ()) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -138,6 +142,7 @@ def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[st
         text = "; ".join(x for x in [text, *reasons, *notes.get(s.id, [])] if x)
         t.add_row(s.short_id, str(s.step), time_text(s.created), size_text(s.total_bytes),
                   size_text(s.new_bytes), s.parent[:8] or "(root)",
+                  "[red]damaged[/red]" if s.id in bad else
                   {None: "-", True: "[green]ok[/green]", False: "[red]unhealthy[/red]"}[
                       s.healthy], text)
     return t
