@@ -78,8 +78,8 @@ def ls() -> None:
 @click.option("--all", "all_", is_flag=True, help="Include pruned snapshots")
 def log_cmd(job: str, all_: bool) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
-    snapshot is unhealthy), and where runs were interrupted and resumed; one table per
-    lineage."""
+    snapshot is unhealthy, or damaged: a restore found it so and skipped it), and where runs
+    were interrupted and resumed; one table per lineage."""
     from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
     from ciuic.chain.runs import damaged, history
