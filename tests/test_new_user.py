@@ -23,6 +23,7 @@ from ciuic import SnapshotManager, StateHolder
 from ciuic.chain.repo import Repository
 from ciuic.chain.retention import prune_one
 from ciuic.errors import AmbiguousReference, CaptureError, ConfigurationError
+from ciuic.format.info import SnapshotInfo
 from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
@@ -360,14 +361,23 @@ def test_job_at_step_is_ambiguous_across_lineages(store_dir: Path) -> None:
         repo.resolve("p/two@0")
 
 
-def test_gc_reports_the_bytes_it_freed(store_dir: Path) -> None:
+def three_snapshots(store: Path, job: str) -> tuple[nn.Linear, torch.optim.SGD, SnapshotInfo]:
+    """A model and optimizer, after 3 snapshots of job ``p/<job>``, each with new chunks; and
+    the latest."""
     model = nn.Linear(64, 64)  # 16 KiB of weights: chunks, not inline values
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with SnapshotManager("p", job="gc", store=store_dir, save_interval=1) as m:
+    with SnapshotManager("p", job=job, store=store, save_interval=1) as m:
         for step in range(3):
             model.weight.data += 1  # every snapshot new chunks
             m.step(step, model, opt)
             m.wait()
+        latest = m.latest()
+    assert latest is not None
+    return model, opt, latest
+
+
+def test_gc_reports_the_bytes_it_freed(store_dir: Path) -> None:
+    three_snapshots(store_dir, "gc")
     assert ciuic_cli(store_dir, "prune", "p/gc", "--keep-last", "1").returncode == 0
     out = ciuic_cli(store_dir, "gc")
     assert out.returncode == 0, out.stderr
@@ -482,15 +492,7 @@ def test_ciuic_log_shows_a_snapshot_a_restore_skipped_as_damaged_and_why(store_d
     from ciuic.chain.read import read_body
     from ciuic.format import layout
 
-    model = nn.Linear(64, 64)  # 16 KiB of weights: chunks, not inline values
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with SnapshotManager("p", job="skip", store=store_dir, save_interval=1) as m:
-        for step in range(3):
-            model.weight.data += 1  # every snapshot new chunks
-            m.step(step, model, opt)
-            m.wait()
-        latest = m.latest()
-    assert latest is not None
+    model, opt, latest = three_snapshots(store_dir, "skip")
     with Repository.open(store_dir) as repo:
         _, trees = read_body(repo, latest)
     (store_dir / "objects" / layout.chunk_key(
@@ -501,7 +503,6 @@ def test_ciuic_log_shows_a_snapshot_a_restore_skipped_as_damaged_and_why(store_d
         run = m.run_id
     out = ciuic_cli(store_dir, "log", "p/skip", columns=400)
     assert out.returncode == 0, out.stderr
-    print(out.stdout)
     rows = {line.split()[1]: line for line in out.stdout.splitlines()
             if len(line.split()) > 2 and line.split()[1].isdigit()}  # by step
     assert " damaged " in rows["2"] and " ok " not in rows["2"], out.stdout
