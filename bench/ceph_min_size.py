@@ -10,7 +10,8 @@ knobs: ``store_attempts`` 3, ``store_timeout_s`` 120, ``s3_read_timeout_s`` 60, 
 adaptive attempts), kills 2 of the 3 OSDs (SIGKILL, and waits until the monitor marks them
 down), then measures, with ciuic's defaults:
 
-- each store call of a fresh store (PUT of a new key, GET and HEAD of an existing one, a
+- each call of a fresh S3 store (``open_store``: botocore's tries, without the
+  ``RetryingStore`` a repository adds; PUT of a new key, GET and HEAD of an existing one, a
   listing) from its start until it raises;
 - the training loop: the time from the kill to the first "snapshot ... failed" warning, and the
   longest ``step()`` call meanwhile (the steps a failing snapshot blocks).
