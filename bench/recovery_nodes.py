@@ -53,8 +53,10 @@ from tests.netns import Nodes, remove_leftovers, unavailable  # noqa: E402
 WORKER = Path(__file__).with_name("recovery_nodes_worker.py")
 # torch 2.13's agents share the rendezvous TCPStore with the workers by default; then a node
 # started again waits for a MASTER_ADDR that is published only at the first rendezvous
-# (tests/test_multinode.py, SHARED_STORE_OFF).
-ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "INFO"}
+# (tests/test_multinode.py, SHARED_STORE_OFF); ciuic run sets it too (cli/run.torchrun_env).
+# CIUIC_RUN_LOG=debug: every replica sent is logged (at INFO only the first and the changes).
+ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "INFO",
+       "CIUIC_RUN_LOG": "debug"}
 REPLICA = re.compile(r"node (\d+) \(\S+\) holds a replica of this node's snapshot at step (\d+) "
                      r"\((\d+) new chunks, ([\d.]+) MiB sent in ([\d.]+) s\)")
 READ = re.compile(r"Read (.+?) from host memory, (.+?) from other nodes' memory and (.+?) from "

@@ -11,7 +11,8 @@ The settings that keep a request from hanging when too few OSDs are left are the
 docs/storage.md tells users to set (:data:`BOUNDED`): without them an I/O to a placement group
 below ``min_size`` waits until the OSDs come back, however long that is.
 
-    python -m tests.cluster      # start one, print its endpoint, wait for Ctrl-C (manual tests)
+    python -m tests.cluster      # start one, print its endpoint, its daemons' PIDs and how to
+                                 # stop and restart an OSD by hand; wait for Ctrl-C
 """
 
 from __future__ import annotations
@@ -353,11 +354,29 @@ def running(osds: int = 3, block_bytes: int = 4 << 30, bounded: bool = True,
         cluster.close()
 
 
+def describe(endpoint: str, conf: Path, pids: dict[str, int]) -> str:
+    """What ``python -m tests.cluster`` prints: the endpoint, the credentials, each daemon's
+    PID, and how to stop an OSD (a crashed storage node) and start it again by hand."""
+    lines = [f"endpoint {endpoint}  conf {conf}",
+             f"AWS_ACCESS_KEY_ID={ACCESS_KEY} AWS_SECRET_ACCESS_KEY={SECRET_KEY}", "daemons:"]
+    lines += [f"  {name:12} pid {pid}" for name, pid in sorted(pids.items())]
+    osds = sorted(int(n.split(".")[1]) for n in pids if n.startswith("osd."))
+    if osds:
+        i = osds[-1]
+        lines += [
+            f"stop OSD {i} (a crashed storage node): kill -9 {pids[f'osd.{i}']}",
+            f"start it again (its data is kept): ceph-osd -f -c {conf} -i {i} &",
+            f"the cluster's view: ceph -c {conf} osd tree; ceph -c {conf} health detail",
+            f"two of {len(osds)} OSDs stopped: the pools are below min_size (docs/storage.md)",
+            "(an OSD started by hand is not stopped with the cluster: kill it before Ctrl-C)"]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     with running() as cl:
-        print(f"endpoint {cl.endpoint}  up in {cl.started_s:.1f} s  "
-              f"{cl.rss_bytes() / 2**20:.0f} MiB  conf {cl.conf}", flush=True)
-        print(f"AWS_ACCESS_KEY_ID={ACCESS_KEY} AWS_SECRET_ACCESS_KEY={SECRET_KEY}", flush=True)
+        print(f"up in {cl.started_s:.1f} s, {cl.rss_bytes() / 2**20:.0f} MiB resident", flush=True)
+        print(describe(cl.endpoint, cl.conf, {n: p.pid for n, p in cl.procs.items()}),
+              flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()

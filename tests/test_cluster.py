@@ -52,6 +52,18 @@ def healed(ceph: Cluster) -> Iterator[Cluster]:
         ceph.wait_clean()
 
 
+def test_the_cluster_printout_names_each_daemons_pid_and_how_to_stop_and_start_an_osd(
+        ) -> None:
+    """``python -m tests.cluster`` prints every daemon's PID and the commands that stop an OSD
+    as a crash would and start it again (no cluster needed: the printout's function)."""
+    pids = {"mon.a": 101, "mgr.x": 102, "osd.0": 103, "osd.1": 104, "osd.2": 105, "rgw": 106}
+    text = cluster.describe("http://127.0.0.1:8000", Path("/tmp/c/ceph.conf"), pids)
+    for name, pid in pids.items():
+        assert re.search(rf"^  {re.escape(name)} +pid {pid}$", text, re.M), text
+    assert "kill -9 105" in text and "ceph-osd -f -c /tmp/c/ceph.conf -i 2" in text
+    assert "http://127.0.0.1:8000" in text and cluster.ACCESS_KEY in text
+
+
 class TestCephStore(StoreConformance):
     @pytest.fixture
     def store(self, ceph_url: str) -> Iterator[Store]:

@@ -23,6 +23,7 @@ from ciuic import SnapshotManager, StateHolder
 from ciuic.chain.repo import Repository
 from ciuic.chain.retention import prune_one
 from ciuic.errors import AmbiguousReference, CaptureError, ConfigurationError
+from ciuic.format.info import SnapshotInfo
 from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
@@ -360,14 +361,23 @@ def test_job_at_step_is_ambiguous_across_lineages(store_dir: Path) -> None:
         repo.resolve("p/two@0")
 
 
-def test_gc_reports_the_bytes_it_freed(store_dir: Path) -> None:
+def three_snapshots(store: Path, job: str) -> tuple[nn.Linear, torch.optim.SGD, SnapshotInfo]:
+    """A model and optimizer, after 3 snapshots of job ``p/<job>``, each with new chunks; and
+    the latest."""
     model = nn.Linear(64, 64)  # 16 KiB of weights: chunks, not inline values
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with SnapshotManager("p", job="gc", store=store_dir, save_interval=1) as m:
+    with SnapshotManager("p", job=job, store=store, save_interval=1) as m:
         for step in range(3):
             model.weight.data += 1  # every snapshot new chunks
             m.step(step, model, opt)
             m.wait()
+        latest = m.latest()
+    assert latest is not None
+    return model, opt, latest
+
+
+def test_gc_reports_the_bytes_it_freed(store_dir: Path) -> None:
+    three_snapshots(store_dir, "gc")
     assert ciuic_cli(store_dir, "prune", "p/gc", "--keep-last", "1").returncode == 0
     out = ciuic_cli(store_dir, "gc")
     assert out.returncode == 0, out.stderr
@@ -472,3 +482,31 @@ def test_output_to_a_pipe_follows_columns_set_after_import(monkeypatch: pytest.M
     with console.capture() as out:
         console.print("x" * 150, soft_wrap=False)
     assert max(map(len, out.get().splitlines())) == 150  # one line: 200 wide
+
+
+def test_ciuic_log_shows_a_snapshot_a_restore_skipped_as_damaged_and_why(store_dir: Path
+                                                                         ) -> None:
+    """A restore that skipped the latest snapshot for damage (issue 42, item 11): ``ciuic log``
+    shows that snapshot ``damaged`` (not ``ok``) with the reason, and the note of the snapshot
+    the run resumed from says which one it skipped and why."""
+    from ciuic.chain.read import read_body
+    from ciuic.format import layout
+
+    model, opt, latest = three_snapshots(store_dir, "skip")
+    with Repository.open(store_dir) as repo:
+        _, trees = read_body(repo, latest)
+    (store_dir / "objects" / layout.chunk_key(
+        trees["model"]["weight"]["$tensor"]["chunks"][0][0])
+     ).write_bytes(b"damaged")
+    with SnapshotManager("p", job="skip", store=store_dir, save_interval=1) as m:
+        assert m.restore(model, opt) == 1
+        run = m.run_id
+    out = ciuic_cli(store_dir, "log", "p/skip", columns=400)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[1]: line for line in out.stdout.splitlines()
+            if len(line.split()) > 2 and line.split()[1].isdigit()}  # by step
+    assert " damaged " in rows["2"] and " ok " not in rows["2"], out.stdout
+    assert f"found by run {run[:8]}'s restore, which skipped it" in rows["2"], out.stdout
+    assert " ok " in rows["1"], out.stdout
+    assert (f"resumed by run {run[:8]}; step 2 ({latest.id[:8]}) was damaged: " in rows["1"]
+            ), out.stdout

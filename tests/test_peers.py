@@ -6,6 +6,7 @@ is gone; unchanged chunks are not sent again."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import time
@@ -154,6 +155,36 @@ def test_a_replica_over_the_budget_is_refused_and_training_memory_is_kept() -> N
         b.close()
 
 
+def test_a_replica_is_said_once_then_only_when_that_changes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``ciuic run`` says at INFO that a node holds this node's replica the first time, not at
+    every snapshot (DEBUG), and again at INFO when it changes: a replica refused (over the
+    other node's budget), then one sent again."""
+    caplog.set_level(logging.DEBUG, logger="ciuic.run")
+    a, b = Holder(budget=64 << 20), Holder(budget=100_000)
+    try:
+        _join([a, b])
+        said: list[tuple[int, str]] = []
+
+        def publish(sid: str, nbytes: int, buffer_id: int) -> None:
+            _publish(a, 0, sid, [os.urandom(nbytes)], buffer_id=buffer_id)
+            _wait(lambda: len([r for r in caplog.records if "replica" in r.message])
+                  > len(said))
+            said[:] = [(r.levelno, "sent" if "holds a replica" in r.message else "not sent")
+                       for r in caplog.records if "replica" in r.message]
+
+        publish("s1", 10_000, 1)
+        publish("s2", 10_000, 2)
+        publish("s3", 150_000, 3)  # over node 1's budget: refused
+        publish("s4", 10_000, 4)
+        assert said == [(logging.INFO, "sent"), (logging.DEBUG, "sent"),
+                        (logging.INFO, "not sent"), (logging.INFO, "sent")]
+        assert "the next ones are said only if one is not sent" in caplog.records[0].message
+    finally:
+        a.close()
+        b.close()
+
+
 def test_ciuic_run_advises_torchrun_restarts_on_several_nodes() -> None:
     from ciuic.cli.run import torchrun_advice
 
@@ -294,3 +325,39 @@ def test_ciuic_run_shortens_the_c10d_keep_alive_unless_the_user_set_it() -> None
                  ["torchrun", "--nproc-per-node", "8", "--rdzv-backend", "c10d", "t.py"],
                  ["python", "t.py", "--nnodes", "2", "--rdzv-backend", "c10d"]):
         assert with_keep_alive(kept) == (kept, None)
+
+
+def test_ciuic_run_gives_a_torchrun_of_several_nodes_its_own_rendezvous_store_keys(
+        tmp_path: Path) -> None:
+    """torch 2.13's agents share the rendezvous store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    is 1; then a replaced node makes every torchrun exit after 60 s (tests/test_multinode.py).
+    ``ciuic run`` sets it for a torchrun of several nodes with c10d, says so, leaves a value the
+    user set (with a warning where it is not 1), and sets nothing for one node. The command
+    is a script named torchrun that writes what its environment holds."""
+    import subprocess
+    import sys
+
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    seen = tmp_path / "seen"
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(f"#!{sys.executable}\nimport os\nopen({str(seen)!r}, 'a').write("
+                        f"repr(os.environ.get({name!r})) + '\\n')\n")
+    torchrun.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != name}
+
+    def run(*args: str, **extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "ciuic", "run", "--host-memory", "off", "--",
+                               str(torchrun), *args, "train.py"], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    several = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400")
+    said = run(*several)
+    assert f"{name}=1 is set in its environment" in said
+    said = run(*several, **{name: "0"})
+    assert f"[WARNING] ciuic run: {name}=0 in the environment" in said
+    assert "unset it, or set" in said
+    run("--nproc-per-node", "2")  # one node: nothing set
+    run(*several, **{name: "1"})  # the user's, as it is
+    assert seen.read_text().splitlines() == ["'1'", "'0'", "None", "'1'"]

@@ -717,3 +717,68 @@ def test_each_generation_is_named_by_its_own_failed_worker(
                 "(generation 3)" in caplog.text), caplog.text
     finally:
         node.close()
+
+
+def test_torchrun_exiting_after_a_node_was_lost_passes_on_the_loss_not_its_exit(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Several nodes: the workers stopped because node 1 was lost (said at once), and torchrun
+    then exited before any worker of the next generation trained (torch 2.13's agents with a
+    shared rendezvous store: ``DistStoreError`` after 60 s). The start's cause, which the
+    restarted job records and logs, is the node's loss; torchrun's exit is what followed. Once
+    a later generation trained, a failure is its own cause."""
+    import logging
+
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import Options, Start, Supervisor, first_cause
+    from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.peers import Node
+
+    holder = Holder(budget=None)
+    sup = Supervisor(Options(["true"]))
+    start = Start(0, time.monotonic())
+    workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    gone = ("node 1 (10.0.0.2): its ciuic run is gone (the node is down, or ciuic run was "
+            "killed)")
+    exited = classify(1, ["Traceback (most recent call last):", "  File \"x\", line 1",
+                          "torch.distributed.DistStoreError: wait timeout after 60000ms"], None)
+    try:
+        for slot, w in enumerate(workers):
+            beat.Beacon(holder.beats, slot, slot, w.pid).step(12)
+        sup._note(start, beat.read(holder.beats))
+        sup._workers(start, beat.read(holder.beats), {w.pid for w in workers}, holder,
+                     time.monotonic())
+        holder.trouble[1] = (Node(1, "10.0.0.2", 7000), gone.split(": ", 1)[1],
+                             time.monotonic())
+        for w in workers:
+            w.kill()
+            w.wait()
+        with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+            sup._workers(start, beat.read(holder.beats), set(), holder, time.monotonic())
+        # one numbering of restarts: the line names the number the restarted run records
+        # (``ciuic log``: "restart 1 by ciuic run"), torchrun's or ciuic run's alike
+        assert (f"the workers stopped at step 12: {gone}. torchrun restarts them (generation 2)"
+                ", as restart 1" in caplog.text), caplog.text
+        assert holder.restart is not None and holder.restart["number"] == sup.restarts == 1
+        start.cause = exited
+        first_cause(start, beat.read(holder.beats), peered=True)
+        assert str(start.cause) == gone and start.then == exited
+        # one node: torchrun's report of its worker is the cause, as it was
+        start.cause, start.then = exited, None
+        first_cause(start, beat.read(holder.beats), peered=False)
+        assert start.cause == exited and start.then is None
+        # a worker of the next generation trained: its failure is a cause of its own
+        holder.trouble.clear()  # (the replacement answers)
+        nxt = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+        workers.extend(nxt)
+        for slot, w in enumerate(nxt):
+            beat.Beacon(holder.beats, slot, slot, w.pid).step(14)
+        sup._workers(start, beat.read(holder.beats), {w.pid for w in nxt}, holder,
+                     time.monotonic())
+        assert start.generation == 2
+        first_cause(start, beat.read(holder.beats), peered=True)
+        assert start.cause == exited
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        holder.close()

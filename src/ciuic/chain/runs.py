@@ -144,12 +144,20 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow],
     found: dict[str, list[tuple[str, str]]] = {}  # snapshot -> (time, note)
     last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
     restarts = {r.id: r.restart for r in runs if r.restart}
+    skipped: dict[str, list[str]] = {}  # run -> the damaged snapshots its restore skipped
     for e in sorted(events, key=lambda e: (e.at, e.kind != "restore")):
         if e.kind in ("snapshot", "restore") and e.detail:
             last[e.run] = e.detail
+        if e.kind == "damaged":
+            sid, _, why = e.detail.partition(": ")
+            skipped.setdefault(e.run, []).append(f"step {e.step} ({sid[:8]}) was damaged: "
+                                                 f"{_short(why)}")
+            found.setdefault(sid, []).append((e.at, f"damaged: {_short(why)} (found by run "
+                                                    f"{e.run[:8]}'s restore, which skipped it)"))
         if e.kind == "restore" and e.detail:
             by = f" (restart {restarts[e.run]} by ciuic run)" if e.run in restarts else ""
-            found.setdefault(e.detail, []).append((e.at, f"resumed by run {e.run[:8]}{by}"))
+            why = "".join(f"; {x}" for x in skipped.pop(e.run, []))
+            found.setdefault(e.detail, []).append((e.at, f"resumed by run {e.run[:8]}{by}{why}"))
     died = {e.run for e in events if e.kind == "stopped"}  # Catalog.stopped_at
     chain = _Chain(snapshots or (), listed_pruned)
     starts = sorted(r.started for r in runs)
@@ -181,6 +189,17 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow],
             (when, f"{'before this, run' if after else 'then run'} {r.id[:8]} stopped "
                    f"{stopped_where(step, known)}: {how.removeprefix('it ')}"))
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
+
+
+def damaged(events: Sequence[EventRow]) -> set[str]:
+    """The snapshots a restore found damaged and skipped (a "damaged" event), by ID."""
+    return {e.detail.partition(": ")[0] for e in events if e.kind == "damaged"}
+
+
+def _short(why: str, most: int = 200) -> str:
+    """A restore's reason in one line of at most ``most`` characters."""
+    line = " ".join(why.split())
+    return line if len(line) <= most else line[:most - 3] + "..."
 
 
 class _Chain:

@@ -32,6 +32,8 @@ from ciuic.errors import CiuicError, IntegrityError, MissingKey, UnreadableObjec
 from ciuic.words import counted, listed, reasons_in_short
 
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
+    from collections.abc import Collection
+
     from rich.progress import TaskID
     from rich.table import Table
 
@@ -89,10 +91,11 @@ def report_damaged(damaged: list[UnreadableObject]) -> None:
 @click.option("--all", "all_", is_flag=True, help="Include pruned snapshots")
 def log_cmd(job: str, all_: bool) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
-    snapshot is unhealthy), and where runs were interrupted and resumed; one table per
-    lineage."""
+    snapshot is unhealthy, or damaged: a restore found it so and skipped it), and where runs
+    were interrupted and resumed; one table per lineage."""
     from ciuic.chain.listing import EVENTS, read_log
     from ciuic.chain.retention import lineages
+    from ciuic.chain.runs import damaged as found_damaged
     from ciuic.chain.runs import history
     location = store_location()
     check_existing(location)
@@ -114,6 +117,7 @@ def log_cmd(job: str, all_: bool) -> None:
         report_damaged(damaged)
         return
     notes = history(runs, events, every, listed_pruned=all_)
+    bad = found_damaged(events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
     for k, group in enumerate(groups):
@@ -122,11 +126,12 @@ def log_cmd(job: str, all_: bool) -> None:
             root = min(group, key=lambda s: s.seq)
             title += (f": lineage {len(groups) - k} of {len(groups)}, from step {root.step} "
                       f"({root.short_id}, {time_text(root.created)} UTC)")
-        console.print(_chain_table(title, group, notes))
+        console.print(_chain_table(title, group, notes, bad))
     report_damaged(damaged)
 
 
-def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]]) -> Table:
+def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]],
+                 bad: Collection[str] = ()) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -154,6 +159,7 @@ def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[st
         text = "; ".join(x for x in [text, *reasons, *notes.get(s.id, [])] if x)
         t.add_row(s.short_id, str(s.step), time_text(s.created), size_text(s.total_bytes),
                   size_text(s.new_bytes), s.parent[:8] or "(root)",
+                  "[red]damaged[/red]" if s.id in bad else
                   {None: "-", True: "[green]ok[/green]", False: "[red]unhealthy[/red]"}[
                       s.healthy], text)
     return t

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 
 import click
 
@@ -76,7 +77,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     A torchrun of several nodes with the c10d rendezvous gets --rdzv-conf
     keep_alive_interval=2,keep_alive_max_attempt=3 added (torch's default is 5 and 3): the
     survivors of a lost node restart after about 6 s of its silence instead of 15 s. A
-    --rdzv-conf that sets either is left as it is.
+    --rdzv-conf that sets either is left as it is. Its environment gets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where it does not set it: with torch's shared
+    rendezvous store a node that replaces a lost one waits 60 s and every torchrun exits.
     """
     from ciuic.supervisor.agent import Options, Supervisor
 
@@ -96,7 +99,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
     log = logging.getLogger("ciuic.run")
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    # CIUIC_RUN_LOG=debug: also what changes nothing (each replica sent, docs/multinode.md)
+    log.setLevel(logging.DEBUG if os.environ.get("CIUIC_RUN_LOG", "").lower() == "debug"
+                 else logging.INFO)
     log.propagate = False
     logging.getLogger("ciuic").addHandler(handler)  # the channel's warnings
     log.info("ciuic run: %s (restarts at most %d, hang timeout %s, host memory %s)",
@@ -108,7 +113,10 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     command, added = with_keep_alive(command)
     if added:
         log.info("ciuic run: %s", added)
-    options = Options(command, max_restarts=max_restarts,
+    env, said = torchrun_env(command, os.environ)
+    if said:
+        (log.info if env else log.warning)("ciuic run: %s", said)
+    options = Options(command, env=env, max_restarts=max_restarts,
                       hang_timeout_s=hang_timeout or None,
                       startup_timeout_s=startup_timeout or None, grace_s=grace,
                       backoff_s=backoff, max_stalls=max_stalls, host_memory=budget,
@@ -146,19 +154,59 @@ def _option(args: list[str], name: str) -> tuple[int, str] | None:
     return found
 
 
-def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
-    """``command`` with :data:`KEEP_ALIVE` added to its ``--rdzv-conf`` where it runs torchrun
-    on several nodes with the c10d rendezvous and sets neither of the two itself (a value the
-    user gave is never changed), and a line saying what was added (None: nothing)."""
+def _c10d_nodes(command: list[str]) -> tuple[int, list[str]] | None:
+    """(where torchrun is, its arguments) where ``command`` runs torchrun on several nodes
+    with the c10d rendezvous; else None."""
     at = _torchrun_at(command)
     if at is None:
-        return command, None
+        return None
     args = command[at + 1:]
     nnodes = (_option(args, "--nnodes") or (0, "1"))[1]
     several = nnodes.split(":")[-1].isdigit() and int(nnodes.split(":")[-1]) > 1
     backend = (_option(args, "--rdzv-backend") or (0, "static"))[1]
-    if not several or backend != "c10d":
+    return (at, args) if several and backend == "c10d" else None
+
+
+#: torch (2.13 here) shares the c10d rendezvous's TCPStore between the agents and the workers
+#: unless this variable is "1"; shared, the rank-0 agent publishes the workers' MASTER_ADDR only
+#: at its first rendezvous, and after a node is replaced both agents wait 60 s for a key of the
+#: new round and exit (``DistStoreError: wait timeout after 60000ms``): every torchrun is
+#: started again (tests/test_multinode.py saw it). What ``ciuic run`` sets for a torchrun of
+#: several nodes with the c10d rendezvous, where the environment does not set it.
+SHARED_STORE_OFF = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def torchrun_env(command: list[str], environ: Mapping[str, str]
+                 ) -> tuple[dict[str, str], str | None]:
+    """What ``command``'s environment needs beyond ``environ`` (:data:`SHARED_STORE_OFF` for a
+    torchrun of several nodes with the c10d rendezvous), and a line saying so; or, where
+    ``environ`` sets that variable otherwise, nothing and a line saying what that costs."""
+    if _c10d_nodes(command) is None:
+        return {}, None
+    name, value = SHARED_STORE_OFF
+    given = environ.get(name)
+    if given is None:
+        return {name: value}, (f"torchrun runs on several nodes: {name}={value} is set in its "
+                               "environment (torch's agents then give each rendezvous round "
+                               "its own store keys; shared, a node that replaces a lost one "
+                               "waits 60 s for a key of the first round, and every node's "
+                               "torchrun exits with DistStoreError)")
+    if given != value:
+        return {}, (f"{name}={given} in the environment: with torch's shared rendezvous "
+                    "store a node that replaces a lost one waits 60 s for a key of the first "
+                    "round, and every node's torchrun exits with DistStoreError (ciuic run "
+                    f"then starts them all again); unset it, or set {name}={value}")
+    return {}, None
+
+
+def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
+    """``command`` with :data:`KEEP_ALIVE` added to its ``--rdzv-conf`` where it runs torchrun
+    on several nodes with the c10d rendezvous and sets neither of the two itself (a value the
+    user gave is never changed), and a line saying what was added (None: nothing)."""
+    found = _c10d_nodes(command)
+    if found is None:
         return command, None
+    at, args = found
     conf = _option(args, "--rdzv-conf")
     given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
                                          if "=" in kv)

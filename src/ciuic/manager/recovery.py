@@ -163,6 +163,8 @@ class Recovery:
                     raise RestoreError(f"snapshot {info.short_id} cannot be restored: {detail}")
                 log.warning("Snapshot at step %d (%s) is damaged: %s; falling back to the "
                             "previous snapshot", info.step, info.short_id, detail)
+                # for `ciuic log`: the snapshot is damaged, and why the next one was restored
+                self.session.event("damaged", info.step, f"{info.id}: {detail}")
                 continue
             assert prepared is not None
             memory, peer, store = self.read  # every rank's, summed

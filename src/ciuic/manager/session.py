@@ -38,7 +38,7 @@ from ciuic.format.manifest import utc_now
 from ciuic.format.records import RunRow
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
-from ciuic.manager.supervised import Supervised, attach
+from ciuic.manager.supervised import Restart, Supervised, attach
 from ciuic.store.mirror import MirrorStore
 from ciuic.words import counted
 
@@ -104,6 +104,8 @@ class RunSession:
         #: whether where and how the previous run ended is known: it recorded its end, or it
         #: died and its progress file on this machine (chain.progress) or ``ciuic run`` says so
         self.previous_known = False
+        #: what the other ranks' ``ciuic run`` (other nodes') said about the previous start
+        self._said_elsewhere: list[Restart] = []
         #: this run's last step() (where it stopped, when it stops: chain.runs.stopped_where)
         self.last_step: int | None = None
         self._progress: progress.Progress | None = None
@@ -124,6 +126,12 @@ class RunSession:
             self._start()
         else:
             error = None
+            # each node's ciuic run says why the previous generation stopped; rank 0's node may
+            # be a new one whose ciuic run knows nothing (a lost node's replacement)
+            sup = self.supervised
+            words = coll.all_gather(None if sup is None or sup.restart is None
+                                    else sup.restart.to_json())
+            self._said_elsewhere = [r for r in map(Restart.from_json, words) if r is not None]
             if coll.coordinator:
                 try:
                     self._start()
@@ -211,6 +219,11 @@ class RunSession:
         ``prev`` with the supervisor's cause, when the supervisor saw it stop; else None."""
         sup = self.supervised
         restart = sup.restart if sup is not None else None
+        if restart is None or not restart.cause:
+            # another node's word on the start the previous run was part of, where this node's
+            # ciuic run has none (it is new, or it had no cause yet)
+            restart = next((r for r in self._said_elsewhere if r.cause and prev.pid in r.pids),
+                           restart)
         if restart is None:
             return None
         self.repo.catalog.restarted(self.run_id, restart.number)

@@ -50,6 +50,15 @@ class Restart:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def to_json(self) -> dict[str, Any]:
+        return {"number": self.number, "cause": self.cause, "stopped_at": self.stopped_at,
+                "pids": sorted(self.pids)}
+
+    @staticmethod
+    def from_json(said: Any) -> Restart | None:
+        """What :meth:`to_json` gave (None: nothing, or not that)."""
+        return Restart.from_reply({"restart": said})
+
     @staticmethod
     def from_env() -> Restart | None:
         env = os.environ

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -52,13 +51,21 @@ from ciuic.supervisor.channel import (
     STOPPED_AT_ENV,
 )
 from ciuic.supervisor.holder import Holder
+from ciuic.supervisor.procs import (
+    exit_code,
+    exit_text,
+    pdeathsig,
+    running,
+    signal_group,
+    stop_later,
+    tail_text,
+)
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic.run")
 TAIL_LINES = 60
 #: how long a generation's cause not known when it was said is waited for
 CAUSE_WAIT_S = 30.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -80,6 +87,8 @@ class Options:
     replicas: int = 1
     peer_timeout_s: float = 10.0
     poll_s: float = 0.1
+    #: set in the command's environment beyond the supervisor's own (cli/run.torchrun_env)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,13 +123,11 @@ class Start:
     unknown: tuple[int | None, int, float] | None = None
     #: that generation's lines for failed workers and lost peers (``Supervisor._failed``)
     unknown_lines: list[str] = field(default_factory=list)
-
-
-def _pdeathsig() -> None:
-    """In the child: SIGTERM when the supervisor dies (it then takes its emergency snapshot;
-    nothing is left running unsupervised)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    #: the cause said for the end of a generation, and that generation: a start that ends
+    #: before a later generation made a step() ends for it (torchrun's own exit follows)
+    told: tuple[str, int] | None = None
+    #: then, how torchrun's exit that followed looked (said, not passed on as the cause)
+    then: Cause | None = None
 
 
 class Supervisor:
@@ -129,6 +136,9 @@ class Supervisor:
     def __init__(self, options: Options) -> None:
         self.o = options
         self.starts: list[Start] = []
+        #: restarts so far, ciuic run's of the command and torchrun's of the workers (one
+        #: numbering: the restarted run records it, ``ciuic log`` shows it)
+        self.restarts = 0
         self._stop: int | None = None  # the signal the supervisor received
         self._stops = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -151,7 +161,7 @@ class Supervisor:
             log.warning("ciuic run: %s received: passing it on to the job (it takes an "
                         "emergency snapshot and exits; it will not be restarted). Send it again "
                         "to kill the job at once.", signal_name(signum))
-            _signal_group(proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            signal_group(proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
         else:
             log.warning("ciuic run: %s again: killing the job", signal_name(signum))
             self._kill(proc, signal.SIGKILL)
@@ -181,8 +191,8 @@ class Supervisor:
             start.returncode = rc
             if self._stop is not None:
                 log.warning("ciuic run: the job exited (%s) after %s: not restarted",
-                            _exit_text(rc), signal_name(self._stop))
-                return _code(rc)
+                            exit_text(rc), signal_name(self._stop))
+                return exit_code(rc)
             if rc == 0 and start.cause is None:
                 log.info("ciuic run: the job finished (exit 0)%s",
                          f" after {counted(start.number, 'restart')}" if start.number else "")
@@ -203,22 +213,26 @@ class Supervisor:
                        f"it was restarted {counted(start.number, 'time')}, the limit "
                        "(--max-restarts)")
                 log.error("ciuic run: giving up: %s. The last failure, %s: %s%s", why, where,
-                          start.cause, _tail_text(self._tail))
-                return _code(rc) or 1
+                          start.cause, tail_text(self._tail))
+                return exit_code(rc) or 1
             delay = 0.0 if progress else min(o.max_backoff_s, o.backoff_s * 2 ** (stalls - 1))
-            log.warning("ciuic run: the job stopped %s: %s. Restart %d of at most %d%s", where,
-                        start.cause, start.number + 1, o.max_restarts,
-                        f" in {delay:g} s" if delay else " now")
+            self.restarts += 1  # (torchrun's restarts of the workers count too)
+            mine = start.number + 1
+            number = (f"{mine} of at most {o.max_restarts}" if self.restarts == mine else
+                      f"{self.restarts} (the command's {mine} of at most {o.max_restarts})")
+            log.warning("ciuic run: the job stopped %s: %s%s. Restart %s%s", where, start.cause,
+                        "" if start.then is None else f" (then torchrun exited: {start.then})",
+                        number, f" in {delay:g} s" if delay else " now")
             if delay and self._wake.wait(delay):
                 log.warning("ciuic run: %s received while waiting to restart: not restarted",
                             signal_name(self._stop or 0))
-                return _code(rc)
+                return exit_code(rc)
 
     def _env(self) -> dict[str, str]:
         assert self.holder is not None
-        env = dict(os.environ)
+        env = {**os.environ, **self.o.env}
         env.update(self.holder.new_start())  # the channel's name, this start's secret
-        env[RESTART_ENV] = str(len(self.starts) - 1)
+        env[RESTART_ENV] = str(self.restarts)
         for k in (CAUSE_ENV, STOPPED_AT_ENV, PIDS_ENV):
             env.pop(k, None)
         if len(self.starts) > 1:
@@ -238,7 +252,7 @@ class Supervisor:
         self._failed = collections.deque(maxlen=TAIL_LINES)
         try:
             proc = subprocess.Popen(o.command, env=self._env(), stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=_pdeathsig)
+                                    start_new_session=True, preexec_fn=pdeathsig)
         except OSError as e:
             start.cause = Cause("exit", f"exit: the command could not be started: {e}")
             log.error("ciuic run: cannot start %s: %s", o.command[0], e)
@@ -249,7 +263,7 @@ class Supervisor:
                                   name="ciuic-run-stderr", daemon=True)
         reader.start()
         if self._stop is not None:  # a signal arrived while it started
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
         hang: Cause | None = None
         while True:
             rc = proc.poll()
@@ -258,7 +272,7 @@ class Supervisor:
             now = time.monotonic()
             beats = beat.read(holder.beats)
             self._note(start, beats)
-            alive = {b.pid for b in beats if _alive(b.pid)}  # once a poll: /proc reads
+            alive = {b.pid for b in beats if running(b.pid)}  # once a poll: /proc reads
             if self._stop is None:
                 self._workers(start, beats, alive, holder, now)
                 silent = [b.silent_s(now) for b in beats
@@ -280,7 +294,7 @@ class Supervisor:
                                 start.hang_seen_s or 0.0, o.grace_s)
                     start.hang_cause, start.stopping = hang, start.stopping | {start.hung_pid}
                     holder.stopped_hang = now
-                    _stop_later(start.hung_pid, o.grace_s)
+                    stop_later(start.hung_pid, o.grace_s)
                     hang = None
                 elif hang is not None:
                     log.warning("ciuic run: %s, detected %.2f s after its last sign of "
@@ -290,9 +304,11 @@ class Supervisor:
                     break
             self._wake.wait(o.poll_s)
         reader.join(timeout=2.0)
-        self._note(start, beat.read(holder.beats))
+        beats = beat.read(holder.beats)
+        self._note(start, beats)
         self._proc = None
         start.cause = hang or (None if rc == 0 else classify(rc, list(self._tail), oom))
+        first_cause(start, beats, holder.peered())
         return rc
 
     def _workers(self, start: Start, beats: list[beat.Beat], alive: set[int], holder: Holder,
@@ -396,11 +412,14 @@ class Supervisor:
         if kind in ("signal", "exit", "none") and cause:  # this node's: the others name it
             holder.cause = (cause, now)
         # the next generation's workers learn it when they attach (manager/supervised.Restart)
-        holder.restart = {"number": start.number + start.generation, "cause": cause,
+        self.restarts += 1
+        holder.restart = {"number": self.restarts, "cause": cause,
                           "stopped_at": start.step, "pids": sorted(
                               pid for pid, gen in start.workers.values()
                               if gen == start.generation)}
-        if not cause:  # the next generation started first: it is said when it arrives
+        if cause:
+            start.told = (cause, start.generation)
+        else:  # the next generation started first: it is said when it arrives
             start.unknown = (start.step, start.generation, now)
             cause = ("the cause is not known yet (this node's workers only lost their "
                      "connection to another rank; no word from another node yet)"
@@ -408,7 +427,8 @@ class Supervisor:
                      "the cause is not known yet (no failed worker in torchrun's output, no "
                      "dead worker seen, no word from another node)")
         log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
-                    "(generation %d)", where, cause, start.generation + 1)
+                    "(generation %d), as restart %d", where, cause, start.generation + 1,
+                    self.restarts)
 
     def _late_cause(self, start: Start, holder: Holder, now: float,
                     found: tuple[str, str]) -> None:
@@ -423,6 +443,7 @@ class Supervisor:
         if kind in ("node", "signal", "peer", "exit") or (kind == "lost" and (
                 now - since >= CAUSE_WAIT_S or not holder.peered())):
             start.unknown, start.unknown_lines = None, []  # told
+            start.told = (cause, generation)
             if holder.restart is not None and not holder.restart.get("cause"):
                 holder.restart["cause"] = cause  # for the workers that attach from now on
             if kind in ("signal", "exit"):
@@ -533,50 +554,18 @@ class Supervisor:
               pids: set[int] | None = None) -> None:
         """``sig`` to the command's process group and to every rank that sent heartbeats
         (torchrun starts its workers in sessions of their own)."""
-        _signal_group(proc.pid, sig)
+        signal_group(proc.pid, sig)
         for pid in pids or (self.starts[-1].pids if self.starts else set()):
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
 
 
-def _stop_later(pid: int, grace_s: float) -> None:
-    """SIGTERM to ``pid`` now, SIGKILL after ``grace_s`` if it still runs (on a thread: the
-    supervisor keeps polling meanwhile)."""
-    def stop() -> None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end and _alive(pid):
-            time.sleep(0.1)
-        if _alive(pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=stop, name="ciuic-run-stop", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie waiting for its parent does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, sig)
-
-
-def _tail_text(tail: collections.deque[str]) -> str:
-    lines = [x for x in tail if x.strip()][-8:]
-    return ("\n  | " + "\n  | ".join(lines)) if lines else ""
-
-
-def _exit_text(rc: int) -> str:
-    return f"killed by {signal_name(-rc)}" if rc < 0 else f"exit {rc}"
-
-
-def _code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
+def first_cause(start: Start, beats: list[beat.Beat], peered: bool) -> None:
+    """The cause of a start of several nodes (``peered``) that ended before any worker of a
+    generation after the one whose end was said made a step() is that generation's: torchrun's
+    exit that followed (its agents' rendezvous failing, its restarts used up) is a consequence
+    (``start.then``), and every node named the first cause already."""
+    if (start.cause is not None and start.told is not None and peered
+            and not any(b.step is not None and start.generation_of.get(b.pid, 0)
+                        > start.told[1] for b in beats)):
+        start.then, start.cause = start.cause, Cause("generation", start.told[0])

@@ -29,7 +29,7 @@ from ciuic.supervisor.peers import (
     Receiving,
     push,
 )
-from ciuic.supervisor.replicas import Replicas
+from ciuic.supervisor.replicas import Replicas, said_level
 
 run_log = logging.getLogger("ciuic.run")  # what ciuic run prints
 
@@ -55,6 +55,7 @@ class NodeService(ChunkHost):
         self._nodes: list[Node] = []
         self._me: int | None = None
         self.replicas = Replicas(self._room, self._lock)
+        self._told: dict[int, bool] = {}  # node -> whether its replica was sent, as last said
         #: chunks this node's ranks read from other nodes, fetched once for all of them
         self.fetched = Fetched(self._lock, self._room)
         self._reader: PeerReader | None = None  # this start's reads of other nodes' memory
@@ -370,12 +371,18 @@ class NodeService(ChunkHost):
             try:
                 sent, nbytes = push(node, token, me, f"step-{step}", chunks, still)
             except Exception as e:  # the next commit sends again; training goes on
-                run_log.info("ciuic run: the replica of this node's snapshot at step %d was "
-                             "not sent to node %d (%s): %s", step, node.rank, node.host, e)
+                # (a newer snapshot overtook it: no change to say)
+                run_log.log(said_level(self._told, node.rank, False) if still() else
+                            logging.DEBUG, "ciuic run: the replica of this node's snapshot at "
+                            "step %d was not sent to node %d (%s): %s", step, node.rank,
+                            node.host, e)
                 continue
             self.pushed.append((node.rank, sent, nbytes))
-            run_log.info("ciuic run: node %d (%s) holds a replica of this node's snapshot at "
-                         "step %d (%d new chunks, %.1f MiB sent in %.2f s)", node.rank,
-                         node.host, step, sent, nbytes / 2**20, time.perf_counter() - t0)
+            level = said_level(self._told, node.rank, True)
+            run_log.log(level, "ciuic run: node %d (%s) holds a replica of this node's "
+                        "snapshot at step %d (%d new chunks, %.1f MiB sent in %.2f s)%s",
+                        node.rank, node.host, step, sent, nbytes / 2**20,
+                        time.perf_counter() - t0, "; the next ones are said only if one is "
+                        "not sent" if level == logging.INFO else "")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -25,6 +26,15 @@ from ciuic.supervisor.peers import Receiving
 
 _keys = itertools.count(1)
 _DROPPED = "the replica was dropped to keep this node's own copy within --host-memory"
+
+
+def said_level(told: dict[int, bool], node: int, sent: bool) -> int:
+    """How loud ``ciuic run`` says that its snapshot's replica was ``sent`` to node ``node`` (or
+    not): INFO the first time and whenever that changes (sent after a failure, failed after
+    being sent), else DEBUG (every snapshot of every node would say it again). ``told``: the
+    last outcome said per node, updated."""
+    was, told[node] = told.get(node), sent
+    return logging.DEBUG if was is sent else logging.INFO
 
 
 class Segment:
