@@ -31,7 +31,14 @@ def new_key(store: Path, project: str, role: str) -> str:
 
 @contextlib.contextmanager
 def serve(store: Path, log: Path) -> Iterator[str]:
+    with serve_process(store, log) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_process(store: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``ciuic serve`` on a free loopback port; its URL and its process (to stop it early)."""
     url = f"http://127.0.0.1:{(port := free_port())}"
     cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
-    with http_process(cmd, f"{url}/health", log, "ciuic serve"):
-        yield url
+    with http_process(cmd, f"{url}/health", log, "ciuic serve") as proc:
+        yield url, proc
