@@ -369,6 +369,23 @@ def test_ciuic_run_needs_a_command() -> None:
     assert "ciuic run needs the command to run" in run.stderr
 
 
+def test_ciuic_run_refuses_a_misspelt_option_instead_of_running_it() -> None:
+    """Issue 42: ``--hang-timeot`` was run as the command ("cannot start --hang-timeot") and
+    reported as a failed job. Options before the command are click's: an unknown one is refused
+    with a suggestion; what follows ``--`` or the first word that is not an option is the
+    command, its options its own."""
+    typo = subprocess.run([*CIUIC, "run", "--hang-timeot", "5", "--", "true"],
+                          capture_output=True, text=True)
+    assert typo.returncode == 2, typo.stderr
+    assert "No such option '--hang-timeot'" in typo.stderr and "--hang-timeout" in typo.stderr
+    assert "cannot start" not in typo.stderr
+    for args in (["--hang-timeout", "5", "--"], ["--hang-timeout", "5"]):
+        ran = subprocess.run([*CIUIC, "run", *args, "echo", "-n", "--said", "--", "it"],
+                             capture_output=True, text=True)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout == "--said -- it"
+
+
 @pytest.mark.slow
 def test_under_torchrun_one_rank_killed_then_hung_restarts_the_whole_job(tmp_path: Path) -> None:
     ref = reference(tmp_path, "--steps", "20", "--every", "5", torchrun=2)
