@@ -103,3 +103,22 @@ def test_verify_names_a_damaged_manifest_without_a_step(
     assert code != 0
     assert f"  {sid[:12]}: {layout.manifest_key('proj', 'job1', sid)}:" in out, out
     assert "None" not in out + err
+
+
+def test_push_says_its_progress_with_progress_where_stderr_is_no_terminal(
+        store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """push showed no progress: a bar only on a terminal; --progress says it as lines."""
+    dest = str(tmp_path / "b")
+    code, _, err = ciuic(capsys, monkeypatch, "--store", str(store), "push", "job1", dest,
+                         "--create")
+    assert code == 0 and "chunks" not in err, err  # not a terminal: silent, as before
+    code, _, err = ciuic(capsys, monkeypatch, "--store", str(store), "push", "job1",
+                         str(tmp_path / "c"), "--create", "--progress")
+    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("proj/job1: ")]
+    phases = [line.split()[1] for line in said]
+    assert "chunks" in phases and "manifests" in phases, err
+    last = [line for line in said if line.split()[1] == "chunks"][-1]
+    done, count = map(int, last.split()[2].split("/"))
+    assert done == count > 0 and "sent)" in last

@@ -12,6 +12,7 @@ from ciuic.cli.app import (
     app,
     argument,
     current_repo,
+    err,
     open_existing,
     progress_bar,
     say,
@@ -27,16 +28,28 @@ if TYPE_CHECKING:
     from ciuic.chain.repo import Repository
 
 
-def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:
+def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool,
+          lines: bool = False) -> None:
+    """Copy ``jobs``; progress on standard error: a bar where it is a terminal, else with
+    ``lines`` (``--progress``) a line per phase and per tenth of it."""
     from ciuic.chain.transfer import CopyStats, copy_job
 
     total = CopyStats()
     with progress_bar(sizes=True) as bar:
         for project, job in jobs:
             tasks: dict[str, TaskID] = {}
+            shown: dict[str, int] = {}  # the tenths of each phase said, as lines
 
             def tick(phase: str, done: int, count: int, sent: int, project: str = project,
-                     job: str = job, tasks: dict[str, TaskID] = tasks) -> None:
+                     job: str = job, tasks: dict[str, TaskID] = tasks,
+                     shown: dict[str, int] = shown) -> None:
+                if lines and bar.disable:
+                    tenth = done * 10 // count if count else 10
+                    if shown.get(phase, -1) < tenth:
+                        shown[phase] = tenth
+                        err.print(f"{project}/{job}: {phase} {done}/{count} "
+                                  f"({size_text(sent)} sent)", highlight=False)
+                    return
                 if phase not in tasks:
                     tasks[phase] = bar.add_task(f"{project}/{job}: {phase}", total=count,
                                                 size="")
@@ -65,6 +78,12 @@ verify_option = click.option(
     help="Read every object back from the destination and compare")
 
 
+progress_option = click.option(
+    "--progress", is_flag=True,
+    help="Say the progress on standard error also where it is not a terminal (a line per "
+         "phase and per tenth of it); on a terminal a bar shows it anyway")
+
+
 create_option = click.option(
     "--create", is_flag=True,
     help="Make a new store at the destination folder if it holds none (else refused: a "
@@ -87,24 +106,26 @@ def _destination(url: str, create: bool) -> Repository:
 @argument("url", help="Destination store URL or directory")
 @verify_option
 @create_option
-def push(job: str, url: str, verify: bool, create: bool) -> None:
+@progress_option
+def push(job: str, url: str, verify: bool, create: bool, progress: bool) -> None:
     """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
     src = current_repo()
     project, name = src.split_job(job)
-    _copy(src, _destination(url, create), [(project, name)], verify)
+    _copy(src, _destination(url, create), [(project, name)], verify, progress)
 
 
 @app.command("pull")
 @argument("job", help="PROJECT/JOB, or JOB if unique there")
 @argument("url", help="Source store URL or directory")
 @verify_option
-def pull(job: str, url: str, verify: bool) -> None:
+@progress_option
+def pull(job: str, url: str, verify: bool, progress: bool) -> None:
     """Fetch a job's chain from another store into this one (created if needed)."""
     from ciuic.chain.repo import Repository
     from ciuic.chain.transfer import find_job
 
     src = open_existing(url)
-    _copy(src, Repository.open(store_location()), [find_job(src, job)], verify)
+    _copy(src, Repository.open(store_location()), [find_job(src, job)], verify, progress)
 
 
 @app.command("copy")
@@ -114,7 +135,9 @@ def pull(job: str, url: str, verify: bool) -> None:
               help="PROJECT/JOB to copy (repeatable; default: every job)")
 @verify_option
 @create_option
-def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool, create: bool) -> None:
+@progress_option
+def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool, create: bool,
+         progress: bool) -> None:
     """Copy jobs' chains from one store to another, only what the destination lacks."""
     from ciuic.chain.transfer import find_job
 
@@ -122,4 +145,4 @@ def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool, create:
     jobs = [find_job(src, j) for j in job] if job else src.jobs()
     if not jobs:
         raise CiuicError(f"{src_url} holds no snapshots: nothing to copy")
-    _copy(src, _destination(dst_url, create), jobs, verify)
+    _copy(src, _destination(dst_url, create), jobs, verify, progress)
