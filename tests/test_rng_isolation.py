@@ -96,3 +96,22 @@ def test_a_healthy_snapshot_leaves_every_rng_untouched(tmp_path: Path, compressi
     """Staging, compression, hashing, the catalog, the writer thread: nothing draws."""
     seeded, after = _run(store=tmp_path / "store", compression=compression)
     _same(after, seeded)
+
+
+def test_botocores_other_draws_leave_the_global_rng_alone(s3_endpoint: str) -> None:
+    """botocore draws from ``random`` at call time also in its legacy retry mode (a client a
+    user passes) and in an EC2 instance role's credential refresh (one draw per fetch, in the
+    writer thread, at a moment set by the clock): once an S3 store is open, neither touches
+    the training's generator."""
+    import botocore.retryhandler
+    import botocore.utils
+
+    from ciuic.store.s3 import S3Store
+
+    S3Store(f"s3://{make_bucket(s3_endpoint)}/c?endpoint={s3_endpoint}")
+    _seed()
+    seeded = _rngs()
+    botocore.retryhandler.delay_exponential("rand", 2, 3)
+    botocore.utils.InstanceMetadataFetcher()._evaluate_expiration(
+        {"expiry_time": "2000-01-01T00:00:00Z"})
+    _same(_rngs(), seeded)

@@ -77,6 +77,20 @@ def private_jitter(client: Any) -> bool:
     return True
 
 
+def private_module_random() -> None:
+    """Give botocore's modules that draw from ``random`` at call time a generator of their own:
+    its legacy retry mode's jitter (``retryhandler``) and an EC2 instance role's credential
+    refresh (``utils``: a draw on each fetch from the instance metadata, at a moment set by the
+    clock, in the thread of the S3 call: ciuic's writer). botocore's draws stay random; the
+    training's ``random`` is left alone."""
+    import botocore.retryhandler
+    import botocore.utils
+
+    for module in (botocore.retryhandler, botocore.utils):
+        if getattr(module, "random", None) is random:
+            module.random = random.Random()
+
+
 class S3Store(Store):
     """A store in an S3 bucket, under an optional key prefix. Thread-safe."""
 
@@ -115,6 +129,7 @@ class S3Store(Store):
         k = knobs.get()
         self._part_bytes = k.s3_part_bytes
         self._threshold = max(k.s3_multipart_threshold_bytes, self._part_bytes)
+        private_module_random()
         if client is None:
             session = boto3.session.Session()
             config = Config(
