@@ -322,7 +322,7 @@ def test_causes_are_told_apart() -> None:
     assert str(classify(1, tail, None)) == "exception: ValueError: loss is NaN at step 12"
     assert exception_line(tail + TORCHRUN_TAIL.splitlines()) == (
         "ValueError: loss is NaN at step 12")
-    assert str(classify(3, ["bye"], None)) == "exit: exit status 3, last stderr line: bye"
+    assert str(classify(3, ["bye"], None)) == "exit status 3, last stderr line: bye"
 
 
 def test_the_oom_killer_is_named_with_its_evidence(tmp_path: Path) -> None:
