@@ -103,11 +103,16 @@ def test_botocores_other_draws_leave_the_global_rng_alone(s3_endpoint: str) -> N
     user passes) and in an EC2 instance role's credential refresh (one draw per fetch, in the
     writer thread, at a moment set by the clock): once an S3 store is open, neither touches
     the training's generator."""
+    import boto3
     import botocore.retryhandler
     import botocore.utils
+    from botocore.config import Config
 
-    from ciuic.store.s3 import S3Store
+    from ciuic.store.s3 import S3Store, private_jitter
 
+    for mode in ("legacy", "standard", "adaptive"):  # each client's jitter is its own
+        assert private_jitter(boto3.client("s3", endpoint_url=s3_endpoint,
+                                           config=Config(retries={"mode": mode})))
     S3Store(f"s3://{make_bucket(s3_endpoint)}/c?endpoint={s3_endpoint}")
     _seed()
     seeded = _rngs()

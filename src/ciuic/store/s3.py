@@ -59,9 +59,12 @@ def private_jitter(client: Any) -> bool:
     writer thread advanced the training's Python RNG, so a run that rode out a store outage
     computed different weights from the same run without it (issue #42). botocore offers no
     option for it; the handler is found by the unique ID botocore registers it under. Returns
-    whether it was found; where not (another botocore, or its legacy retry mode, which draws
-    from ``random`` at module level), says so once in the log.
+    whether it was found (or the client's retries are botocore's legacy ones, which draw from
+    ``random`` at module level: :func:`private_module_random`); where not (another botocore),
+    says so in the log.
     """
+    if client.meta.config.retries.get("mode") == "legacy":
+        return True  # it draws from retryhandler's module-level random: private_module_random
     events = getattr(client.meta.events, "_emitter", client.meta.events)  # an EventAliaser's
     name = client.meta.service_model.service_id.hyphenize()
     entry = getattr(events, "_unique_id_handlers", {}).get(f"retry-config-{name}")
