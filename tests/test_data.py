@@ -124,6 +124,14 @@ def test_set_epoch_keeps_the_position_of_the_current_epoch() -> None:
     assert resumed.position == 0 and list(resumed) == list(_at_epoch(5))
 
 
+def test_a_sampler_state_saved_before_ranks_were_split_still_loads() -> None:
+    """Snapshots taken before num_replicas existed hold no num_replicas nor drop_last."""
+    s = ResumableSampler(10, seed=1)
+    s.load_state_dict({"epoch": 2, "position": 3, "seed": 1, "shuffle": True, "length": 10})
+    assert (s.epoch, s.position, s.num_replicas, s.drop_last) == (2, 3, 1, False)
+    assert list(s) == list(_at_epoch(2))[3:]
+
+
 def _at_epoch(epoch: int) -> ResumableSampler:
     s = ResumableSampler(10, seed=1)
     s.epoch = epoch
