@@ -29,7 +29,7 @@ def free_port() -> int:
 def http_process(cmd: list[str], probe: str, log: Path, what: str,
                  tls: ssl.SSLContext | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``cmd`` (a server), wait until ``probe`` answers (over ``tls``, for https), stop it
-    afterwards; yields the process."""
+    afterwards; yield its process (a test may stop it early, as an outage)."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -60,11 +60,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def start_moto(log: Path) -> Iterator[str]:
     """Run ``moto.server`` on a free loopback port; yield its endpoint URL."""
+    with moto_process(log) as (endpoint, _):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def moto_process(log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Run ``moto.server`` on a free loopback port; yield its endpoint URL and its process."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with http_process(cmd, f"{endpoint}/moto-api/", log, "moto server"):
-        yield endpoint
+    with http_process(cmd, f"{endpoint}/moto-api/", log, "moto server") as proc:
+        yield endpoint, proc
 
 
 def client(endpoint: str) -> Any:

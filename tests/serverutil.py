@@ -43,9 +43,10 @@ def serve(store: Path, log: Path, any_keys: bool = False,
 
 
 @contextlib.contextmanager
-def serving(store: Path, log: Path, any_keys: bool = False,
-            tls: tuple[Path, Path] | None = None) -> Iterator[tuple[str, int]]:
-    """:func:`serve`, yielding the server's URL and process id."""
+def serving(store: Path, log: Path, any_keys: bool = False, tls: tuple[Path, Path] | None = None
+            ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`serve`, yielding the server's URL and its process (to read its memory, or to
+    stop it early, as an outage)."""
     port = free_port()
     cmd = [sys.executable, "-m", "ciuic", "--store", str(store), "serve", "--port", str(port)]
     if any_keys:
@@ -56,4 +57,4 @@ def serving(store: Path, log: Path, any_keys: bool = False,
         context = ssl.create_default_context(cafile=str(tls[0]))
     url = f"{'http' if tls is None else 'https'}://127.0.0.1:{port}"
     with http_process(cmd, f"{url}/health", log, "ciuic serve", context) as proc:
-        yield url, proc.pid
+        yield url, proc

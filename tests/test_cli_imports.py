@@ -52,7 +52,14 @@ def ciuic(store: Path, *args: str) -> tuple[int, set[str]]:
 
 def command_lines(group: click.Group | None = None) -> list[list[str]]:
     """Every command of ``ciuic``, as typed: ["ls"], ..., ["apikey"], ["apikey", "create"]."""
-    from ciuic.cli import commands, inspect, run, server, upkeep  # noqa: F401 - registering them
+    from ciuic.cli import (  # noqa: F401 - registering them
+        commands,
+        copying,
+        inspect,
+        run,
+        server,
+        upkeep,
+    )
     from ciuic.cli.app import app
 
     found = []

@@ -51,6 +51,105 @@ def test_sampler_is_deterministic_and_checks_length() -> None:
         ResumableSampler(11).load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize(("length", "shuffle", "drop_last"), [
+    (50, True, False), (50, True, True), (48, False, False), (7, True, False)])
+def test_split_between_ranks_it_yields_what_a_distributed_sampler_yields(
+        length: int, shuffle: bool, drop_last: bool) -> None:
+    """Issue 42: ResumableSampler had no num_replicas/rank. Split, each rank gets exactly
+    DistributedSampler's indices, epoch by epoch through set_epoch, and the ranks' shares
+    cover the epoch."""
+    from torch.utils.data import DistributedSampler
+
+    for epoch in range(3):
+        shares = []
+        for rank in range(3):
+            ours = ResumableSampler(length, shuffle, seed=7, num_replicas=3, rank=rank,
+                                    drop_last=drop_last)
+            theirs = DistributedSampler(range(length), num_replicas=3, rank=rank,
+                                        shuffle=shuffle, seed=7, drop_last=drop_last)
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+            assert ours.epoch == epoch + 1 and ours.position == 0
+            shares += list(theirs)
+        if drop_last:  # each index at most once, the tail that does not divide left out
+            assert len(set(shares)) == len(shares) == length - length % 3
+        else:  # every index, the padding repeating the first ones
+            assert set(shares) == set(range(length)) and len(shares) == -(-length // 3) * 3
+
+
+def test_a_split_sampler_resumes_mid_epoch_on_as_many_or_on_more_ranks() -> None:
+    """The position is each rank's; on another world size it is converted through the
+    samples the epoch handed out over all the ranks: nothing skipped, nothing repeated when
+    they divide evenly."""
+    def ranks(n: int, epoch: int = 1) -> list[ResumableSampler]:
+        out = [ResumableSampler(40, seed=2, num_replicas=n, rank=r) for r in range(n)]
+        for s in out:
+            s.set_epoch(epoch)
+        return out
+
+    full = [i for s in ranks(1) for i in s]
+    saved = ranks(2)
+    handed = [[next(it) for _ in range(6)] for it in map(iter, saved)]
+    assert sorted(handed[0] + handed[1]) == sorted(full[:12])
+    for n in (2, 4):
+        resumed = ranks(n, epoch=0)  # the epoch comes from the snapshot
+        for r, s in enumerate(resumed):
+            s.load_state_dict(saved[r % 2].state_dict())
+            assert s.epoch == 1
+        rest = [i for s in resumed for i in s]
+        assert sorted(rest) == sorted(full[12:]), n
+    resumed_odd = ranks(5, epoch=0)
+    for r, s in enumerate(resumed_odd):
+        s.load_state_dict(saved[r % 2].state_dict())
+    assert [s.position for s in resumed_odd] == [2] * 5  # 12 handed out: 10 kept, 2 again
+    with pytest.raises(ValueError, match="both num_replicas and rank"):
+        ResumableSampler(10, num_replicas=2)
+    with pytest.raises(ValueError, match="rank 2 of num_replicas 2"):
+        ResumableSampler(10, num_replicas=2, rank=2)
+
+
+def test_set_epoch_keeps_the_position_of_the_current_epoch() -> None:
+    """A loop written for DistributedSampler calls set_epoch at each epoch's start: after a
+    restore mid-epoch, set_epoch(sampler.epoch) must not start the epoch again."""
+    s = ResumableSampler(10, seed=1)
+    it = iter(s)
+    first = [next(it) for _ in range(4)]
+    state = s.state_dict()
+    resumed = ResumableSampler(10, seed=1)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(resumed.epoch)
+    assert first + list(resumed) == list(ResumableSampler(10, seed=1))
+    resumed.set_epoch(5)
+    assert resumed.position == 0 and list(resumed) == list(_at_epoch(5))
+
+
+def test_a_sampler_state_saved_before_ranks_were_split_still_loads() -> None:
+    """Snapshots taken before num_replicas existed hold no num_replicas nor drop_last."""
+    s = ResumableSampler(10, seed=1)
+    s.load_state_dict({"epoch": 2, "position": 3, "seed": 1, "shuffle": True, "length": 10})
+    assert (s.epoch, s.position, s.num_replicas, s.drop_last) == (2, 3, 1, False)
+    assert list(s) == list(_at_epoch(2))[3:]
+
+
+def _at_epoch(epoch: int) -> ResumableSampler:
+    s = ResumableSampler(10, seed=1)
+    s.epoch = epoch
+    return s
+
+
+def test_a_distributed_sampler_as_an_extra_names_its_replacement(tmp_path: Path) -> None:
+    from torch.utils.data import DistributedSampler
+
+    from ciuic import CaptureError
+
+    sampler = DistributedSampler(range(8), num_replicas=2, rank=0)
+    refused = r"'sampler' is a DistributedSampler.*ResumableSampler\(dataset.*num_replicas"
+    with SnapshotManager("p", job="j", store=tmp_path / "s", handle_signals=False) as manager, \
+            pytest.raises(CaptureError, match=refused):
+        manager.step(0, sampler=sampler, snapshot=True)
+
+
 def test_stateful_dataloader_with_workers_resumes_twice(tmp_path: Path) -> None:
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
 

@@ -76,6 +76,33 @@ def test_ddp_rank_killed_mid_run_resumes_bit_exactly(tmp_path: Path, reference: 
     assert again["bytes_written"] + other["bytes_written"] == again["bytes_new"]
 
 
+def test_a_split_sampler_gives_each_rank_its_share_and_resumes_mid_epoch(
+        tmp_path: Path) -> None:
+    """Issue 42: how each rank gets its share was never said. ResumableSampler(num_replicas,
+    rank), the loop calling set_epoch at each epoch's start, killed one batch into an epoch:
+    each rank resumes with exactly the indices DistributedSampler gives its rank from there
+    (64 samples, 4 batches of 8 a rank an epoch; the shares' partition of each epoch and the
+    order are tests/test_data.py's)."""
+    from torch.utils.data import DistributedSampler
+
+    store = tmp_path / "store"
+    killed = torchrun(2, store, tmp_path / "o1", "--split", "--steps", "14", "--kill-rank", "1",
+                      "--kill-at", "9")
+    assert killed.returncode != 0
+    committed = latest(store)
+    assert committed is not None and committed.step in (4, 8)  # one batch into an epoch
+    ok(torchrun(2, store, tmp_path / "o2", "--split", "--steps", "14"))
+    for rank in range(2):
+        again = report(tmp_path / "o2", rank)
+        assert again["start"] == committed.step + 1
+        theirs = DistributedSampler(range(64), num_replicas=2, rank=rank, seed=100)
+        expected: list[int] = []
+        for epoch in range(4):
+            theirs.set_epoch(epoch)
+            expected += list(theirs)
+        assert again["seen"] == expected[8 * again["start"]:8 * 14], rank
+
+
 def test_ddp_on_4_ranks_resumes_bit_exactly(tmp_path: Path) -> None:
     """Past two ranks a ring allreduce adds the ranks' gradients in an order set by each
     element's place in its DDP bucket, and DDP rebuilds its buckets after the first backward: a

@@ -349,7 +349,7 @@ def test_missing_extra_and_reserved_names(store_dir: Path) -> None:
     with SnapshotManager("p", job="e", store=store_dir) as m:
         m.save(0, model, opt)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-        with pytest.raises(Exception, match=r"no state for \['scheduler'\]"):
+        with pytest.raises(Exception, match=r"no state for scheduler \(it has"):
             m.restore(model, opt, scheduler=sched)
         with pytest.raises(ConfigurationError, match="reserved"):
             m.save(1, model, opt, rng=1)

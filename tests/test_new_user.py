@@ -197,6 +197,17 @@ def test_a_new_job_beside_jobs_of_other_names_starts_quietly(
     assert line.levelno == logging.INFO and "job=" not in line.getMessage()
 
 
+def test_a_new_run_of_a_numbered_series_starts_quietly(
+        store_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 42: every new numbered run warned "similar name: run-2 ... pass job='run-2'". A
+    name that differs only in its numbers is the next of a series; a typo still warns."""
+    [line] = _start_beside(store_dir, caplog, "series", "run-2", "run-3")
+    assert line.levelno == logging.INFO and "job=" not in line.getMessage()
+    caplog.clear()
+    [typo] = _start_beside(store_dir, caplog, "series", "run-3", "rnu-3")
+    assert typo.levelno == logging.WARNING and "job='run-3'" in typo.getMessage()
+
+
 def test_a_new_project_starts_quietly(store_dir: Path, caplog: pytest.LogCaptureFixture
                                       ) -> None:
     model, opt = model_and_opt()

@@ -185,14 +185,14 @@ def test_a_short_job_that_exits_3_under_ciuic_run(tmp_path: Path, script: str) -
         capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     err = run.stderr
     assert run.returncode == 3, err[-3000:]
-    assert re.search(r"ciuic run: the job stopped at step 2: exit: exit status 3\b.*\. Restart 1 "
+    assert re.search(r"ciuic run: the job stopped at step 2: exit status 3\b.*\. Restart 1 "
                      r"of at most 10 now", err), err[-3000:]
-    assert "Detected training interruption at step 2 (exit: exit status 3" in err
+    assert "Detected training interruption at step 2 (exit status 3" in err
     assert "Resuming training at step 1" in err
     assert ("giving up: it failed 1 time in a row without committing a snapshot past step 0. "
-            "The last failure, at step 2: exit: exit status 3") in err
+            "The last failure, at step 2: exit status 3") in err
     shown = ciuic_log(store, "short/j")
-    assert re.search(r"then run \w+ stopped at step 2: exit: exit status 3", shown), shown
+    assert re.search(r"then run \w+ stopped at step 2: exit status 3", shown), shown
     assert re.search(r"then run \w+ stopped at step 2: exited with status 3", shown), shown
 
 

@@ -32,8 +32,8 @@ from tests.serverutil import cli, new_key, serve, serving
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int]]:
     store = tmp_path_factory.mktemp("security") / "store"
     new_key(store, "bootstrap", "reader")  # the store exists before the server opens it
-    with serving(store, store.parent / "server.log") as (url, pid):
-        yield url, store, pid
+    with serving(store, store.parent / "server.log") as (url, process):
+        yield url, store, process.pid
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -203,8 +203,8 @@ def test_a_large_body_is_refused_before_it_is_read(tmp_path: Path) -> None:
     size = 50 * 1024 * 1024
     body = b'{"keys": ["' + b"a" * (size - 14) + b'"]}'
     assert len(body) == size
-    with serving(store, tmp_path / "server.log") as (url, pid):  # a fresh one: its peak is now
-        _flood_and_measure(url, pid, body, writer)
+    with serving(store, tmp_path / "server.log") as (url, process):  # a fresh one: its peak is now
+        _flood_and_measure(url, process.pid, body, writer)
 
 
 def _flood_and_measure(url: str, pid: int, body: bytes, writer: str) -> None:

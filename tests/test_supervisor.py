@@ -322,7 +322,7 @@ def test_causes_are_told_apart() -> None:
     assert str(classify(1, tail, None)) == "exception: ValueError: loss is NaN at step 12"
     assert exception_line(tail + TORCHRUN_TAIL.splitlines()) == (
         "ValueError: loss is NaN at step 12")
-    assert str(classify(3, ["bye"], None)) == "exit: exit status 3, last stderr line: bye"
+    assert str(classify(3, ["bye"], None)) == "exit status 3, last stderr line: bye"
 
 
 def test_the_oom_killer_is_named_with_its_evidence(tmp_path: Path) -> None:
@@ -367,6 +367,23 @@ def test_ciuic_run_needs_a_command() -> None:
     run = subprocess.run([*CIUIC, "run"], capture_output=True, text=True)
     assert run.returncode == 2
     assert "ciuic run needs the command to run" in run.stderr
+
+
+def test_ciuic_run_refuses_a_misspelt_option_instead_of_running_it() -> None:
+    """Issue 42: ``--hang-timeot`` was run as the command ("cannot start --hang-timeot") and
+    reported as a failed job. Options before the command are click's: an unknown one is refused
+    with a suggestion; what follows ``--`` or the first word that is not an option is the
+    command, its options its own."""
+    typo = subprocess.run([*CIUIC, "run", "--hang-timeot", "5", "--", "true"],
+                          capture_output=True, text=True)
+    assert typo.returncode == 2, typo.stderr
+    assert "No such option '--hang-timeot'" in typo.stderr and "--hang-timeout" in typo.stderr
+    assert "cannot start" not in typo.stderr
+    for args in (["--hang-timeout", "5", "--"], ["--hang-timeout", "5"]):
+        ran = subprocess.run([*CIUIC, "run", *args, "echo", "-n", "--said", "--", "it"],
+                             capture_output=True, text=True)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout == "--said -- it"
 
 
 @pytest.mark.slow

@@ -247,7 +247,8 @@ def test_copy_sends_only_what_is_missing_and_refuses_damage(
         monkeypatch: pytest.MonkeyPatch) -> None:
     store, _ = chain
     dst = tmp_path / "b"
-    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(dst), "--job", "proj/j")
+    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(dst), "--job", "proj/j",
+                           "--create")
     assert code == 0, err
     run(store, [40])  # one more snapshot: an incremental copy
     code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(dst))
@@ -262,7 +263,7 @@ def test_copy_sends_only_what_is_missing_and_refuses_damage(
     key = first_chunk(store)
     (store / "objects" / key).write_bytes(b"rot")
     shutil.rmtree(dst)
-    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(dst))
+    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(dst), "--create")
     assert code != 0
     assert key in err
 
@@ -298,7 +299,8 @@ def test_a_copy_does_not_count_pruned_snapshots_as_new(
     code, out, err = ciuic(capsys, monkeypatch, "--store", str(store), "prune", "proj/j",
                            "--keep-last", "1")
     assert code == 0 and "pruned 2 snapshots" in out, out + err
-    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(tmp_path / "b"))
+    code, out, err = ciuic(capsys, monkeypatch, "copy", str(store), str(tmp_path / "b"),
+                           "--create")
     text = " ".join(out.split())
     assert code == 0 and "proj/j: 1 new snapshot (and the manifests of 2 pruned ones" in text, (
         out + err)

@@ -11,9 +11,11 @@ Each rank writes ``OUT/rank<r>.json``: where it started, its manager's stats, an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,14 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def epochs(loader: DataLoader[Any], sampler: ResumableSampler) -> Iterator[Any]:
+    """A loop written for DistributedSampler: set_epoch at each epoch's start (after a restore,
+    from the snapshot's epoch, which it finishes)."""
+    for epoch in itertools.count(sampler.epoch):
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -88,6 +98,9 @@ def main() -> int:
     p.add_argument("--odd-lr", action="store_true", help="rank 1 uses another learning rate")
     p.add_argument("--store-per-rank", action="store_true",
                    help="a misconfiguration: each rank its own directory")
+    p.add_argument("--split", action="store_true",
+                   help="64 samples split between the ranks (ResumableSampler's num_replicas "
+                        "and rank), epochs through set_epoch; each rank reports its indices")
     p.add_argument("--mispredict-rank", type=int, default=None,
                    help="this rank predicts it writes no replica (the plan disagrees)")
     a = p.parse_args()
@@ -105,9 +118,12 @@ def main() -> int:
     if a.odd_lr and rank == 1:
         optimizer.param_groups[0]["lr"] = 2e-2
     g = torch.Generator().manual_seed(1234)
-    data = TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 5, (256,),
-                                                                          generator=g))
-    sampler = ResumableSampler(data, shuffle=True, seed=100 + rank)  # each rank its own order
+    n = 64 if a.split else 256
+    data = TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 5, (n,), generator=g),
+                         torch.arange(n))
+    sampler = (ResumableSampler(data, shuffle=True, seed=100, num_replicas=world, rank=rank)
+               if a.split else  # the ranks' shares of one order, as DistributedSampler's
+               ResumableSampler(data, shuffle=True, seed=100 + rank))  # each rank its own order
     loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
     torch.manual_seed(1000 + rank)  # per-rank dropout masks: the per-rank RNG must come back
     manager = None
@@ -119,9 +135,11 @@ def main() -> int:
                                   overlap=a.overlap, time_interval_s=a.time_interval)
         last = manager.restore(model, optimizer, sampler=sampler)
         start = 0 if last is None else last + 1
-    batches = iter(loader)
+    batches = epochs(loader, sampler) if a.split else iter(loader)
+    seen: list[int] = []
     for step in range(start, a.steps):
-        x, y = next(batches)
+        x, y, index = next(batches)
+        seen += index.tolist()
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -137,7 +155,7 @@ def main() -> int:
     if manager is not None:
         manager.wait()
     state = full_state(model, optimizer)
-    report: dict[str, Any] = {"rank": rank, "world": world, "start": start,
+    report: dict[str, Any] = {"rank": rank, "world": world, "start": start, "seen": seen,
                               "digest": digest(state) if rank == 0 else None}
     if manager is not None:
         s = manager.stats

@@ -2,10 +2,10 @@
 
 Owns the commands people type; imports any package below it. ``app`` holds the Click
 application and what every command shares; ``commands`` the store's commands (ls, log, show,
-verify, restore, push, pull, copy, keygen, demo); ``upkeep`` those that change what it keeps
-(prune, gc, reindex); ``inspect`` the ones that
-look inside snapshots (diff); ``server`` the server's
-(serve, apikey, audit). Nothing imports this package but ``ciuic.__main__`` and the console script.
+verify, restore, keygen, demo); ``copying`` push, pull, copy; ``upkeep`` those that change what
+it keeps (prune, gc, reindex); ``inspect`` the ones that look inside snapshots (diff);
+``server`` the server's (serve, apikey, audit). Nothing imports this package but
+``ciuic.__main__`` and the console script.
 
 May import: everything below it (the server and the demo included). The commands import torch
 only where they need it.
@@ -22,6 +22,7 @@ def main() -> None:
     """The console script: every command registered, errors printed as one line (exit 2)."""
     from ciuic.cli import (  # noqa: F401 - registering the commands
         commands,
+        copying,
         inspect,
         run,
         server,

@@ -1,5 +1,5 @@
-"""The store's commands: ls, log, show, verify, restore, push, pull, copy, keygen, demo (prune,
-gc and reindex: cli/upkeep.py)."""
+"""The store's commands: ls, log, show, verify, restore, keygen, demo (push, pull and copy:
+``copying``; prune, gc and reindex: ``upkeep``)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,12 @@ if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not b
     from ciuic.format.info import SnapshotInfo
 
 
+JSON_HELP = "Print JSON (its fields: the README, \"Command line\")"
+
+
 @app.command("ls")
-def ls() -> None:
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def ls(as_json: bool) -> None:
     """List projects and jobs with their snapshot counts."""
     from rich import box
     from rich.table import Table
@@ -58,6 +62,10 @@ def ls() -> None:
         for project, job in repo.jobs():
             repo.sync_job(project, job, damaged)
         rows = repo.catalog.jobs()
+    if as_json:  # the server's shape (GET /v1/projects/P/jobs), every project's
+        console.print_json(json.dumps({"jobs": [r.to_json() for r in rows]}))
+        report_damaged(damaged)  # on standard error: the JSON stays whole
+        return
     if not rows:
         console.print("No jobs yet.")
         report_damaged(damaged)
@@ -82,14 +90,16 @@ def report_damaged(damaged: list[UnreadableObject]) -> None:
         err.print(f"damaged, not listed: {e}", style="red", markup=False, highlight=False)
     if damaged:
         err.print("`ciuic verify` checks every snapshot; a restore skips a damaged one for the "
-                  "newest intact one before it", markup=False)
+                  f"newest intact one before it; `{command('gc', '--quarantine')}` moves damaged "
+                  "manifests aside", markup=False)
         raise click.exceptions.Exit(1)
 
 
 @app.command("log")
 @argument("job", help="PROJECT/JOB, or JOB if unique")
 @click.option("--all", "all_", is_flag=True, help="Include pruned snapshots")
-def log_cmd(job: str, all_: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def log_cmd(job: str, all_: bool, as_json: bool) -> None:
     """Show a job's chain, newest first: step, time, size, new bytes, health (and why a
     snapshot is unhealthy, or damaged: a restore found it so and skipped it), and where runs
     were interrupted and resumed; one table per lineage."""
@@ -112,7 +122,7 @@ def log_cmd(job: str, all_: bool) -> None:
         runs, events = repo.catalog.runs(project, name), repo.catalog.events(project, name,
                                                                              limit=EVENTS)
     snaps = [s for s in every if all_ or s.status == "committed"]
-    if not snaps:
+    if not snaps and not as_json:
         console.print(f"Job {project}/{name} has no snapshots.")
         report_damaged(damaged)
         return
@@ -120,6 +130,14 @@ def log_cmd(job: str, all_: bool) -> None:
     bad = found_damaged(events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
+    if as_json:  # newest first; lineage 1 is the oldest, as the tables number them
+        console.print_json(json.dumps({"project": project, "job": name, "snapshots": [
+            {**s.to_json(), "lineage": len(groups) - k, "notes": notes.get(s.id, []),
+             "damaged": s.id in bad}
+            for k, group in enumerate(groups)
+            for s in sorted(group, key=lambda s: s.seq, reverse=True)]}))
+        report_damaged(damaged)
+        return
     for k, group in enumerate(groups):
         title = f"{project}/{name}"
         if len(groups) > 1:
@@ -407,85 +425,6 @@ def _intact_before(repo: Repository, info: SnapshotInfo, to: Path, tries: int = 
             "object")
 
 
-def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify: bool) -> None:
-    from ciuic.chain.transfer import CopyStats, copy_job
-
-    total = CopyStats()
-    with progress_bar(sizes=True) as bar:
-        for project, job in jobs:
-            tasks: dict[str, TaskID] = {}
-
-            def tick(phase: str, done: int, count: int, sent: int, project: str = project,
-                     job: str = job, tasks: dict[str, TaskID] = tasks) -> None:
-                if phase not in tasks:
-                    tasks[phase] = bar.add_task(f"{project}/{job}: {phase}", total=count,
-                                                size="")
-                bar.update(tasks[phase], completed=done, total=count, size=size_text(sent))
-
-            stats = copy_job(src.scope(project), dst.scope(project).store, project, job,
-                             verify=verify, progress=tick)
-            dst.sync_job(project, job)
-            total.add(stats)
-            pruned = (f" (and the manifests of {counted(stats.pruned, 'pruned one')}, which "
-                      "keep the chain whole)" if stats.pruned else "")
-            say(f"{project}/{job}: {counted(stats.snapshots, 'new snapshot')}{pruned}, "
-                f"{counted(stats.sent, 'object')} sent ({size_text(stats.sent_bytes)}), "
-                f"{stats.present} already there", 2)
-            if stats.skipped_damaged:
-                say(f"[yellow]{project}/{job}: "
-                    f"{counted(stats.skipped_damaged, 'damaged manifest')} not copied; `ciuic "
-                    "verify` names them[/yellow]", 2, stderr=True)
-    if len(jobs) > 1:
-        say(f"copied {len(jobs)} jobs: {counted(total.sent, 'object')}, "
-            f"{size_text(total.sent_bytes)}", 2)
-
-
-verify_option = click.option(
-    "--verify/--no-verify", default=True,
-    help="Read every object back from the destination and compare")
-
-
-@app.command("push")
-@argument("job", help="PROJECT/JOB, or JOB if unique")
-@argument("url", help="Destination store URL or directory")
-@verify_option
-def push(job: str, url: str, verify: bool) -> None:
-    """Send a job's chain to another store, only what it lacks (e.g. s3://bucket/prefix)."""
-    from ciuic.chain.repo import Repository
-    src = current_repo()
-    project, name = src.split_job(job)
-    _copy(src, Repository.open(url), [(project, name)], verify)
-
-
-@app.command("pull")
-@argument("job", help="PROJECT/JOB, or JOB if unique there")
-@argument("url", help="Source store URL or directory")
-@verify_option
-def pull(job: str, url: str, verify: bool) -> None:
-    """Fetch a job's chain from another store into this one (created if needed)."""
-    from ciuic.chain.repo import Repository
-    from ciuic.chain.transfer import find_job
-
-    src = open_existing(url)
-    _copy(src, Repository.open(store_location()), [find_job(src, job)], verify)
-
-
-@app.command("copy")
-@argument("src_url", help="Source store URL or directory")
-@argument("dst_url", help="Destination store URL or directory")
-@click.option("--job", "-j", multiple=True,
-              help="PROJECT/JOB to copy (repeatable; default: every job)")
-@verify_option
-def copy(src_url: str, dst_url: str, job: tuple[str, ...], verify: bool) -> None:
-    """Copy jobs' chains from one store to another, only what the destination lacks."""
-    from ciuic.chain.repo import Repository
-    from ciuic.chain.transfer import find_job
-
-    src = open_existing(src_url)
-    jobs = [find_job(src, j) for j in job] if job else src.jobs()
-    if not jobs:
-        raise CiuicError(f"{src_url} holds no snapshots: nothing to copy")
-    _copy(src, Repository.open(dst_url), jobs, verify)
 
 
 @app.command("keygen")

@@ -33,8 +33,10 @@ def host_memory_budget(text: str) -> int | None:
     return int(value * _UNITS[unit[:1]])
 
 
+# the command is what follows ``--`` or the first word that is not an option; an unknown option
+# before it is a typo, refused with click's "No such option" (it was run as the command)
 @app.command("run", context_settings={"allow_extra_args": True,
-                                      "ignore_unknown_options": True})
+                                      "allow_interspersed_args": False})
 @click.option("--max-restarts", type=click.IntRange(min=0), default=10, metavar="N",
               help="Restart the job at most N times.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=600.0, metavar="SECONDS",
@@ -87,8 +89,6 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
         raise ConfigurationError("ciuic run needs Linux (memfd and abstract Unix sockets); on "
                                  "this system, restart the job yourself: restore() resumes it")
     command = list(ctx.args)
-    if command[:1] == ["--"]:
-        command = command[1:]
     if not command:
         raise ConfigurationError("ciuic run needs the command to run: ciuic run [OPTIONS] -- "
                                  "python train.py")

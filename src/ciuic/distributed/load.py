@@ -75,7 +75,7 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     part = {**{k: v for k, v in first.items() if k not in part}, **part}
     missing = [n for n in extras if n not in part]
     if missing:
-        raise StateMismatch(f"the snapshot has no state for {missing} (it has: "
+        raise StateMismatch(f"the snapshot has no state for {', '.join(missing)} (it has: "
                             f"{', '.join(sorted(part)) or 'nothing'}); pass only objects that "
                             "were saved")
     for name, obj in extras.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from ciuic.restore.sources import BufferFor, Resident, host_copy, lend_staging, 
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
+_NUMBERS = re.compile(r"\d+")
 
 
 @dataclass
@@ -202,7 +204,10 @@ class Recovery:
                 others = [j for _, j in list_jobs(self.repo.store, project) if j != job]
             except Exception as e:  # the listing is advice only
                 log.debug("could not list the jobs of %s: %s", project, e)
-        near = difflib.get_close_matches(job, others, n=3, cutoff=0.6)
+        # run-3 beside run-1 and run-2 is a new run of a series, not a typo
+        series = _NUMBERS.sub("#", job)
+        near = difflib.get_close_matches(
+            job, [j for j in others if _NUMBERS.sub("#", j) != series], n=3, cutoff=0.6)
         if not near:  # a new job beside others of other names: nothing looks like a typo
             log.info("No snapshot of %s/%s in %s: starting from scratch", project, job,
                      self.repo.name)

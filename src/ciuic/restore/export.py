@@ -19,6 +19,7 @@ from ciuic.errors import CiuicError, ConfigurationError, SnapshotNotFound
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import flat_tensors
 from ciuic.restore.reader import load_states
+from ciuic.words import listed
 
 #: The file name suffixes of each file format.
 SUFFIXES = {"safetensors": (".safetensors",), "torch": (".pt", ".pth", ".bin")}
@@ -52,8 +53,18 @@ def export(repo: Repository, info: SnapshotInfo, dest: Path, fmt: str | None = N
     names = states or ["model"]
     loaded = _load(repo, info, names)
     tensors: dict[str, torch.Tensor] = {}
+    empty = []
     for name in names:
+        before = len(tensors)
         flat_tensors(loaded[name], "" if names == ["model"] else name, tensors)
+        empty += [name] if len(tensors) == before else []
+    if empty:  # an empty file said "Wrote 0 tensors"
+        raise ConfigurationError(
+            f"the {listed(empty, 'state')} of snapshot {info.short_id} ({info.ref}) "
+            f"{'holds' if len(empty) == 1 else 'hold'} no tensors, only plain values (a "
+            "sampler's position, counters), which restore() puts back into the object: "
+            f"nothing to write to {dest}. Export states with tensors (--state model, "
+            "--state optimizer, ...)")
     if fmt == "safetensors":
         _safetensors()
     # written beside it, then renamed: an existing file is replaced whole or not at all
@@ -94,8 +105,8 @@ def _load(repo: Repository, info: SnapshotInfo, names: list[str]) -> dict[str, A
     _, trees = read_body(repo, info)
     missing = [n for n in names if n not in trees]
     if missing:
-        raise SnapshotNotFound(f"snapshot {info.short_id} has no state {missing}; it has: "
-                               f"{', '.join(sorted(trees))}")
+        raise SnapshotNotFound(f"snapshot {info.short_id} has no {listed(missing, 'state')}; "
+                               f"it has: {', '.join(sorted(trees))}")
     _, loaded = load_states(repo, info, skip=set(trees) - set(names), adapt=False)
     return loaded
 

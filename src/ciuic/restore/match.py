@@ -39,7 +39,7 @@ def check_names(info: SnapshotInfo, trees: Mapping[str, Any], model: Any, optimi
     missing = [n for n in extras if n not in trees]
     if missing:
         have = ", ".join(sorted(trees)) or "nothing"
-        raise StateMismatch(f"snapshot {info.short_id} has no state for {missing} "
+        raise StateMismatch(f"snapshot {info.short_id} has no state for {', '.join(missing)} "
                             f"(it has: {have}); pass only objects that were saved")
     for name, obj in extras.items():
         check_loadable(name, obj)

@@ -46,6 +46,13 @@ def _state_of(name: str, obj: Any) -> Any:
             "far its epoch went nor the state its order is drawn from). Give it a "
             "ciuic.ResumableSampler (DataLoader(..., sampler=sampler)) and pass the sampler "
             "instead, or use torchdata's StatefulDataLoader")
+    if isinstance(obj, torch.utils.data.DistributedSampler):
+        raise CaptureError(
+            f"extra {name!r} is a DistributedSampler, which keeps no position in its epoch. "
+            "Replace it with ciuic.ResumableSampler(dataset, shuffle=..., seed=..., "
+            "num_replicas=..., rank=..., drop_last=...): the same arguments give every rank "
+            "the same indices in the same order, set_epoch() included, and it resumes "
+            "mid-epoch")
     return obj
 
 

@@ -8,7 +8,9 @@ may override some of it for one store (handy for ``ciuic push`` to another clust
 
 Transfers: objects above ``s3_multipart_threshold_bytes`` go up as a multipart upload with parts
 sent in parallel and come back as parallel ranged GETs. Every call has connect and read timeouts
-and botocore's adaptive retry mode (5 attempts, slowing down when the server throttles);
+and botocore's adaptive retry mode (5 attempts, slowing down when the server throttles), its
+backoff's jitter drawn from a generator of the store's own, never from the global ``random``
+(:func:`private_jitter`: a retried call must not change what training computes);
 :class:`~ciuic.store.retry.RetryingStore` adds ciuic's own bounded retries on top, as for every
 store. What servers answer differently (limits, error codes, throttling): ``s3dialect``.
 
@@ -26,6 +28,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
+import random
+import sys
 import threading
 import time
 import uuid
@@ -41,8 +46,52 @@ from ciuic.threads import Pools
 from ciuic.words import listed
 
 T = TypeVar("T")
+log = logging.getLogger("ciuic")
 
 _CONDITIONAL_MODES = ("auto", "always", "never")
+
+
+def private_jitter(client: Any) -> bool:
+    """Give ``client``'s retry backoff a ``random.Random`` of its own.
+
+    botocore's standard and adaptive retries draw each backoff's jitter from the global
+    ``random`` (``ExponentialBackoff(random=random.random)``): an S3 call retried in ciuic's
+    writer thread advanced the training's Python RNG, so a run that rode out a store outage
+    computed different weights from the same run without it (issue #42). botocore offers no
+    option for it; the handler is found by the unique ID botocore registers it under. Returns
+    whether it was found (or the client's retries are botocore's legacy ones, which draw from
+    ``random`` at module level: :func:`private_module_random`); where not (another botocore),
+    says so in the log.
+    """
+    if client.meta.config.retries.get("mode") == "legacy":
+        return True  # it draws from retryhandler's module-level random: private_module_random
+    events = getattr(client.meta.events, "_emitter", client.meta.events)  # an EventAliaser's
+    name = client.meta.service_model.service_id.hyphenize()
+    entry = getattr(events, "_unique_id_handlers", {}).get(f"retry-config-{name}")
+    handler = getattr(entry["handler"], "__self__", None) if entry else None
+    backoff = getattr(getattr(handler, "_retry_policy", None), "_retry_backoff", None)
+    if backoff is None or not callable(getattr(backoff, "_random", None)):
+        log.warning("the S3 client's retry backoff was not found (botocore %s, retry mode %s): "
+                    "a retried S3 call may draw from the global random generator",
+                    getattr(sys.modules.get("botocore"), "__version__", "?"),
+                    client.meta.config.retries.get("mode", "?"))
+        return False
+    backoff._random = random.Random().random
+    return True
+
+
+def private_module_random() -> None:
+    """Give botocore's modules that draw from ``random`` at call time a generator of their own:
+    its legacy retry mode's jitter (``retryhandler``) and an EC2 instance role's credential
+    refresh (``utils``: a draw on each fetch from the instance metadata, at a moment set by the
+    clock, in the thread of the S3 call: ciuic's writer). botocore's draws stay random; the
+    training's ``random`` is left alone."""
+    import botocore.retryhandler
+    import botocore.utils
+
+    for module in (botocore.retryhandler, botocore.utils):
+        if getattr(module, "random", None) is random:
+            module.random = random.Random()
 
 
 class S3Store(Store):
@@ -83,6 +132,7 @@ class S3Store(Store):
         k = knobs.get()
         self._part_bytes = k.s3_part_bytes
         self._threshold = max(k.s3_multipart_threshold_bytes, self._part_bytes)
+        private_module_random()
         if client is None:
             session = boto3.session.Session()
             config = Config(
@@ -97,6 +147,7 @@ class S3Store(Store):
                 "s3", endpoint_url=query.get("endpoint"),
                 region_name=query.get("region") or session.region_name or "us-east-1",
                 config=config)
+        private_jitter(client)
         self._client = client
         self._endpoint = str(getattr(client.meta, "endpoint_url", "")) or "AWS S3"
         self._pools = Pools(k.s3_concurrency, "ciuic-s3")  # the caller's priority

@@ -136,7 +136,7 @@ def classify(returncode: int, tail: list[str], oom: OomWatch | None) -> Cause:
     line = exception_line(tail)
     if line and _EXCEPTION.match(line):
         return Cause("exception", f"exception: {rank}{line}")
-    return Cause("exit", f"exit: {rank}exit status {returncode}"
+    return Cause("exit", f"{rank}exit status {returncode}"
                  + (f", last stderr line: {line}" if line else ""))
 
 
