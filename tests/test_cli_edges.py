@@ -45,7 +45,8 @@ def test_ls_and_log_print_json(store: Path, capsys: pytest.CaptureFixture[str],
     snaps = log["snapshots"]
     assert [(s["step"], s["lineage"]) for s in snaps] == [(1, 2), (2, 1), (1, 1)]
     assert snaps[1]["metrics"] == {"loss": 1.0} and snaps[1]["parent"] == snaps[2]["id"]
-    assert all(isinstance(s["notes"], list) and s["status"] == "committed" for s in snaps)
+    assert all(isinstance(s["notes"], list) and s["status"] == "committed"
+               and s["damaged"] is False for s in snaps)
     code, out, _ = ciuic(capsys, monkeypatch, "--store", str(store / "none"), "ls", "--json")
     assert code != 0  # no store: an error, not an empty list
 
@@ -122,3 +123,24 @@ def test_push_says_its_progress_with_progress_where_stderr_is_no_terminal(
     last = [line for line in said if line.split()[1] == "chunks"][-1]
     done, count = map(int, last.split()[2].split("/"))
     assert done == count > 0 and "sent)" in last
+
+
+def test_deep_verify_says_its_progress_with_progress_where_stderr_is_no_terminal(
+        store: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --deep showed no progress off a terminal, and none at all while it re-hashed the
+    chunks no snapshot names; --progress says both phases as lines."""
+    code, _, err = ciuic(capsys, monkeypatch, "--store", str(store), "verify", "--deep")
+    assert code == 0 and "snapshots" not in err, err  # not a terminal: silent, as before
+    stray = store / "objects" / layout.chunk_key("ab" * 32)  # a chunk no snapshot names
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"not a chunk")
+    code, out, err = ciuic(capsys, monkeypatch, "--store", str(store), "verify", "--deep",
+                           "--progress")
+    assert code == 1 and "no readable snapshot names this chunk" in out, out + err
+    said = [line for line in err.splitlines() if line.startswith("verify proj/job1: ")]
+    last = {line.split(": ")[1].rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in said}
+    assert set(last) == {"snapshots", "unreferenced chunks"}, err
+    for phase, counts in last.items():
+        done, count = map(int, counts.split("/"))
+        assert done == count > 0, (phase, err)

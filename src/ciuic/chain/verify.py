@@ -63,9 +63,11 @@ class VerifyReport:
 
 
 def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
-               only: str | None = None, progress: Callable[[int, int], None] | None = None,
+               only: str | None = None,
+               progress: Callable[[str, int, int], None] | None = None,
                _chunk_cache: dict[str, Problem | None] | None = None) -> VerifyReport:
-    """Verify a job's chain (or just snapshot ``only`` and its ancestry links)."""
+    """Verify a job's chain (or just snapshot ``only`` and its ancestry links). ``progress``:
+    called with (phase, done, count), phase "snapshots", then (deep) "unreferenced chunks"."""
     report = VerifyReport(problems=[])
     problems = report.problems
     assert problems is not None
@@ -91,7 +93,7 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-verify") as pool:
         for n, sid in enumerate(targets):
             if progress:
-                progress(n, len(targets))
+                progress("snapshots", n, len(targets))
             m = manifests.get(sid)
             if m is None:
                 continue
@@ -132,12 +134,12 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
     if deep and only is None:
         checked_bodies.update(layout.body_key(project, job, m.body) for m in manifests.values())
         problems.extend(_unreferenced_bodies(repo, project, job, checked_bodies))
-        problems.extend(_unreferenced_chunks(repo, cache))
+        problems.extend(_unreferenced_chunks(repo, cache, progress))
         report.chunks_checked = sum(1 for _ in cache)
     # one problem per (snapshot, key)
     report.problems = list(dict.fromkeys(problems))
     if progress:
-        progress(len(targets), len(targets))
+        progress("snapshots", len(targets), len(targets))
     return report
 
 
@@ -146,11 +148,16 @@ def _quarantined(repo: Repository, prefix: str) -> list[str]:
     return [k[len(layout.QUARANTINE):] for k in repo.store.list(layout.quarantine_key(prefix))]
 
 
-def _unreferenced_chunks(repo: Repository, cache: dict[str, Problem | None]) -> list[Problem]:
+def _unreferenced_chunks(repo: Repository, cache: dict[str, Problem | None],
+                         progress: Callable[[str, int, int], None] | None = None
+                         ) -> list[Problem]:
     """Deep verification re-hashes every chunk object, also those no readable snapshot names
     (their snapshot's manifest or body may be the damaged part)."""
     problems = []
-    for key in repo.store.list(layout.CHUNKS):
+    keys = list(repo.store.list(layout.CHUNKS))
+    for n, key in enumerate(keys):
+        if progress:
+            progress("unreferenced chunks", n, len(keys))
         d = layout.chunk_digest(key)
         if d is None:
             problems.append(Problem("", None, key, "not a chunk (a stray object under chunks/)"))
@@ -164,6 +171,8 @@ def _unreferenced_chunks(repo: Repository, cache: dict[str, Problem | None]) -> 
             found = cache[d] = Problem.of("", None, key, e)
             problems.append(replace(found, reason=found.reason + " (no readable snapshot names "
                                     "this chunk)"))
+    if progress:
+        progress("unreferenced chunks", len(keys), len(keys))
     return problems
 
 

@@ -23,7 +23,7 @@ from ciuic.errors import CiuicError
 from ciuic.version import __version__
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
     from rich.table import Table
     from rich.text import Text
 
@@ -285,6 +285,35 @@ def size_text(n: int) -> str:
 
 def time_text(created: str | None) -> str:
     return created[:19].replace("T", " ") if created else "-"
+
+
+progress_option = click.option(
+    "--progress", is_flag=True,
+    help="Say the progress on standard error also where it is not a terminal (a line per "
+         "phase and per tenth of it); on a terminal a bar shows it anyway")
+
+
+class Phases:
+    """A command's progress by phase, on standard error: a bar per phase where it is a
+    terminal; elsewhere, with ``lines`` (``--progress``), a line per phase and per tenth of it
+    (``LABEL DONE/COUNT (DETAIL)``), for logs and CI."""
+
+    def __init__(self, bar: Progress, lines: bool) -> None:
+        self.bar, self.lines = bar, lines
+        self.tasks: dict[str, TaskID] = {}
+        self.said: dict[str, int] = {}  # the tenths of each phase said, as lines
+
+    def update(self, label: str, done: int, count: int, detail: str = "") -> None:
+        if self.bar.disable:
+            tenth = done * 10 // count if count else 10
+            if self.lines and self.said.get(label, -1) < tenth:
+                self.said[label] = tenth
+                aside = f" ({detail})" if detail else ""
+                err.print(f"{label} {done}/{count}{aside}", highlight=False, markup=False)
+            return
+        if label not in self.tasks:
+            self.tasks[label] = self.bar.add_task(label, total=count, size="")
+        self.bar.update(self.tasks[label], completed=done, total=count, size=detail)
 
 
 def progress_bar(sizes: bool = False) -> Progress:

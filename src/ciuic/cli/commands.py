@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ciuic.cli.app import (
+    Phases,
     app,
     argument,
     check_existing,
@@ -21,6 +22,7 @@ from ciuic.cli.app import (
     options,
     print_table,
     progress_bar,
+    progress_option,
     resolve,
     say,
     size_text,
@@ -34,7 +36,6 @@ from ciuic.words import counted, listed, reasons_in_short
 if TYPE_CHECKING:  # rich.table is imported by the commands that draw one: not by the help
     from collections.abc import Collection
 
-    from rich.progress import TaskID
     from rich.table import Table
 
     from ciuic.chain.repo import Repository
@@ -238,7 +239,8 @@ def _pieces(desc: dict[str, Any]) -> str:
 @argument("target", required=False,
           help="A snapshot (ID, prefix, JOB@STEP) or a job (PROJECT/JOB); default: all")
 @click.option("--deep/--no-deep", default=False, help="Re-read and re-hash every chunk")
-def verify(target: str | None, deep: bool) -> None:
+@progress_option
+def verify(target: str | None, deep: bool, progress: bool) -> None:
     """Check the chain: manifests, parent links, bodies and chunks (present; with --deep,
     re-read and re-hashed, which finds a damaged chunk)."""
     from ciuic.chain.verify import verify_job
@@ -259,12 +261,13 @@ def verify(target: str | None, deep: bool) -> None:
         jobs = [(project, job, None)]
     caches: dict[str, dict[str, Problem | None]] = {}  # a chunk's verdict, in its store
     bad = 0
-    with progress_bar() as bar:
+    with progress_bar(sizes=True) as bar:
+        phases = Phases(bar, progress)
         for project, job, only in jobs:
-            task = bar.add_task(f"verify {project}/{job}", total=None)
 
-            def tick(n: int, total: int, task: TaskID = task) -> None:
-                bar.update(task, completed=n, total=total)
+            def tick(phase: str, n: int, total: int, project: str = project,
+                     job: str = job) -> None:
+                phases.update(f"verify {project}/{job}: {phase}", n, total)
 
             scoped = repo.scope(project)
             report = verify_job(scoped, project, job, deep=deep, only=only,
@@ -291,8 +294,9 @@ def verify(target: str | None, deep: bool) -> None:
                 say(f"  [red]the catalog lists {counted(len(lost), 'snapshot')} the store has "
                     f"no manifest of[/red] ({_steps(lost)}): {REINDEX}", 4)
             for p in damage:
-                step = "step ?" if p.step is None else f"step {p.step}"  # an unreadable manifest
-                console.print(f"  [red]{step} {p.snapshot[:12]}[/red]: {p.key}: {p.reason}",
+                where = " ".join(x for x in (  # an unreadable manifest has no step
+                    "" if p.step is None else f"step {p.step}", p.snapshot[:12]) if x)
+                console.print(f"  [red]{where or 'the chain'}[/red]: {p.key}: {p.reason}",
                               highlight=False)
             _advise(project, job, damage)
             for key_id, n in locked.items():

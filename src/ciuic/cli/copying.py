@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import click
 
 from ciuic.cli.app import (
+    Phases,
     app,
     argument,
     current_repo,
-    err,
     open_existing,
     progress_bar,
+    progress_option,
     say,
     size_text,
     store_location,
@@ -23,7 +24,6 @@ from ciuic.errors import CiuicError
 from ciuic.words import counted
 
 if TYPE_CHECKING:
-    from rich.progress import TaskID
 
     from ciuic.chain.repo import Repository
 
@@ -36,24 +36,13 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
 
     total = CopyStats()
     with progress_bar(sizes=True) as bar:
+        phases = Phases(bar, lines)
         for project, job in jobs:
-            tasks: dict[str, TaskID] = {}
-            shown: dict[str, int] = {}  # the tenths of each phase said, as lines
 
             def tick(phase: str, done: int, count: int, sent: int, project: str = project,
-                     job: str = job, tasks: dict[str, TaskID] = tasks,
-                     shown: dict[str, int] = shown) -> None:
-                if lines and bar.disable:
-                    tenth = done * 10 // count if count else 10
-                    if shown.get(phase, -1) < tenth:
-                        shown[phase] = tenth
-                        err.print(f"{project}/{job}: {phase} {done}/{count} "
-                                  f"({size_text(sent)} sent)", highlight=False)
-                    return
-                if phase not in tasks:
-                    tasks[phase] = bar.add_task(f"{project}/{job}: {phase}", total=count,
-                                                size="")
-                bar.update(tasks[phase], completed=done, total=count, size=size_text(sent))
+                     job: str = job) -> None:
+                phases.update(f"{project}/{job}: {phase}", done, count,
+                              f"{size_text(sent)} sent")
 
             stats = copy_job(src.scope(project), dst.scope(project).store, project, job,
                              verify=verify, progress=tick)
@@ -76,12 +65,6 @@ def _copy(src: Repository, dst: Repository, jobs: list[tuple[str, str]], verify:
 verify_option = click.option(
     "--verify/--no-verify", default=True,
     help="Read every object back from the destination and compare")
-
-
-progress_option = click.option(
-    "--progress", is_flag=True,
-    help="Say the progress on standard error also where it is not a terminal (a line per "
-         "phase and per tenth of it); on a terminal a bar shows it anyway")
 
 
 create_option = click.option(
