@@ -26,6 +26,8 @@ Hierarchy::
     ├── FencedOut (CiuicError, RuntimeError)          another process took the job over
     ├── StagingBudgetExceeded (CiuicError, MemoryError)  the state is over the staging budget
     ├── PeerError (CiuicError)                        another node's ciuic run refused a request
+    │   └── BadRequest (PeerError, ValueError)        a peer request that is not well-formed
+    ├── ProtocolError (CiuicError, ValueError)        a local-channel message off its protocol
     └── ApiError (CiuicError)                         a server request refused (HTTP status, code)
 
 Code decides by type, never by an error's text: a reader that meets an object it cannot use
@@ -162,6 +164,15 @@ class PeerError(CiuicError):
     holds, a damaged one) or broke the protocol between nodes."""
 
 
+class BadRequest(PeerError, ValueError):
+    """A request between nodes that is not well-formed (answered, not served)."""
+
+
+class ProtocolError(CiuicError, ValueError):
+    """A message on the local channel between ``ciuic run`` and its workers that does not
+    follow its protocol (refused, and the connection told why)."""
+
+
 class ApiError(CiuicError):
     """A server request is refused: ``status`` (HTTP), ``code`` (machine-readable), ``message``
     (what to do). The server answers it as ``{"error": {"code", "message"}}``."""
@@ -174,6 +185,7 @@ class ApiError(CiuicError):
 __all__ = [
     "AmbiguousReference",
     "ApiError",
+    "BadRequest",
     "CaptureError",
     "CiuicError",
     "ConfigurationError",
@@ -185,6 +197,7 @@ __all__ = [
     "MissingKey",
     "ObjectNotFound",
     "PeerError",
+    "ProtocolError",
     "RankError",
     "ReadOnlyStore",
     "RestoreError",

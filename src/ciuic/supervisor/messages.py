@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ciuic.errors import ProtocolError as ProtocolError  # re-exported: raised here
+
 T = TypeVar("T")
 #: no rank, buffer id, step or node of a job is this large
 MAX_INT = 1 << 62
@@ -22,10 +24,6 @@ MAX_INT = 1 << 62
 MAX_CHUNK = 1 << 30
 _MAX_TEXT = 1 << 16
 _MAX_ITEMS = 1 << 24
-
-
-class ProtocolError(ValueError):
-    """A message on the local channel that does not follow its protocol."""
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ciuic.errors import PeerError
+from ciuic.errors import BadRequest
 from ciuic.format.digest import is_digest
 from ciuic.supervisor.wire import MAX_PAYLOAD_BYTES
 
 #: a replica's entries, and an index's
 MAX_ENTRIES = 1 << 24
 _MAX_SID = 256
-
-
-class BadRequest(PeerError, ValueError):
-    """A request that is not well-formed (answered, not served)."""
 
 
 @dataclass(frozen=True)

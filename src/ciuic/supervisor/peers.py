@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic.errors import BadRequest
 from ciuic.errors import PeerError as PeerError  # (tests and nodes.py import it from here)
 from ciuic.supervisor.peer_messages import (
-    BadRequest,
     Get,
     Index,
     Ping,
