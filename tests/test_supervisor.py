@@ -775,7 +775,9 @@ def test_torchrun_exiting_after_a_node_was_lost_passes_on_the_loss_not_its_exit(
         # (``ciuic log``: "restart 1 by ciuic run"), torchrun's or ciuic run's alike
         assert (f"the workers stopped at step 12: {gone}. torchrun restarts them (generation 2)"
                 ", as restart 1" in caplog.text), caplog.text
-        assert holder.restart is not None and holder.restart["number"] == sup.restarts == 1
+        # (counted once the next generation starts: torchrun may exit instead)
+        assert holder.restart is not None and holder.restart["number"] == 1
+        assert sup.restarts == 0
         start.cause = exited
         first_cause(start, beat.read(holder.beats), peered=True)
         assert str(start.cause) == gone and start.then == exited
@@ -791,7 +793,7 @@ def test_torchrun_exiting_after_a_node_was_lost_passes_on_the_loss_not_its_exit(
             beat.Beacon(holder.beats, slot, slot, w.pid).step(14)
         sup._workers(start, beat.read(holder.beats), {w.pid for w in nxt}, holder,
                      time.monotonic())
-        assert start.generation == 2
+        assert start.generation == 2 and sup.restarts == 1
         first_cause(start, beat.read(holder.beats), peered=True)
         assert start.cause == exited
     finally:
@@ -799,3 +801,51 @@ def test_torchrun_exiting_after_a_node_was_lost_passes_on_the_loss_not_its_exit(
             w.kill()
             w.wait()
         holder.close()
+
+
+def test_a_torchrun_without_restarts_left_is_not_said_to_restart_its_workers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """CI, slow suite: under ``torchrun --max-restarts 0`` a killed rank was said to be
+    restarted by torchrun ("generation 2, as restart 1") and counted; torchrun exited instead,
+    ciuic run restarted the job as restart 2, and the restarted job saw CIUIC_RUN_RESTART=2.
+    The line says torchrun has no restarts left, and a restart counts once it happens."""
+    import logging
+
+    from ciuic.cli.run import torchrun_restarts
+    from ciuic.supervisor import beat
+    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.holder import Holder
+
+    py = [sys.executable, "-m", "torch.distributed.run"]
+    assert torchrun_restarts([*py, "--nproc_per_node", "2", "train.py"]) == 0
+    assert torchrun_restarts(["torchrun", "--max-restarts", "3", "train.py"]) == 3
+    assert torchrun_restarts(["torchrun", "--max_restarts=5", "t.py", "--max-restarts", "9"]) == 5
+    assert torchrun_restarts(["python", "train.py", "--max-restarts", "3"]) is None
+    for left, said in ((0, "(torchrun has no restarts left: --max-restarts 0)"),
+                       (2, ". torchrun restarts them (generation 2), as restart 1")):
+        holder = Holder(budget=None)
+        sup = Supervisor(Options(["torchrun"], worker_restarts=left))
+        start = Start(0, time.monotonic())
+        workers = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+        try:
+            for slot, w in enumerate(workers):
+                beat.Beacon(holder.beats, slot, slot, w.pid).step(7)
+            sup._note(start, beat.read(holder.beats))
+            sup._workers(start, beat.read(holder.beats), {w.pid for w in workers}, holder,
+                         time.monotonic())
+            workers[1].kill()
+            workers[1].wait()
+            sup._failed.append("[W] torch.distributed.elastic.multiprocessing.api: failed "
+                               f"(exitcode: -9) local_rank: 1 (pid: {workers[1].pid}) of binary")
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="ciuic.run"):
+                sup._workers(start, beat.read(holder.beats), {workers[0].pid}, holder,
+                             time.monotonic())
+            assert "the workers stopped at step 7: rank 1: SIGKILL" in caplog.text, caplog.text
+            assert said in caplog.text, caplog.text
+            assert sup.restarts == 0  # not yet: torchrun exits, or restarts them
+        finally:
+            for w in workers:
+                w.kill()
+                w.wait()
+            holder.close()

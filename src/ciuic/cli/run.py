@@ -120,7 +120,8 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
                       hang_timeout_s=hang_timeout or None,
                       startup_timeout_s=startup_timeout or None, grace_s=grace,
                       backoff_s=backoff, max_stalls=max_stalls, host_memory=budget,
-                      replicas=replicas, peer_timeout_s=peer_timeout)
+                      replicas=replicas, peer_timeout_s=peer_timeout,
+                      worker_restarts=torchrun_restarts(command))
     raise click.exceptions.Exit(Supervisor(options).run())
 
 
@@ -152,6 +153,17 @@ def _option(args: list[str], name: str) -> tuple[int, str] | None:
             elif arg.startswith(spelled + "="):
                 found = (i, arg.split("=", 1)[1])
     return found
+
+
+def torchrun_restarts(command: list[str]) -> int | None:
+    """torchrun's own ``--max-restarts`` of its workers where ``command`` runs torchrun (0
+    when not given, torchrun's default); None where it does not, or the value is not a
+    number."""
+    at = _torchrun_at(command)
+    if at is None:
+        return None
+    value = (_option(command[at + 1:], "--max-restarts") or (0, "0"))[1]
+    return int(value) if value.isdigit() else None
 
 
 def _c10d_nodes(command: list[str]) -> tuple[int, list[str]] | None:

@@ -17,6 +17,7 @@ import shlex
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -38,7 +39,7 @@ from ciuic.format.manifest import utc_now
 from ciuic.format.records import RunRow
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
-from ciuic.manager.supervised import Restart, Supervised, attach
+from ciuic.manager.supervised import NOT_KNOWN_YET, PendingCause, Restart, Supervised, attach
 from ciuic.store.mirror import MirrorStore
 from ciuic.words import counted
 
@@ -106,6 +107,8 @@ class RunSession:
         self.previous_known = False
         #: what the other ranks' ``ciuic run`` (other nodes') said about the previous start
         self._said_elsewhere: list[Restart] = []
+        #: a restart whose cause ``ciuic run`` named after this run started (rank 0 asks)
+        self._pending: PendingCause | None = None
         #: this run's last step() (where it stopped, when it stops: chain.runs.stopped_where)
         self.last_step: int | None = None
         self._progress: progress.Progress | None = None
@@ -233,8 +236,32 @@ class RunSession:
         if restart.cause:
             self.repo.catalog.interrupted_by(prev.id, restart.cause)
             prev = replace(prev, cause=restart.cause)
-            self.interrupted = True
+        else:  # not its own exception (a lost connection, a consequence): asked again
+            self._pending = PendingCause(prev.id, restart.number, time.monotonic())
+            prev = replace(prev, cause=NOT_KNOWN_YET)
+        self.interrupted = True
         return prev
+
+    def _ask_cause(self, now: float) -> None:
+        """Rank 0, while :attr:`_pending`: ask ``ciuic run`` for the cause it did not know at
+        the start; record it and say it once named."""
+        assert self._pending is not None and self.supervised is not None
+        cause = self._pending.ask(self.supervised, now)
+        if cause is None:
+            return
+        run_id, self._pending = self._pending.run_id, None
+        prev = self.previous_run
+        where = runs.stopped_where(prev.last_step if prev is not None else None, exact=True)
+        if not cause:
+            log.info("The cause of the interruption %s is still not known: ciuic run named "
+                     "none (its log says what it saw)", where)
+            return
+        self._record("the cause of the previous run's end", self.repo.catalog.interrupted_by,
+                     run_id, cause)
+        if prev is not None:
+            self.previous_run = replace(prev, cause=cause)
+        log.info("The cause of the interruption %s, named by ciuic run after this run started: "
+                 "%s", where, cause)
 
     def _warn_if_taken_over(self) -> None:
         prev, lease = self.previous_run, self.lease
@@ -297,6 +324,8 @@ class RunSession:
             self._progress.set(step)
         if self.supervised is not None:
             self.supervised.beacon.step(step)
+            if self._pending is not None and self.coll.coordinator:
+                self._ask_cause(now)
         if self.coll.coordinator and now - self._last_heartbeat >= knobs.get(
                 ).heartbeat_interval_s:
             self._last_heartbeat = now

@@ -74,6 +74,39 @@ class Restart:
                        int(stopped) if stopped and stopped.lstrip("-").isdigit() else None, pids)
 
 
+#: how long a run started before its ``ciuic run`` knew why the previous generation stopped
+#: asks it (its wait for another node's word, agent.CAUSE_WAIT_S, and a margin), and how often
+CAUSE_ASK_S = 45.0
+CAUSE_ASK_EVERY_S = 1.0
+#: how the previous run ended, while ``ciuic run`` has not named the cause yet
+NOT_KNOWN_YET = ("the cause is not known yet: ciuic run names it when another node's word "
+                 "arrives, and this run records it then")
+
+
+@dataclass
+class PendingCause:
+    """A restart whose cause ``ciuic run`` did not know when this run started (the workers
+    of this node only lost their connection to another rank, whose node had not said why
+    yet): rank 0 asks again on its ``step()`` calls, and records the cause once named, so that
+    every message names the first cause, never a consequence."""
+
+    run_id: str  # the previous run's
+    number: int  # the restart's
+    since: float
+    next_ask: float = 0.0
+
+    def ask(self, sup: Supervised, now: float) -> str | None:
+        """The cause once ``ciuic run`` names it; "" once :data:`CAUSE_ASK_S` passed without
+        one; None: ask again later."""
+        if now < self.next_ask:
+            return None
+        self.next_ask = now + CAUSE_ASK_EVERY_S
+        said = sup.restart_now()
+        if said is not None and said.number == self.number and said.cause:
+            return said.cause
+        return "" if now - self.since >= CAUSE_ASK_S else None
+
+
 @dataclass(frozen=True)
 class Peers:
     """The job's nodes (their chunk services), this one's group rank, and this start's
@@ -104,6 +137,16 @@ class Supervised:
         self.restart = restart or Restart.from_env()
         #: on a job of several nodes: the other nodes' memory (None: one node, or no tier)
         self.peers: Peers | None = None
+
+    def restart_now(self) -> Restart | None:
+        """What ``ciuic run`` says now about this start's restart (its cause may have come
+        after this process attached); None where it says nothing or cannot be asked."""
+        try:
+            reply, _ = self.link.request({"op": "restart"})
+        except (OSError, ValueError, ConnectionError) as e:
+            log.debug("could not ask the supervisor about the restart: %s", e)
+            return None
+        return Restart.from_reply(reply) if reply.get("ok") else None
 
     def close(self) -> None:
         self.beacon.detach()

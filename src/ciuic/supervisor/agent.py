@@ -89,6 +89,8 @@ class Options:
     poll_s: float = 0.1
     #: set in the command's environment beyond the supervisor's own (cli/run.torchrun_env)
     env: dict[str, str] = field(default_factory=dict)
+    #: the command is torchrun: its own ``--max-restarts`` of the workers (None: not known)
+    worker_restarts: int | None = None
 
 
 @dataclass
@@ -341,6 +343,7 @@ class Supervisor:
                 self._failed.clear()  # the next generation's lines are its own
                 found.clear()
                 start.generation += 1
+                self.restarts += 1  # counted once it happened (torchrun may exit instead)
                 start.said, start.gone_since = False, None
                 start.stopping, start.hang_pending, start.hung_pid = set(), None, None
             start.workers[b.slot] = (b.pid, start.generation)
@@ -411,9 +414,10 @@ class Supervisor:
             cause, kind, start.hang_cause = str(start.hang_cause), "signal", None
         if kind in ("signal", "exit", "none") and cause:  # this node's: the others name it
             holder.cause = (cause, now)
-        # the next generation's workers learn it when they attach (manager/supervised.Restart)
-        self.restarts += 1
-        holder.restart = {"number": self.restarts, "cause": cause,
+        # the next generation's workers learn it when they attach (manager/supervised.Restart);
+        # counted when they do (_workers): a torchrun without restarts left exits instead
+        number = self.restarts + 1
+        holder.restart = {"number": number, "cause": cause,
                           "stopped_at": start.step, "pids": sorted(
                               pid for pid, gen in start.workers.values()
                               if gen == start.generation)}
@@ -426,9 +430,14 @@ class Supervisor:
                      if kind == "lost" else
                      "the cause is not known yet (no failed worker in torchrun's output, no "
                      "dead worker seen, no word from another node)")
-        log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
-                    "(generation %d), as restart %d", where, cause, start.generation + 1,
-                    self.restarts)
+        left = self.o.worker_restarts
+        if left is not None and start.generation > left:  # it exits: _loop restarts the job
+            log.warning("ciuic run: the workers stopped %s: %s (torchrun has no restarts left: "
+                        "--max-restarts %d)", where, cause, left)
+        else:
+            log.warning("ciuic run: the workers stopped %s: %s. torchrun restarts them "
+                        "(generation %d), as restart %d", where, cause, start.generation + 1,
+                        number)
 
     def _late_cause(self, start: Start, holder: Holder, now: float,
                     found: tuple[str, str]) -> None:

@@ -297,6 +297,8 @@ class Holder(NodeService):
                 return self._index(), []
             if isinstance(m, msg.Listen):
                 return self._listen(), []
+            if isinstance(m, msg.Said):
+                return {"ok": True, "restart": self.restart}, []
             if isinstance(m, msg.Peers):
                 return self._join(asdict(m)), []
         raise ProtocolError(f"rank {rank} already said hello on this connection")

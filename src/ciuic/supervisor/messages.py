@@ -116,13 +116,19 @@ class Peers:
 
 
 @dataclass(frozen=True)
+class Said:
+    """What ``ciuic run`` says now about the restart of this start (its cause may be known
+    only after the workers attached: another node's word)."""
+
+
+@dataclass(frozen=True)
 class Fetch:
     d: str
     n: int
 
 
 Request = (Hello | Attach | Fds | Put | Free | Invalidate | Publish | Chunks | Listen | Peers
-           | Fetch)
+           | Said | Fetch)
 
 
 # -- the field checks ---------------------------------------------------------------------------
@@ -209,6 +215,7 @@ _KINDS: dict[str, tuple[type[Any], dict[str, tuple[Callable[[Any, str], Any], An
     "peers": (Peers, {"token": (_word, _REQUIRED), "me": (_id, _REQUIRED),
                       "nodes": (_each(_row(_id, _text, _int(0, 65535))), _REQUIRED),
                       "keys": (_each(_word), ())}),
+    "restart": (Said, {}),
     "fetch": (Fetch, {"d": (_word, _REQUIRED), "n": (_int(1, MAX_CHUNK), _REQUIRED)}),
 }
 
