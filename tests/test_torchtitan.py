@@ -87,6 +87,36 @@ def test_torchtitan_own_resume_is_not_bit_exact_which_docs_integrations_records(
     assert diff  # no RNG is saved: dropout and the augmentation differ after the resume
 
 
+@pytest.fixture(scope="module")
+def llama3_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """torchtitan's own llama3 debugmodel, uninterrupted: 18 steps, snapshots every 4."""
+    out = tmp_path_factory.mktemp("tt-llama3")
+    assert "STEP 18 SAMPLES 72" in finished(train(out, "--model", "llama3")).stdout
+    return out
+
+
+@pytest.mark.slow
+def test_torchtitans_llama3_with_fused_qkv_killed_ends_bit_exact_as_its_own_resume_does(
+        llama3_reference: Path, tmp_path: Path) -> None:
+    """torchtitan's stock llama3 (fused QKV: its state-dict hooks split ``wqkv``), FSDP2 on 2
+    ranks: every snapshot failed before (DCP's get_state_dict cannot name ``wq``). Its own DCP
+    checkpointer resumes it exactly too (the loop draws no random numbers), which
+    docs/integrations.md records."""
+    llama3 = ("--model", "llama3")
+    killed(train(tmp_path / "c", *llama3, "--kill-at", "10"))
+    again = finished(train(tmp_path / "c", *llama3))
+    assert resumed_at(again, "torchtitan loop") == 8
+    reference = final(llama3_reference)
+    assert len(reference) > 100
+    assert differences(reference, final(tmp_path / "c")) == {}
+    killed(train(tmp_path / "t", *llama3, "--mode", "titan", "--kill-at", "10"))
+    again = finished(train(tmp_path / "t", *llama3, "--mode", "titan"))
+    assert resumed_at(again, "torchtitan loop") == 8
+    diff = differences(reference, final(tmp_path / "t", "titan"))
+    print(f"torchtitan's own resume of its llama3: {len(diff)} of {len(reference)} tensors differ")
+    assert diff == {}
+
+
 # -- one process: the config, a save and load round trip, the misuses ---------------------------
 
 class Stream(torch.utils.data.IterableDataset[torch.Tensor]):

@@ -22,6 +22,7 @@ import torch
 
 from ciuic.chain.read import READ_THREADS, Parts
 from ciuic.chain.repo import Repository
+from ciuic.distributed.plan import both_state_dicts, model_state_dict
 from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.parts import BodyPart, shards_by_path, with_shards
@@ -88,12 +89,10 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
             raise StateMismatch("the snapshot holds no model state")
         if optimizer is not None and "optimizer" not in trees:
             raise StateMismatch("the snapshot holds no optimizer state")
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
         if optimizer is None or opt_empty:
-            targets["model"] = get_model_state_dict(model)
+            targets["model"] = model_state_dict(model)
         else:  # creates a fresh optimizer's state (a zero step at lr 0), to learn its shapes
-            targets["model"], targets["optimizer"] = get_state_dict(model, optimizer)
+            targets["model"], targets["optimizer"] = both_state_dicts(model, optimizer)
     elif optimizer is not None:
         raise ConfigurationError("restoring an optimizer from a multi-rank snapshot needs its "
                                  "model too (optimizer state is named by parameter names)")

@@ -36,6 +36,7 @@ log = logging.getLogger("ciuic")
 
 
 GLOBAL = ("model", "optimizer")
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper
 LAYOUT = "dcp-fqn"  # model and optimizer as get_state_dict names them
 
 
@@ -109,22 +110,86 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def _own_hooks(model: torch.nn.Module) -> list[str]:
+    """The modules whose state-dict hooks come from outside torch (a framework's or the user's,
+    such as torchtitan's fused QKV projection, which splits ``wqkv`` into ``wq``/``wk``/``wv``):
+    their state dict may name keys that are no attribute of the module, which DCP's
+    ``get_model_state_dict`` cannot map (it raises AttributeError)."""
+    found = []
+    for name, module in model.named_modules():
+        for hook in (*module._state_dict_hooks.values(), *module._state_dict_pre_hooks.values()):
+            fn = getattr(hook, "func", hook)  # functools.partial
+            if not getattr(fn, "__module__", "torch").startswith("torch."):
+                found.append(name or "the model")
+                break
+    return found
+
+
+def _dcp_name(model: torch.nn.Module, key: str) -> str:
+    """``key`` of ``model.state_dict()`` as DCP names it: without the wrappers' own segments
+    (DDP's ``module``, torch.compile's ``_orig_mod``, activation checkpointing's). A segment no
+    module has (a key a hook made) is kept as it is."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    names: list[str] = []
+    current: Any = model
+    for segment in key.replace(_CHECKPOINT_PREFIX, "").split("."):
+        if isinstance(current, DistributedDataParallel) and segment == "module":
+            current = current.module
+        elif isinstance(current, OptimizedModule) and segment == "_orig_mod":
+            current = current._orig_mod
+        else:
+            names.append(segment)
+            current = current._modules.get(segment) if isinstance(
+                current, torch.nn.Module) else None
+    return ".".join(names)
+
+
+def model_state_dict(model: Any) -> dict[str, Any]:
+    """The model's state dict as DCP names it, also for a model with state-dict hooks of its
+    own: the state dict is then the model's (its hooks applied, as the framework's own
+    checkpoint sees it), named as DCP names parameters. Restoring goes through the model's
+    ``load_state_dict``, so its load hooks undo what its state-dict hooks did."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not isinstance(model, torch.nn.Module) or not _own_hooks(model):
+        return get_model_state_dict(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigurationError(
+            f"{', '.join(_own_hooks(model)[:3])} of this model register state-dict hooks of "
+            "their own, which a FullyShardedDataParallel (FSDP1) model cannot snapshot "
+            "through DCP: shard it with FSDP2 (torch.distributed.fsdp.fully_shard)")
+    return {_dcp_name(model, key): value for key, value in model.state_dict().items()
+            if not (isinstance(value, torch.Tensor) and value.is_meta)}
+
+
 def state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
     """The model's and optimizer's state dicts as DCP names them (either may be None).
 
     An optimizer without state yet is recorded as its hyperparameters only: DCP would first run
     a zero step to create the state, and a snapshot must not change the training.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     if optimizer is None:
-        return (get_model_state_dict(model) if model is not None else None), None
+        return (model_state_dict(model) if model is not None else None), None
     if model is None:
         raise ConfigurationError("a multi-rank snapshot names optimizer state by parameter "
                                  "name: pass the model along with the optimizer")
     if not optimizer.state:
-        return get_model_state_dict(model), {"state": {},
-                                             "param_groups": _hyperparameters(optimizer)}
+        return model_state_dict(model), {"state": {},
+                                         "param_groups": _hyperparameters(optimizer)}
+    return both_state_dicts(model, optimizer)
+
+
+def both_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(model, optimizer)``, also for a model with state-dict hooks of its own
+    (:func:`model_state_dict`). An optimizer without state gets it (a zero step at lr 0)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
+
+    if isinstance(model, torch.nn.Module) and _own_hooks(model):
+        return model_state_dict(model), get_optimizer_state_dict(model, optimizer)
     return get_state_dict(model, optimizer)
 
 

@@ -224,18 +224,17 @@ class CiuicCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
 
     def _initial_load(self, path: str) -> None:
         """A job's first start from a torchtitan (DCP) checkpoint: its model only."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
+
+        from ciuic.distributed.plan import model_state_dict
 
         if not self.config.initial_load_model_only:
             raise ConfigurationError(
                 "CiuicCheckpointManager loads the model only from initial_load_path (its "
                 "optimizer and data state are torchtitan's DCP layout); set "
                 "initial_load_model_only=True")
-        state = get_model_state_dict(self.model)
+        state = model_state_dict(self.model)  # with the model's own hooks (fused QKV)
         load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state)
         log.info("Loaded the model from %s (the job's first start)", path)

@@ -1,0 +1,80 @@
+"""CPU-only shims for running torchtitan 0.3.0's own models and Trainer on the CPU tests: kept
+in the tests, never in ciuic (docs/integrations.md lists them).
+
+- ``triton``: torchtitan's model packages import three modules that import triton at the top
+  (its expert-parallel kernels and two fused overrides), and triton has no CPU wheel. The
+  model packages are imported against a stub, which is then taken away: torch (which has
+  found triton absent before) and everything imported later see no triton. A kernel of
+  theirs would fail if it were called; the CPU tests call none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Any
+
+NEEDS_TRITON = ("torchtitan.distributed.minimal_async_ep.kernels",
+                "torchtitan.overrides.fused_mla", "torchtitan.overrides.fused_swiglu",
+                "torchtitan.models.llama3")
+
+#: torch's modules that import triton themselves (once, when first imported)
+BEFORE = ("torch._inductor.runtime.triton_compat", "torch._inductor.ir")
+
+
+class _Anything:
+    """Stands for any triton name at import time: callable, subscriptable, an attribute of
+    itself (``tl.pointer_type(tl.int64)``, ``@triton.jit(do_not_specialize=...)``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # a bare decorator
+        return self
+
+    def __getattr__(self, name: str) -> _Anything:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __getitem__(self, key: Any) -> _Anything:
+        return self
+
+
+def _stub(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    anything = _Anything()
+
+    def attribute(attr: str) -> Any:
+        if attr == "__version__":  # torch's modules ask it in a try/except ImportError
+            raise ImportError("triton is a stub here (tests/helpers/cpu_shims.py)")
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return anything
+
+    module.__getattr__ = attribute  # type: ignore[method-assign]
+    return module
+
+
+def import_torchtitan_without_triton() -> None:
+    """Import the torchtitan modules that need triton, where triton is not installed."""
+    if importlib.util.find_spec("triton") is not None:
+        return
+    # torch finds triton absent first, for good: the modules that import it themselves, and
+    # the answer it remembers (functools.cache) for the others
+    for name in BEFORE:
+        importlib.import_module(name)
+    from torch.utils._triton import has_triton, has_triton_package
+
+    assert not has_triton_package() and not has_triton()
+
+    stubs = {"triton": _stub("triton"), "triton.language": _stub("triton.language")}
+    stubs["triton"].language = stubs["triton.language"]  # type: ignore[attr-defined]
+    sys.modules.update(stubs)
+    try:
+        for name in NEEDS_TRITON:
+            importlib.import_module(name)
+    finally:
+        for name in stubs:
+            del sys.modules[name]
