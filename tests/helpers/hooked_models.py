@@ -157,13 +157,38 @@ def uninterrupted(kind: str, rank: int = 0, shard: Callable[[nn.Module], None] |
     return tensors(model, optimizer)
 
 
+def broken(store: Path, out: Path, rank: int, shard: Callable[[nn.Module], None]) -> int:
+    """Rank 1's state-dict hook raises at the snapshot of step 3: each rank writes OUT/broken-
+    rankR.txt with the step at which its step() raised and the exception (or that none did,
+    after 30 steps)."""
+    from ciuic import SnapshotManager
+
+    def fails(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+        if rank == 1:
+            raise AttributeError("'Linear' object has no attribute 'wq'")
+
+    model, optimizer = build("compiled", 0, shard)
+    model._orig_mod[0].register_state_dict_post_hook(fails)
+    said = "no exception"
+    with SnapshotManager("hooks", job="broken", store=store, handle_signals=False,
+                         save_interval=3) as m:
+        try:
+            for step in range(1, 31):
+                train("compiled", model, optimizer, range(step, step + 1), rank)
+                m.step(step, model, optimizer)
+        except Exception as e:
+            said = f"step {step}: {type(e).__name__}: {e}"
+    (out / f"broken-rank{rank}.txt").write_text(said)
+    return 0
+
+
 def main() -> int:
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    store, out, kinds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    store, out, kinds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]  # or "broken"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -172,6 +197,8 @@ def main() -> int:
     def shard(model: nn.Module) -> None:
         fully_shard(model, mesh=mesh)
 
+    if kinds == ["broken"]:
+        return broken(store, out, rank, shard)
     for kind in kinds:
         mine = {f"resumed/{k}": v for k, v in resumed(kind, store, rank, shard).items()}
         mine |= {f"reference/{k}": v for k, v in uninterrupted(kind, rank, shard).items()}

@@ -79,6 +79,9 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             mine = Plan(step, seq, error=_error(e))
     everyone = [Plan.from_json(x) for x in coll.all_gather(mine.to_json(), data=True)]
     failures = {r: x.error for r, x in enumerate(everyone) if x.error}
+    if any(error.startswith(f"{CaptureError.__name__}: ") for error in failures.values()):
+        # a rank's state could not be captured: it fails the same way at every snapshot
+        raise CaptureError(str(RankError(what, failures)))
     if failures:
         raise RankError(what, failures)
     if len({(x.seq, x.step) for x in everyone}) > 1:  # a safety net: never mix steps

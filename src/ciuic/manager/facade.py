@@ -179,6 +179,8 @@ class SnapshotManager:
         self._check_open()
         step = check_step(step)
         check_state_args("step", model, optimizer)
+        if self._pipeline.fatal is not None and not self.coll.enabled:
+            self._raise_fatal()  # a snapshot the writer found would fail every time
         if model is not None or optimizer is not None or extras:
             self._last_state = (step, model, optimizer, extras)
         if not self._first_step_checked:
@@ -188,7 +190,9 @@ class SnapshotManager:
         now = time.monotonic()
         if self.coll.enabled:
             try:
-                due, sig = self._policy.agree(step)
+                due, sig, fatal = self._policy.agree(step)
+                if fatal:  # on every rank at this step, not at whichever step each learnt it
+                    self._raise_fatal()
                 if snapshot is not None:  # the framework's decision, the same on every rank
                     due = snapshot and step != self._policy.last_save_step
                 self._session.heartbeat(step, now)  # first: where a stop here stopped
@@ -198,7 +202,8 @@ class SnapshotManager:
                 return due and self._take(step, model, optimizer, extras)
             finally:
                 if not self._closed:
-                    self._policy.post_agreement(step, self._signals.pending)
+                    self._policy.post_agreement(step, self._signals.pending,
+                                                self._pipeline.fatal is not None)
         self._session.heartbeat(step, now)  # first: where a stop here stopped
         if self._signals.pending is not None:
             self._emergency(step, model, optimizer, extras)
@@ -209,6 +214,15 @@ class SnapshotManager:
                 self._pipeline.reserve(model, optimizer, extras)
             return False
         return self._take(step, model, optimizer, extras)
+
+    def _raise_fatal(self) -> None:
+        """Raise the snapshot failure that repeats at every snapshot (a CaptureError), once
+        this rank's writer has met it too (multi-rank: every rank's snapshot failed together,
+        in its plan)."""
+        self._pipeline.wait()
+        fatal, self._pipeline.fatal = self._pipeline.fatal, None
+        raise fatal or CaptureError("another rank's snapshot failed in a way that repeats at "
+                                    "every snapshot: that rank's error says why")
 
     def _take(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> bool:
         """A snapshot is due: take it (the rest of :meth:`step`); not a hang for ``ciuic

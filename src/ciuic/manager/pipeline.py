@@ -30,7 +30,14 @@ from ciuic.distributed.save import write_dist
 from ciuic.engine import StagingArea
 from ciuic.engine.compression import CompressionPolicy
 from ciuic.engine.staging import PendingCopy
-from ciuic.errors import FencedOut, IntegrityError, ObjectNotFound, StagingBudgetExceeded
+from ciuic.errors import (
+    CaptureError,
+    ConfigurationError,
+    FencedOut,
+    IntegrityError,
+    ObjectNotFound,
+    StagingBudgetExceeded,
+)
 from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import ObjectCodec
@@ -40,7 +47,7 @@ from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.session import RunSession, quietly
 from ciuic.manager.stats import ManagerStats
-from ciuic.state.capture import Captured, capture
+from ciuic.state.capture import Captured, as_capture_error, capture
 from ciuic.threads import lower_priority
 from ciuic.words import counted
 
@@ -113,6 +120,9 @@ class Pipeline(abc.ABC, Generic[C]):
         #: waits for them: a damaged copy must be distrusted before a snapshot reuses it)
         self._checks: list[Future[None]] = []
         self._warned_budget = False
+        #: a failure that repeats at every snapshot (CaptureError), met by the writer: the
+        #: next step() raises it
+        self.fatal: CaptureError | None = None
         _finish_at_exit(self)
 
     # -- the protocol: what the two pipelines do differently ------------------------------
@@ -165,7 +175,14 @@ class Pipeline(abc.ABC, Generic[C]):
             return  # sharded layouts allocate at their first snapshot
         # state that cannot be stored (CaptureError) is the caller's mistake: raised here, at
         # the first step(), not logged as a failed snapshot at every interval
-        leaves = capture(model, optimizer, extras).leaves
+        try:
+            leaves = capture(model, optimizer, extras).leaves
+        except Exception as e:
+            error = as_capture_error(e)
+            if error is not e or isinstance(e, (CaptureError, ConfigurationError)):
+                raise error from e
+            log.debug("the state was not captured ahead of the first snapshot: %s", e)
+            return  # a fault of the environment: the first snapshot meets it, or not
         if not self.config.asynchronous:
             return
         try:
@@ -184,7 +201,10 @@ class Pipeline(abc.ABC, Generic[C]):
         pending: PendingCopy | None = None
         self.reserved = True  # a snapshot allocates its own buffers: none to reserve after it
         try:
-            captured = self.capture(model, optimizer, extras)
+            try:
+                captured = self.capture(model, optimizer, extras)
+            except Exception as e:  # one that repeats is a CaptureError, raised
+                raise as_capture_error(e) from e
             if self.config.asynchronous:
                 leaves = self.to_stage(captured)
                 self.stats.last_staged_bytes = sum(leaf.nbytes for leaf in leaves)
@@ -210,6 +230,9 @@ class Pipeline(abc.ABC, Generic[C]):
             future: Future[SnapshotInfo] = Future()
             try:
                 future.set_result(self._write(step, captured, t0, pending))
+            except CaptureError:  # counted by _write; the state's mistake, on every rank
+                self.fatal = None  # raised now
+                raise
             except Exception as e:  # logged and counted by _write; the caller may raise it
                 future.set_exception(e)
         else:
@@ -302,11 +325,15 @@ class Pipeline(abc.ABC, Generic[C]):
         s.failures += 1
         s.consecutive_failures += 1
         s.last_error = str(e) or type(e).__name__
+        s.last_failed_step = step
         latest = (f"step {self.last_committed_step}" if self.last_committed_step is not None
                   else "none")
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the process stops
             log.warning("snapshot at step %d interrupted (%s); the latest snapshot is %s",
                         step, type(e).__name__, latest)
+            return
+        if isinstance(e, CaptureError):  # raised to the caller (now, or at the next step())
+            self.fatal = self.fatal or e
             return
         level = logging.CRITICAL if s.consecutive_failures >= 3 or isinstance(
             e, FencedOut) else logging.ERROR
@@ -335,6 +362,15 @@ class Pipeline(abc.ABC, Generic[C]):
 
     def close(self) -> None:
         self.wait()  # the checks too
+        if self.fatal is not None:  # no step() came after it to raise it
+            log.error("the last snapshot failed: %s", self.fatal)
+        s = self.stats
+        if s.failures:  # said at the end too: a job that trained on without snapshots
+            latest = (f"step {self.last_committed_step}" if self.last_committed_step is not None
+                      else "none")
+            log.warning("%s of this run's %d failed, the last at step %s (%s); the latest "
+                        "committed snapshot is %s", counted(s.failures, "snapshot"),
+                        s.failures + s.snapshots, s.last_failed_step, s.last_error, latest)
         self._executor.shutdown(wait=True)
         for _, handle in self._hooks.values():
             handle.remove()

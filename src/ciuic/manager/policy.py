@@ -137,9 +137,9 @@ class SavePolicy:
 
     # -- multi-rank ------------------------------------------------------------------------
 
-    def agree(self, step: int) -> tuple[bool, int]:
-        """Multi-rank: (whether a snapshot is due, a signal any rank received), decided
-        identically on every rank.
+    def agree(self, step: int) -> tuple[bool, int, bool]:
+        """Multi-rank: (whether a snapshot is due, a signal any rank received, whether any
+        rank's snapshot failed in a way that repeats), decided identically on every rank.
 
         A step count makes a snapshot due on every rank at once. What one rank alone can see (a
         signal, the elapsed time interval) is shared by a small all-reduce that every rank
@@ -152,9 +152,11 @@ class SavePolicy:
         due_t = 0
         pending, self._agreement = self._agreement, None
         if pending is not None:
-            sig, due_t, hi, neg_lo = pending()
+            sig, due_t, hi, neg_lo, fatal = pending()
+            if fatal:
+                return False, 0, True
             if sig:
-                return True, sig
+                return True, sig, False
             if hi != -neg_lo:
                 if not self._warned_steps:
                     self._warned_steps = True
@@ -162,21 +164,23 @@ class SavePolicy:
                               "is taken until they agree; call manager.step(step, ...) with the "
                               "same step on every rank", -neg_lo, hi)
                 self._steps_disagree = True
-                return False, 0
+                return False, 0, False
             self._steps_disagree = False
         if self._steps_disagree:
-            return False, 0
-        return self.due(step, bool(due_t)), 0
+            return False, 0, False
+        return self.due(step, bool(due_t)), 0, False
 
-    def post_agreement(self, step: int, signal: int | None) -> None:
-        """Start the all-reduce that the next ``step()`` reads (see :meth:`agree`)."""
+    def post_agreement(self, step: int, signal: int | None, fatal: bool = False) -> None:
+        """Start the all-reduce that the next ``step()`` reads (see :meth:`agree`); ``fatal``:
+        this rank's last snapshot failed in a way that repeats (a CaptureError)."""
         if (self._step_calls - 1) % knobs.get().dist_agree_every_steps:
             return
         # an automatic interval is rank 0's (it alone reads the job's failure history): the
         # other ranks' choices would otherwise make the shortest of them win
         time_due = (self.time_due(time.monotonic())
                     if self.tuner is None or self.coll.coordinator else False)
-        self._agreement = self.coll.start_max([signal or 0, int(time_due), step, -step])
+        self._agreement = self.coll.start_max([signal or 0, int(time_due), step, -step,
+                                               int(fatal)])
 
     def close(self) -> None:
         """Let a started agreement finish before the groups go (a dead peer fails it: the

@@ -12,6 +12,7 @@ plan.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ciuic.distributed.messages import Plans
@@ -23,10 +24,13 @@ from ciuic.distributed.plan import (
     predicted_owned,
 )
 from ciuic.distributed.save import write_dist
+from ciuic.errors import CaptureError
 from ciuic.format import manifest as mf
 from ciuic.format.shards import Meta
 from ciuic.format.tree import Leaf
 from ciuic.manager.pipeline import Pipeline
+
+log = logging.getLogger("ciuic")
 
 
 class RankedPipeline(Pipeline[DistCaptured]):
@@ -70,6 +74,8 @@ class RankedPipeline(Pipeline[DistCaptured]):
     def capture_failed(self, e: Exception) -> DistCaptured:
         # every rank must still take part in this snapshot's collectives; the failure travels
         # in the plan, and every rank fails the snapshot together
+        if isinstance(e, CaptureError):  # raised later, from the plan's text: its traceback now
+            log.error("%s", e, exc_info=e.__cause__ or e)
         return DistCaptured(states={}, leaves=[], error=f"{type(e).__name__}: {e}")
 
     def write(self, step: int, captured: DistCaptured) -> tuple[mf.Manifest, str, int]:

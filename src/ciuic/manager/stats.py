@@ -18,6 +18,7 @@ class ManagerStats:
     bytes_written: int = 0  # of those, the bytes this process wrote (multi-rank: its share)
     last_save_s: float = 0.0  # from the call until committed
     last_error: str = ""
+    last_failed_step: int | None = None  # the step of the last snapshot that failed
     overlap_wait_s: float = 0.0  # optimizer steps held back until an overlapped copy finished
     last_staged_bytes: int = 0  # what the last snapshot copied into staging buffers
     #: save_interval="auto": the time between snapshots it chose, why, and the measured cost of

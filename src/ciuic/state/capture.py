@@ -121,3 +121,31 @@ def normalize_key(key: str) -> str:
             if f".{p}" in key:
                 key, changed = key.replace(f".{p}", "."), True
     return key
+
+
+def _environment_faults() -> tuple[type[BaseException], ...]:
+    faults: list[type[BaseException]] = [OSError, TimeoutError, MemoryError]
+    for owner, name in ((torch, "OutOfMemoryError"), (torch.distributed, "DistError")):
+        kind = getattr(owner, name, None)
+        if isinstance(kind, type) and issubclass(kind, BaseException):
+            faults.append(kind)
+    return tuple(faults)
+
+
+def as_capture_error(e: Exception) -> Exception:
+    """What capturing the state raised, as the snapshot reports it. Capture does no I/O: an
+    exception there (a state_dict() or a state-dict hook that raises, a value that cannot be
+    stored) comes from the state itself and fails the same way at every snapshot, so it is a
+    :class:`CaptureError`, raised to the caller rather than logged at every interval while
+    the job trains without snapshots. A fault of the environment (memory, a collective a
+    state-dict hook runs, the OS) stays what it is: a failed snapshot, and training goes on."""
+    if isinstance(e, (CaptureError, ConfigurationError, *_environment_faults())):
+        return e
+    error = CaptureError(
+        f"capturing the state for the snapshot failed: {type(e).__name__}: {e}. It fails the "
+        "same way at every snapshot, so it is raised rather than leave the job training "
+        "without snapshots: its traceback (on the rank that raised it) shows which "
+        "state_dict() or state-dict hook raised it")
+    error.__cause__ = e
+    return error
+
