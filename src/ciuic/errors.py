@@ -50,7 +50,9 @@ class ConfigurationError(CiuicError, ValueError):
 
 
 class CaptureError(CiuicError, TypeError):
-    """A state object contains a value that cannot be stored without pickle."""
+    """The state cannot be captured for a snapshot, and so would fail every snapshot: a value
+    that cannot be stored without pickle, or a ``state_dict()`` (or state-dict hook) that
+    raised (the original exception is the cause)."""
 
 
 class StoreError(CiuicError, OSError):

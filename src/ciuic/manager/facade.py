@@ -165,9 +165,10 @@ class SnapshotManager:
         ``Trainer``'s ``save_steps``). Signals are handled either way.
 
         Returns whether a snapshot was taken: started (its state staged, the write running in
-        the background) when ``asynchronous``, committed otherwise. A failure to snapshot never
-        stops training: it is logged, counted in ``stats``, and the previous snapshot stays the
-        latest.
+        the background) when ``asynchronous``, committed otherwise. A snapshot failed by the
+        storage never stops training: it is logged, counted in ``stats``, and the previous
+        snapshot stays the latest. State that cannot be captured (it would fail every
+        snapshot) raises :class:`~ciuic.errors.CaptureError`.
         """
         return self._policy.timed(lambda: self._step(step, model, optimizer, snapshot, extras),
                                   self._pipeline.busy, background=self.config.asynchronous)
