@@ -350,7 +350,14 @@ def test_a_killed_rank_restarts_every_rank_from_its_nodes_memory(
     said = r"the workers stopped at step 1[234]: {}rank 3: SIGKILL \(killed\)\. torchrun restarts"
     assert re.search(said.format(""), text2), text2[-4000:]
     assert re.search(said.format(r"node 1 \([\d.]+\): "), text), text[-4000:]
-    assert count(run.log(1), "the workers stopped") == count(run.log(2), "the workers stopped") == 1
+    assert count(run.log(2), "the workers stopped") == 1
+    # the host node's torchrun sometimes runs a second rendezvous round at once (seen once in
+    # 2026-12-05's slow suite: its generation-2 workers stopped 3 s later, before they
+    # trained); that restart is said too, with the same first cause
+    stops = [line for line in run.log(1).read_text(errors="replace").splitlines()
+             if "the workers stopped" in line]
+    assert 1 <= len(stops) <= 2 and all(re.search(said.format(r"node 1 \([\d.]+\): "), line)
+                                         for line in stops), stops
 
 
 def test_an_exception_on_one_node_is_the_cause_both_nodes_name(
