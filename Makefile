@@ -14,8 +14,10 @@ lint: venv
 services:
 	@scripts/services.sh
 
+# MARK picks the tests (pyproject leaves out the slow ones): CI runs every test in one session,
+# `make test MARK='slow or not slow'`, so that a module's services and reference runs start once
 test: lint services
-	.venv/bin/python -m pytest -q --durations=15
+	.venv/bin/python -m pytest -q --durations=15 $(if $(MARK),-m "$(MARK)")
 
 test-slow: venv
-	.venv/bin/python -m pytest -q -m slow
+	.venv/bin/python -m pytest -q -m slow --durations=15

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from server_load import digest  # noqa: E402
 
 CLIENTS = 32
-SECONDS = 45.0
-KILL_AT_S, DOWN_S = 15.0, 4.0
+SECONDS = 30.0
+KILL_AT_S, DOWN_S = 10.0, 4.0
 
 
 @pytest.fixture(scope="module")
