@@ -62,7 +62,10 @@ class LoaderPosition:
         return int(getattr(self.loader, "iteration", self.passes))
 
     def iterate(self, inner: Iterator[Any]) -> Iterator[Any]:
-        self.consumed, self._resume_at = self._resume_at, 0
+        # (the batch sampler's pass has begun: ``inner`` was made, and ``moved_on`` is set)
+        self.consumed, self._resume_at = (0 if self.fetch.moved_on else self._resume_at), 0
+        if self.fetch.moved_on and self.fetch.sampler_epoch() is not None:
+            self.passes = int(self.fetch.sampler_epoch() or 0)  # the epoch the loop chose
         self.fetch.at(self.consumed)
         for batch in inner:
             self.consumed += 1

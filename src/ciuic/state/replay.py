@@ -78,6 +78,10 @@ class FetchRng:
         #: their state at a pass's start is kept and replayed with the global RNG's
         self.generators: list[Any] = []
         self._gen_start: list[Any] | None = None
+        self._batch_sampler: Any = None
+        #: the last pass started afresh although a replay was planned: the loop had set
+        #: another epoch on the sampler (read by the integrations' loader positions)
+        self.moved_on = False
 
     def attach_loader(self, loader: Any) -> bool:
         """Hook ``loader``'s batch sampler (:meth:`attach`), and replay the generators its
@@ -93,6 +97,7 @@ class FetchRng:
         if "_ciuic_fetch_rng" in getattr(batch_sampler, "__dict__", {}):
             batch_sampler.__dict__["_ciuic_fetch_rng"] = self
             self.attached = True
+            self._batch_sampler = batch_sampler
             return True
         try:
             batch_sampler.__class__ = _hooked_class(type(batch_sampler))
@@ -103,7 +108,13 @@ class FetchRng:
             return False
         batch_sampler.__dict__["_ciuic_fetch_rng"] = self
         self.attached = True
+        self._batch_sampler = batch_sampler
         return True
+
+    def sampler_epoch(self) -> int | None:
+        """The epoch the loop set on the loader's sampler (``set_epoch``), where it has one."""
+        epoch = getattr(getattr(self._batch_sampler, "sampler", None), "epoch", None)
+        return epoch if isinstance(epoch, int) else None
 
     def at(self, consumed: int) -> None:
         """The training has consumed ``consumed`` batches of the current pass (0: it is at a
@@ -120,8 +131,16 @@ class FetchRng:
         plan, self._plan = self._plan, None
         self._fetched = 0
         self._states.clear()
+        self.moved_on = False
         if plan is not None and plan["final"] is None:
             plan["final"] = rng_state()
+        if (plan is not None and plan["consumed"] and plan.get("epoch") is not None
+                and self.sampler_epoch() is not None and self.sampler_epoch() != plan["epoch"]):
+            # the loop set another epoch on the sampler than the interrupted pass's (its epoch
+            # from the iteration, Megatron's convention; the snapshot at that pass's end):
+            # this pass is that epoch's, from its start, as the uninterrupted run's next one
+            self.moved_on = True
+            plan = {**plan, "consumed": 0, "generators": plan.get("generators_now")}
         if plan is not None and plan["consumed"] == 0:
             set_rng_state(plan["final"])
             if plan["generators"] is not None:  # restored before the loader was attached
@@ -173,7 +192,11 @@ class FetchRng:
                         "augmentation will differ on resume", len(missing), _KEEP)
         return {"consumed": consumed, "start": self._start, "generators": self._gen_start,
                 "pending": [[j, self._states[j]] for j in range(consumed + 1, self._fetched + 1)
-                            if j in self._states]}
+                            if j in self._states],
+                # for a loop that then sets the next epoch itself: the sampler's epoch, and the
+                # generators as that next pass finds them
+                "epoch": self.sampler_epoch(),
+                "generators_now": [g.get_state() for g in self.generators]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replay on the next pass. The RNG it continues with after the replayed fetches is the
@@ -183,7 +206,8 @@ class FetchRng:
             raise ConfigurationError("not a FetchRng state: expected 'consumed' and 'pending'")
         self._plan = {"consumed": int(state["consumed"]), "start": state.get("start"),
                       "pending": {int(j): s for j, s in state["pending"]},
-                      "final": None, "generators": None}
+                      "final": None, "generators": None, "epoch": state.get("epoch"),
+                      "generators_now": state.get("generators_now")}
         if state.get("generators") is not None:
             if self._plan["consumed"] == 0 and (self.attached or self.generators):
                 _set_generators(self.generators, state["generators"])  # the next pass draws

@@ -1,0 +1,114 @@
+"""A snapshot taken after the last batch of an epoch resumes at the next epoch's first batch,
+whichever way the loop finds its epoch (issue 44: Megatron's loop lost an epoch whole)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ciuic.integrations._loaders import LoaderPosition
+from ciuic.state.capture import rng_state, set_rng_state
+from ciuic.state.data import ResumableSampler
+
+BATCHES = 5  # per epoch: 10 samples, 2 per batch
+
+
+class Noisy(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample drawn with noise from torch's global RNG at fetch (an augmentation)."""
+
+    def __len__(self) -> int:
+        return 2 * BATCHES
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(float(i)) + torch.rand(())
+
+
+def loader() -> tuple[DataLoader[torch.Tensor], DistributedSampler[Any], LoaderPosition]:
+    sampler = DistributedSampler(Noisy(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    dl = DataLoader(Noisy(), batch_size=2, sampler=sampler)
+    return dl, sampler, LoaderPosition(dl)
+
+
+def megatron_loop(start: int, epochs: int, snapshot_at: int | None = None,
+                  state: dict[str, Any] | None = None) -> tuple[list[list[float]], Any]:
+    """Megatron-LM's convention: the epoch is the iteration // batches per epoch (the
+    consumed samples), set on the sampler before each pass; a snapshot after iteration
+    ``snapshot_at``."""
+    dl, sampler, position = loader()
+    if state is not None:
+        position.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        position.fetch.restored()
+    seen: list[list[float]] = []
+    saved = None
+    iteration = start
+    for epoch in range(start // BATCHES, epochs):
+        sampler.set_epoch(epoch)
+        for batch in dl:
+            seen.append(batch.tolist())
+            iteration += 1
+            if iteration == snapshot_at:
+                saved = {"loader": position.state_dict(), "rng": rng_state()}
+    return seen, saved
+
+
+def own_epoch_loop(epochs: int, snapshot_at: int | None = None,
+                   state: dict[str, Any] | None = None) -> tuple[list[list[float]], Any]:
+    """A loop that takes its epoch from the loader position (the DeepSpeed integration's
+    ``restore()`` returns it) and finishes the interrupted epoch."""
+    dl, sampler, position = loader()
+    if state is not None:
+        position.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        position.fetch.restored()
+    seen: list[list[float]] = []
+    saved, taken = None, 0
+    for epoch in range(position.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in dl:
+            seen.append(batch.tolist())
+            taken += 1
+            if taken == snapshot_at:
+                saved = {"loader": position.state_dict(), "rng": rng_state()}
+    return seen, saved
+
+
+@pytest.mark.parametrize("at", [BATCHES, 3, 2 * BATCHES - 1])
+def test_megatrons_loop_resumes_at_the_next_batch_also_at_an_epochs_end(at: int) -> None:
+    torch.manual_seed(0)
+    whole, saved = megatron_loop(0, 3, snapshot_at=at)
+    torch.manual_seed(123)  # another process: the snapshot's RNG is what counts
+    rest, _ = megatron_loop(at, 3, state=saved)
+    assert len(rest) == 3 * BATCHES - at  # no epoch skipped
+    assert rest == whole[at:]
+
+
+@pytest.mark.parametrize("at", [BATCHES, 3])
+def test_a_loop_that_finishes_the_interrupted_epoch_resumes_exactly(at: int) -> None:
+    torch.manual_seed(0)
+    whole, saved = own_epoch_loop(3, snapshot_at=at)
+    torch.manual_seed(123)
+    rest, _ = own_epoch_loop(3, state=saved)
+    assert rest == whole[at:]
+
+
+def test_a_resumable_sampler_at_an_epochs_end_serves_both_conventions() -> None:
+    s = ResumableSampler(10, seed=1)
+    indices = iter(s)
+    for _ in range(10):  # every index of epoch 0 handed out, the pass not yet ended
+        next(indices)
+    state = s.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 10)
+    finish = ResumableSampler(10, seed=1)
+    finish.load_state_dict(state)
+    finish.set_epoch(0)  # a loop that finishes the interrupted epoch: nothing left of it
+    assert list(finish) == [] and finish.epoch == 1
+    nxt = ResumableSampler(10, seed=1)
+    nxt.load_state_dict(state)
+    nxt.set_epoch(1)  # a loop that takes the epoch from the iteration
+    fresh = ResumableSampler(10, seed=1)
+    fresh.set_epoch(1)
+    assert list(nxt) == list(fresh)
