@@ -1,9 +1,12 @@
 """A tiny Hugging Face Trainer job for the integration tests (run as a subprocess).
 
-    python tests/helpers/hf_train.py --out DIR --mode ciuic|hf [--kill-at STEP]
+    python tests/helpers/hf_train.py --out DIR --mode ciuic|hf [--kill-at STEP] [--llama]
 
 A GPT-2 built from a config (no download) with dropout, trained on random token sequences whose
-``__getitem__`` replaces 15 % of the tokens with draws from torch's global RNG. ``--kill-at``
+``__getitem__`` replaces 15 % of the tokens with draws from torch's global RNG. ``--llama``: a
+Llama-architecture model from a tiny ``LlamaConfig`` instead, its batches made by
+``DataCollatorForLanguageModeling`` (``mlm=False``: padding, and the labels from the inputs)
+with a word-level tokenizer built in memory, over sequences of varying length. ``--kill-at``
 SIGKILLs the process at the end of that global step. ``--generator``: the train sampler draws
 its order from its own ``torch.Generator()`` (a ``RandomSampler(generator=)`` that accelerate
 does not reseed: ``use_seedable_sampler=False``). ``--mode ciuic`` trains with CiuicTrainer
@@ -49,6 +52,37 @@ class Augmented(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+class Varying(Augmented):
+    """:class:`Augmented`, each sequence cut to a length of its own (the collator pads), as
+    token ids only (the collator makes the labels)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        ids = super().__getitem__(i)["input_ids"]
+        return {"input_ids": ids[:LENGTH - i % 5]}
+
+
+def llama() -> tuple[Any, Any]:
+    """A tiny Llama (no download) and DataCollatorForLanguageModeling over a word-level
+    tokenizer made in memory (the collator pads with its pad token)."""
+    from tokenizers import Tokenizer, models
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    words = {str(i): i for i in range(VOCAB)} | {"[PAD]": VOCAB}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="[PAD]")),
+        pad_token="[PAD]")
+    config = LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=LENGTH, pad_token_id=VOCAB,
+                         bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(config), DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+
 class KillAt(TrainerCallback):
     """SIGKILL at the end of global step ``step`` (once the snapshots started before it are
     committed, with ``manager``: so that the test knows which one the resume starts from)."""
@@ -84,6 +118,7 @@ def main() -> int:
     p.add_argument("--save-strategy", default="steps")
     p.add_argument("--eval", action="store_true", help="evaluate at each epoch's end")
     p.add_argument("--generator", action="store_true")
+    p.add_argument("--llama", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     # one thread: a loaded machine can make a multi-threaded kernel sum in another order (seen:
@@ -94,6 +129,9 @@ def main() -> int:
                         bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     model = GPT2LMHeadModel(config)
+    collator = None
+    if a.llama:
+        model, collator = llama()
     args = TrainingArguments(
         output_dir=str(out / "hf"), per_device_train_batch_size=4, num_train_epochs=a.epochs,
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
@@ -103,8 +141,9 @@ def main() -> int:
         eval_strategy="epoch" if a.eval else "no",
         accelerator_config={"use_seedable_sampler": not a.generator})
     base = OwnGenerator if a.generator else Trainer
-    common = {"model": model, "args": args, "train_dataset": Augmented(40),
-              "eval_dataset": Augmented(8) if a.eval else None}
+    common = {"model": model, "args": args,
+              "train_dataset": Varying(40) if a.llama else Augmented(40),
+              "eval_dataset": Augmented(8) if a.eval else None, "data_collator": collator}
     if a.mode == "ciuic":
         with SnapshotManager("hf", job="tiny", store=out / "store",
                              handle_signals=False) as manager:
