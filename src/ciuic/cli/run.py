@@ -36,7 +36,8 @@ def host_memory_budget(text: str) -> int | None:
 # the command is what follows ``--`` or the first word that is not an option; an unknown option
 # before it is a typo, refused with click's "No such option" (it was run as the command)
 @app.command("run", context_settings={"allow_extra_args": True,
-                                      "allow_interspersed_args": False})
+                                      "allow_interspersed_args": False},
+             options_metavar="[OPTIONS] -- COMMAND [ARGS]...")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=10, metavar="N",
               help="Restart the job at most N times.")
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=600.0, metavar="SECONDS",

@@ -67,7 +67,19 @@ def prune(job: str, keep_last: int | None, keep_every: int | None, named: tuple[
         doomed += [s for s in ruled if s.id not in chosen]
     verb = "would prune" if dry_run else "pruned"
     say(f"{verb} {counted(len(doomed), 'snapshot')}"
-        + (": " + listed([s.step for s in doomed], "step") if doomed else ""), 2)
+        + (": " + listed([s.step for s in doomed], "step") if doomed else "")
+        + (f"; `{command('gc')}` frees the chunks only they used" if doomed and not dry_run
+           else ""), 2)
+
+
+def quarantine_place(key: str) -> str:
+    """Where gc --quarantine moves ``key``: beside the store's other objects."""
+    from ciuic.format.layout import QUARANTINE
+
+    location = store_location()
+    if "://" in location:
+        return f"{QUARANTINE}{key} in {location}"
+    return str(Path(location).expanduser() / "objects" / QUARANTINE / key)
 
 
 def _resolve_named(repo: Repository, ref: str, project: str, job: str) -> SnapshotInfo:
@@ -110,7 +122,7 @@ def gc(dry_run: bool, wait: float, quarantine: bool) -> None:
                                progress=lambda key: bar.advance(task)))
     verb = "would move" if dry_run else "moved"
     for key in result.quarantined:
-        say(f"{verb} {key} to quarantine/", 2, markup=False)
+        say(f"{verb} {key} to {quarantine_place(key)}", 2, markup=False)
     for d in result.damage:
         if d.key not in result.quarantined:
             say(f"[red]damaged: {d.key}[/red]: {d.reason}", 2, stderr=True)

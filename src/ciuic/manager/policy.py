@@ -127,7 +127,8 @@ class SavePolicy:
             # no compute between the two (a percentage of ~0 s said '15778 %', issue 30)
             share_text = ("the steps between the two snapshots took under 10 ms"
                           if since < 0.01 else
-                          f"{100 * share:.0f} % of the {since:.2f} s since it started")
+                          f"{100 * share:.0f} % of the {since:.2f} s of training since "
+                          "the previous snapshot began")
             log.warning("snapshot at step %d waited %.2f s for the previous one to be "
                         "written (%s%s): snapshots are due faster than they are written. "
                         "Consider a larger save_interval, or on_busy='skip'", step, waited,
