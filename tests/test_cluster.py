@@ -140,6 +140,7 @@ def test_bad_credentials_are_still_a_credentials_error(ceph: Cluster, ceph_url: 
         s.put("k", b"1")  # not retried: three attempts with 5 s backoff would take 15 s
 
 
+@pytest.mark.slow  # 25 s
 def test_a_throttling_gateway_slows_snapshots_but_fails_none(ceph: Cluster) -> None:
     """A radosgw that serves one request at a time (rgw_max_concurrent_requests 1) answers the
     rest 503 SlowDown. ciuic's parallel writes back off and slow down (botocore's adaptive

@@ -103,6 +103,7 @@ def test_a_split_sampler_gives_each_rank_its_share_and_resumes_mid_epoch(
         assert again["seen"] == expected[8 * again["start"]:8 * 14], rank
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores: 20 s; the 2-rank resumes stay in the default suite
 def test_ddp_on_4_ranks_resumes_bit_exactly(tmp_path: Path) -> None:
     """Past two ranks a ring allreduce adds the ranks' gradients in an order set by each
     element's place in its DDP bucket, and DDP rebuilds its buckets after the first backward: a
@@ -200,7 +201,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("before,after", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("before,after", [
+    (2, 4), pytest.param(4, 2, marks=pytest.mark.slow)])  # (each 12 s)
 def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before: int,
                                                          after: int) -> None:
     store = tmp_path / "store"
@@ -253,6 +255,7 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
         assert (stats.lo, stats.hi) == (float(want.min()), float(want.max())), path
 
 
+@pytest.mark.slow  # three 4-rank runs: 49 s
 def test_hsdp_ranks_restore_from_their_own_parts_of_the_body(tmp_path: Path) -> None:
     """On the layout that saved it, a rank reads the body's index, its own part and the parts
     of the ranks that wrote the boxes it shares (HSDP: 2 replicas x 2 shards, each box written
