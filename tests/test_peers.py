@@ -6,6 +6,7 @@ is gone; unchanged chunks are not sent again."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import mmap
 import os
@@ -84,8 +85,8 @@ def two_holders() -> Iterator[list[Holder]]:
         h.close()
 
 
-def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: list[Holder]
-                                                                        ) -> None:
+def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(
+        memfds_before: set[tuple[str, str]], two: list[Holder]) -> None:
     nodes = _join(two)
     # a chunk far larger than a socket's send buffer: the push waits for the receiver
     pieces = [os.urandom(100_000), os.urandom(50_000), b"\x07" * 4096, os.urandom(24 << 20)]
@@ -110,7 +111,7 @@ def test_a_commit_reaches_the_next_node_and_serves_when_its_node_is_gone(two: li
     two[1].close()
     # nothing of theirs stays open in this process (each get had a descriptor, which its
     # thread closes once the bytes are sent)
-    _wait(lambda: not _open_memfds())
+    _wait(lambda: not _open_memfds(memfds_before))
 
 
 def test_unchanged_chunks_are_not_sent_again_and_a_wrong_token_reads_nothing(
@@ -242,11 +243,26 @@ def _fetching(tmp: Path, budget: int) -> Iterator[tuple[Holder, Holder, Callable
         b.close()
 
 
-def _open_memfds() -> list[str]:
-    """The ciuic memfds this process holds open."""
-    held = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{f}")]
-    return [f for f in held if "memfd:ciuic" in f]
+def _memfds() -> set[tuple[str, str]]:
+    """The ciuic memfds this process holds open (descriptor, target)."""
+    held = set()
+    for f in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            held.add((f, os.readlink(f"/proc/self/fd/{f}")))
+    return {(f, target) for f, target in held if "memfd:ciuic" in target}
+
+
+@pytest.fixture
+def memfds_before() -> set[tuple[str, str]]:
+    """Those open before the test: an earlier test's (another module's mmap, which holds a
+    descriptor of its own until it is collected) are not this test's to close."""
+    gc.collect()
+    return _memfds()
+
+
+def _open_memfds(before: set[tuple[str, str]]) -> list[str]:
+    """The ciuic memfds opened since ``before`` and still open."""
+    return sorted(target for _, target in _memfds() - before)
 
 
 def _restore_on(res: Resident, repo: Repository, pieces: list[bytes]) -> list[bytes]:
@@ -258,7 +274,8 @@ def _restore_on(res: Resident, repo: Repository, pieces: list[bytes]) -> list[by
     return [bytes(o) for o in outs]
 
 
-def test_the_ranks_of_a_node_take_each_chunk_across_the_network_once(tmp_path: Path) -> None:
+def test_the_ranks_of_a_node_take_each_chunk_across_the_network_once(
+        memfds_before: set[tuple[str, str]], tmp_path: Path) -> None:
     """A replaced node (empty memory) whose two ranks need the same chunks, which node 0
     holds: node 1's ciuic run fetches each once (node 0's server counts its gets), both ranks
     get every byte, the bytes that crossed the network count as other nodes' memory and the
@@ -290,10 +307,11 @@ def test_the_ranks_of_a_node_take_each_chunk_across_the_network_once(tmp_path: P
             assert b.fetched.held() == 0
         for reader in readers:
             reader.close()
-    assert not _open_memfds()
+    assert not _open_memfds(memfds_before)
 
 
-def test_a_fetched_chunk_over_the_budget_is_handed_over_and_not_kept(tmp_path: Path) -> None:
+def test_a_fetched_chunk_over_the_budget_is_handed_over_and_not_kept(
+        memfds_before: set[tuple[str, str]], tmp_path: Path) -> None:
     with _fetching(tmp_path, 1 << 20) as (a, b, stored):
         pieces = [os.urandom(3 << 20)]
         _publish(a, 0, "s1", pieces)
@@ -304,7 +322,7 @@ def test_a_fetched_chunk_over_the_budget_is_handed_over_and_not_kept(tmp_path: P
         with b._lock:
             assert b.fetched.held() == 0
         reader.close()
-    assert not _open_memfds()
+    assert not _open_memfds(memfds_before)
 
 
 def test_ciuic_run_shortens_the_c10d_keep_alive_unless_the_user_set_it() -> None:
