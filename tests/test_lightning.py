@@ -130,12 +130,20 @@ def test_ddp_with_four_processes_resumes_bit_exact(tmp_path: Path) -> None:
     ["--every", "12", "--val"],  # a snapshot at an epoch's end, validation after it
     ["--accumulate", "2", "--every", "3"],
     ["--package", "pytorch_lightning"],
-], ids=["epoch-end-with-validation", "gradient-accumulation", "pytorch_lightning"])
+    pytest.param(["--schedule", "step"], marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 44: OneCycleLR(total_steps=trainer.estimated_stepping_batches) sets up the train "
+        "loader in configure_optimizers, before CiuicCallback restores its position: the "
+        "resumed epoch starts over at batch 0 while Lightning counts from 15 (33 of 36 "
+        "steps)"))),
+    ["--two-optimizers"],  # global_step counts both optimizers' steps: batch 17 is step 34
+], ids=["epoch-end-with-validation", "gradient-accumulation", "pytorch_lightning",
+        "scheduler-per-step", "two-optimizers"])
 def test_other_schedules_and_the_other_package_resume_bit_exact(tmp_path: Path,
                                                                 variant: list[str]) -> None:
     finished(fit(tmp_path / "a", *variant))
-    killed(fit(tmp_path / "b", *variant, "--kill-at", "9" if "--accumulate" in variant
-               else "17"))
+    kill = {"--accumulate": "9", "--two-optimizers": "34"}
+    killed(fit(tmp_path / "b", *variant, "--kill-at", next(
+        (step for flag, step in kill.items() if flag in variant), "17")))
     finished(fit(tmp_path / "b", *variant))
     assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
 

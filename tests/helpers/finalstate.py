@@ -11,12 +11,17 @@ from safetensors.torch import save_file
 
 
 def write_final(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    """``optimizer``: one, or a list (each one's tensors then named by its index)."""
     tensors = {f"model/{k}": v.detach().clone().contiguous()
                for k, v in model.state_dict().items()}
-    opt = optimizer.state_dict()
-    for pid, st in opt["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"optimizer/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
-    tensors["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+    several = isinstance(optimizer, (list, tuple))
+    for i, one in enumerate(optimizer if several else [optimizer]):
+        name = f"optimizer{i}" if several and i else "optimizer"
+        opt = one.state_dict()
+        for pid, st in opt["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{name}/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
+        tensors["lr" if name == "optimizer" else f"lr{i}"] = torch.tensor(
+            [g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
     save_file(tensors, str(path))

@@ -8,8 +8,10 @@ shuffled by a plain ``DataLoader(shuffle=True)`` (its order also drawn from the 
 ``--kill-at`` SIGKILLs the process (every rank: each kills itself) at the end of that global
 step. ``--mode ciuic`` fits with CiuicCallback into DIR/store;
 ``--mode pl`` with Lightning's ModelCheckpoint (every 5 steps, DIR/pl) and ``ckpt_path="last"``.
-``--package pytorch_lightning`` uses that package instead of ``lightning.pytorch``. At a normal
-end rank 0 writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
+``--package pytorch_lightning`` uses that package instead of ``lightning.pytorch``.
+``--schedule step``: a OneCycleLR stepped each batch; ``--two-optimizers``: manual optimization
+with two optimizers and two schedulers (``global_step`` then counts both optimizers' steps). At
+a normal end rank 0 writes DIR/final-MODE.safetensors: every model and optimizer tensor, by name.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def main() -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--generator", action="store_true",
                    help="the train loader shuffles with its own torch.Generator()")
+    p.add_argument("--schedule", choices=["epoch", "step"], default="epoch",
+                   help="step the LR scheduler each epoch (StepLR) or each step (OneCycleLR)")
+    p.add_argument("--two-optimizers", action="store_true",
+                   help="manual optimization: Adam for the first layer, SGD with momentum "
+                   "for the last, each with its own scheduler stepped each batch")
     a = p.parse_args()
     pl: Any = importlib.import_module(a.package)
     out = Path(a.out)
@@ -57,16 +64,37 @@ def main() -> int:
             self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3),
                                      nn.Linear(32, 3))
 
+            self.automatic_optimization = not a.two_optimizers
+
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            if a.two_optimizers:  # as a GAN's or a two-tower model's step is written
+                optimizers, schedulers = self.optimizers(), self.lr_schedulers()
+                self.manual_backward(loss)
+                for opt in optimizers:
+                    opt.step()
+                    opt.zero_grad()
+                for sched in schedulers:
+                    sched.step()
+            return loss
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             x, y = batch
             self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
 
         def configure_optimizers(self) -> Any:
+            if a.two_optimizers:
+                first = torch.optim.Adam(self.net[0].parameters(), lr=0.01)
+                last = torch.optim.SGD(self.net[3].parameters(), lr=0.05, momentum=0.9)
+                return [first, last], [torch.optim.lr_scheduler.StepLR(first, 5, 0.9),
+                                       torch.optim.lr_scheduler.ExponentialLR(last, 0.97)]
             opt = torch.optim.Adam(self.parameters(), lr=0.01)
+            if a.schedule == "step":
+                return {"optimizer": opt, "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.OneCycleLR(
+                        opt, max_lr=0.05, total_steps=self.trainer.estimated_stepping_batches),
+                    "interval": "step"}}
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)]
 
         def train_dataloader(self) -> DataLoader[Any]:
@@ -114,7 +142,7 @@ def main() -> int:
         default_root_dir=str(out / "root"))
     trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
-        write_final(model, trainer.optimizers[0], out / f"final-{a.mode}.safetensors")
+        write_final(model, trainer.optimizers, out / f"final-{a.mode}.safetensors")
         print("GLOBAL_STEP", trainer.global_step)
     if torch.distributed.is_initialized():  # --ddp: every rank done, then the group gone
         torch.distributed.barrier()
