@@ -130,11 +130,9 @@ def test_ddp_with_four_processes_resumes_bit_exact(tmp_path: Path) -> None:
     ["--every", "12", "--val"],  # a snapshot at an epoch's end, validation after it
     ["--accumulate", "2", "--every", "3"],
     ["--package", "pytorch_lightning"],
-    pytest.param(["--schedule", "step"], marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 44: OneCycleLR(total_steps=trainer.estimated_stepping_batches) sets up the train "
-        "loader in configure_optimizers, before CiuicCallback restores its position: the "
-        "resumed epoch starts over at batch 0 while Lightning counts from 15 (33 of 36 "
-        "steps)"))),
+    # (OneCycleLR(total_steps=trainer.estimated_stepping_batches): the train loader is set up
+    # before the callback's restore; its resumed epoch started over at batch 0, 33 of 36 steps)
+    ["--schedule", "step"],
     ["--two-optimizers"],  # global_step counts both optimizers' steps: batch 17 is step 34
 ], ids=["epoch-end-with-validation", "gradient-accumulation", "pytorch_lightning",
         "scheduler-per-step", "two-optimizers"])

@@ -62,12 +62,15 @@ class LoaderPosition:
         return int(getattr(self.loader, "iteration", self.passes))
 
     def iterate(self, inner: Iterator[Any]) -> Iterator[Any]:
-        # (the batch sampler's pass has begun: ``inner`` was made, and ``moved_on`` is set)
-        self.consumed, self._resume_at = (0 if self.fetch.moved_on else self._resume_at), 0
-        if self.fetch.moved_on and self.fetch.sampler_epoch() is not None:
-            self.passes = int(self.fetch.sampler_epoch() or 0)  # the epoch the loop chose
+        self.consumed, self._resume_at = self._resume_at, 0
         self.fetch.at(self.consumed)
+        first = True
         for batch in inner:
+            if first and self.fetch.moved_on:  # (said at the pass's first pull) the loop set
+                self.consumed = 0  # the next epoch: this pass is that epoch's, from its start
+                epoch = self.fetch.sampler_epoch()
+                self.passes = self.passes if epoch is None else epoch
+            first = False
             self.consumed += 1
             self.fetch.at(self.consumed)
             yield batch

@@ -132,23 +132,43 @@ class FetchRng:
         self._fetched = 0
         self._states.clear()
         self.moved_on = False
-        if plan is not None and plan["final"] is None:
+        return self._pass(inner, self._begin(plan))
+
+    def _begin(self, plan: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A pass begins under ``plan``: its pass-start part now; what the pass then follows
+        (None: nothing more, or no plan)."""
+        if plan is None:
+            return None
+        if plan["final"] is None:
             plan["final"] = rng_state()
-        if (plan is not None and plan["consumed"] and plan.get("epoch") is not None
-                and self.sampler_epoch() is not None and self.sampler_epoch() != plan["epoch"]):
-            # the loop set another epoch on the sampler than the interrupted pass's (its epoch
-            # from the iteration, Megatron's convention; the snapshot at that pass's end):
-            # this pass is that epoch's, from its start, as the uninterrupted run's next one
-            self.moved_on = True
-            plan = {**plan, "consumed": 0, "generators": plan.get("generators_now")}
-        if plan is not None and plan["consumed"] == 0:
+        if plan["consumed"] == 0:
             set_rng_state(plan["final"])
             if plan["generators"] is not None:  # restored before the loader was attached
                 _set_generators(self.generators, plan["generators"])
-            plan = None
-        return self._pass(inner, plan)
+            return None
+        return plan
 
     def _pass(self, inner: Iterator[Any], plan: dict[str, Any] | None) -> Iterator[Any]:
+        if plan is None and self._plan is not None and self._fetched == 0:
+            # the pass began before the restore gave its plan (Lightning sets the train loader
+            # up inside configure_optimizers for a scheduler that reads
+            # trainer.estimated_stepping_batches) and nothing of it is pulled yet: it follows it
+            taken, self._plan = self._plan, None
+            plan = self._begin(taken)
+        if (plan is not None and plan.get("epoch") is not None
+                and self.sampler_epoch() is not None and self.sampler_epoch() != plan["epoch"]):
+            # the loop set another epoch on the sampler than the interrupted pass's, before
+            # this first pull (its epoch from the iteration, Megatron's convention; the
+            # snapshot at that pass's end): this pass is that epoch's, from its start, as the
+            # uninterrupted run's next one. (Asked now, not when the pass began: a framework
+            # may set the epoch between the two, as Lightning does.)
+            # The global RNG is the snapshot's already (the loader drew its seed from it as
+            # the pass began, as the uninterrupted run's next pass did); the generators as at
+            # the snapshot (a sampler with an epoch draws its order from seed and epoch).
+            self.moved_on = True
+            if plan.get("generators_now") is not None:
+                _set_generators(self.generators, plan["generators_now"])
+            plan = None
         # first pull of the pass: a sampler that draws its order from the global RNG (a
         # RandomSampler without generator) draws it now, so the resumed pass starts from the
         # RNG the original pass started from
