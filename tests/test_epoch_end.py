@@ -32,11 +32,13 @@ def loader() -> tuple[DataLoader[torch.Tensor], DistributedSampler[Any], LoaderP
     return dl, sampler, LoaderPosition(dl)
 
 
-def megatron_loop(start: int, epochs: int, snapshot_at: int | None = None,
-                  state: dict[str, Any] | None = None) -> tuple[list[list[float]], Any]:
-    """Megatron-LM's convention: the epoch is the iteration // batches per epoch (the
-    consumed samples), set on the sampler before each pass; a snapshot after iteration
-    ``snapshot_at``."""
+def epoch_loop(epochs: int, *, iteration: int | None = None, snapshot_at: int | None = None,
+               state: dict[str, Any] | None = None) -> tuple[list[list[float]], Any]:
+    """The batches a loop sees, and the snapshot after batch ``snapshot_at`` of an
+    uninterrupted run. Its first epoch: with ``iteration``, Megatron-LM's convention (the
+    iteration // batches per epoch, the consumed samples), set on the sampler before each
+    pass; without, the loader position's (the DeepSpeed integration's ``restore()`` returns
+    it), finishing the interrupted epoch."""
     dl, sampler, position = loader()
     if state is not None:
         position.load_state_dict(state["loader"])
@@ -44,34 +46,12 @@ def megatron_loop(start: int, epochs: int, snapshot_at: int | None = None,
         position.fetch.restored()
     seen: list[list[float]] = []
     saved = None
-    iteration = start
-    for epoch in range(start // BATCHES, epochs):
+    first = position.epoch if iteration is None else iteration // BATCHES
+    for epoch in range(first, epochs):
         sampler.set_epoch(epoch)
         for batch in dl:
             seen.append(batch.tolist())
-            iteration += 1
-            if iteration == snapshot_at:
-                saved = {"loader": position.state_dict(), "rng": rng_state()}
-    return seen, saved
-
-
-def own_epoch_loop(epochs: int, snapshot_at: int | None = None,
-                   state: dict[str, Any] | None = None) -> tuple[list[list[float]], Any]:
-    """A loop that takes its epoch from the loader position (the DeepSpeed integration's
-    ``restore()`` returns it) and finishes the interrupted epoch."""
-    dl, sampler, position = loader()
-    if state is not None:
-        position.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        position.fetch.restored()
-    seen: list[list[float]] = []
-    saved, taken = None, 0
-    for epoch in range(position.epoch, epochs):
-        sampler.set_epoch(epoch)
-        for batch in dl:
-            seen.append(batch.tolist())
-            taken += 1
-            if taken == snapshot_at:
+            if len(seen) == snapshot_at:
                 saved = {"loader": position.state_dict(), "rng": rng_state()}
     return seen, saved
 
@@ -79,9 +59,9 @@ def own_epoch_loop(epochs: int, snapshot_at: int | None = None,
 @pytest.mark.parametrize("at", [BATCHES, 3, 2 * BATCHES - 1])
 def test_megatrons_loop_resumes_at_the_next_batch_also_at_an_epochs_end(at: int) -> None:
     torch.manual_seed(0)
-    whole, saved = megatron_loop(0, 3, snapshot_at=at)
+    whole, saved = epoch_loop(3, iteration=0, snapshot_at=at)
     torch.manual_seed(123)  # another process: the snapshot's RNG is what counts
-    rest, _ = megatron_loop(at, 3, state=saved)
+    rest, _ = epoch_loop(3, iteration=at, state=saved)
     assert len(rest) == 3 * BATCHES - at  # no epoch skipped
     assert rest == whole[at:]
 
@@ -89,9 +69,9 @@ def test_megatrons_loop_resumes_at_the_next_batch_also_at_an_epochs_end(at: int)
 @pytest.mark.parametrize("at", [BATCHES, 3])
 def test_a_loop_that_finishes_the_interrupted_epoch_resumes_exactly(at: int) -> None:
     torch.manual_seed(0)
-    whole, saved = own_epoch_loop(3, snapshot_at=at)
+    whole, saved = epoch_loop(3, snapshot_at=at)
     torch.manual_seed(123)
-    rest, _ = own_epoch_loop(3, state=saved)
+    rest, _ = epoch_loop(3, state=saved)
     assert rest == whole[at:]
 
 

@@ -153,13 +153,18 @@ def model_state_dict(model: Any) -> dict[str, Any]:
     ``load_state_dict``, so its load hooks undo what its state-dict hooks did."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if not isinstance(model, torch.nn.Module) or not _own_hooks(model):
-        return get_model_state_dict(model)
+    hooked = _own_hooks(model) if isinstance(model, torch.nn.Module) else []
+    return _hooked_state_dict(model, hooked) if hooked else get_model_state_dict(model)
+
+
+def _hooked_state_dict(model: torch.nn.Module, hooked: list[str]) -> dict[str, Any]:
+    """:func:`model_state_dict` of a model whose modules ``hooked`` have state-dict hooks of
+    their own."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ConfigurationError(
-            f"{', '.join(_own_hooks(model)[:3])} of this model register state-dict hooks of "
+            f"{', '.join(hooked[:3])} of this model register state-dict hooks of "
             "their own, which a FullyShardedDataParallel (FSDP1) model cannot snapshot "
             "through DCP: shard it with FSDP2 (torch.distributed.fsdp.fully_shard)")
     return {_dcp_name(model, key): value for key, value in model.state_dict().items()
@@ -188,8 +193,9 @@ def both_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[s
     (:func:`model_state_dict`). An optimizer without state gets it (a zero step at lr 0)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
 
-    if isinstance(model, torch.nn.Module) and _own_hooks(model):
-        return model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+    hooked = _own_hooks(model) if isinstance(model, torch.nn.Module) else []
+    if hooked:
+        return _hooked_state_dict(model, hooked), get_optimizer_state_dict(model, optimizer)
     return get_state_dict(model, optimizer)
 
 

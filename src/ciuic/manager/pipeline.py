@@ -179,8 +179,10 @@ class Pipeline(abc.ABC, Generic[C]):
             leaves = capture(model, optimizer, extras).leaves
         except Exception as e:
             error = as_capture_error(e)
-            if error is not e or isinstance(e, (CaptureError, ConfigurationError)):
+            if error is not e:
                 raise error from e
+            if isinstance(e, (CaptureError, ConfigurationError)):
+                raise
             log.debug("the state was not captured ahead of the first snapshot: %s", e)
             return  # a fault of the environment: the first snapshot meets it, or not
         if not self.config.asynchronous:
@@ -204,7 +206,10 @@ class Pipeline(abc.ABC, Generic[C]):
             try:
                 captured = self.capture(model, optimizer, extras)
             except Exception as e:  # one that repeats is a CaptureError, raised
-                raise as_capture_error(e) from e
+                error = as_capture_error(e)
+                if error is e:
+                    raise
+                raise error from e
             if self.config.asynchronous:
                 leaves = self.to_stage(captured)
                 self.stats.last_staged_bytes = sum(leaf.nbytes for leaf in leaves)
@@ -319,6 +324,11 @@ class Pipeline(abc.ABC, Generic[C]):
             with contextlib.suppress(Exception):  # logged by the check
                 check.result()
 
+    def _latest(self) -> str:
+        """The latest committed snapshot, as the messages say it."""
+        return (f"step {self.last_committed_step}" if self.last_committed_step is not None
+                else "none")
+
     def failed(self, step: int, e: BaseException) -> None:
         """Count and log a snapshot that failed; training goes on."""
         s = self.stats
@@ -326,8 +336,7 @@ class Pipeline(abc.ABC, Generic[C]):
         s.consecutive_failures += 1
         s.last_error = str(e) or type(e).__name__
         s.last_failed_step = step
-        latest = (f"step {self.last_committed_step}" if self.last_committed_step is not None
-                  else "none")
+        latest = self._latest()
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the process stops
             log.warning("snapshot at step %d interrupted (%s); the latest snapshot is %s",
                         step, type(e).__name__, latest)
@@ -366,11 +375,10 @@ class Pipeline(abc.ABC, Generic[C]):
             log.error("the last snapshot failed: %s", self.fatal)
         s = self.stats
         if s.failures:  # said at the end too: a job that trained on without snapshots
-            latest = (f"step {self.last_committed_step}" if self.last_committed_step is not None
-                      else "none")
             log.warning("%s of this run's %d failed, the last at step %s (%s); the latest "
                         "committed snapshot is %s", counted(s.failures, "snapshot"),
-                        s.failures + s.snapshots, s.last_failed_step, s.last_error, latest)
+                        s.failures + s.snapshots, s.last_failed_step, s.last_error,
+                        self._latest())
         self._executor.shutdown(wait=True)
         for _, handle in self._hooks.values():
             handle.remove()

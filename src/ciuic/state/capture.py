@@ -141,11 +141,9 @@ def as_capture_error(e: Exception) -> Exception:
     state-dict hook runs, the OS) stays what it is: a failed snapshot, and training goes on."""
     if isinstance(e, (CaptureError, ConfigurationError, *_environment_faults())):
         return e
-    error = CaptureError(
+    return CaptureError(  # (raised from ``e``)
         f"capturing the state for the snapshot failed: {type(e).__name__}: {e}. It fails the "
         "same way at every snapshot, so it is raised rather than leave the job training "
         "without snapshots: its traceback (on the rank that raised it) shows which "
         "state_dict() or state-dict hook raised it")
-    error.__cause__ = e
-    return error
 

@@ -155,8 +155,8 @@ class FetchRng:
             # trainer.estimated_stepping_batches) and nothing of it is pulled yet: it follows it
             taken, self._plan = self._plan, None
             plan = self._begin(taken)
-        if (plan is not None and plan.get("epoch") is not None
-                and self.sampler_epoch() is not None and self.sampler_epoch() != plan["epoch"]):
+        epoch = self.sampler_epoch() if plan is not None else None
+        if plan is not None and None not in (epoch, plan.get("epoch")) and epoch != plan["epoch"]:
             # the loop set another epoch on the sampler than the interrupted pass's, before
             # this first pull (its epoch from the iteration, Megatron's convention; the
             # snapshot at that pass's end): this pass is that epoch's, from its start, as the
