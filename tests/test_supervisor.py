@@ -484,8 +484,9 @@ def test_a_generations_cause_that_arrives_after_the_next_one_started_is_said_the
     import logging
 
     from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.agent import Supervisor
     from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.starts import Options, Start
 
     holder = Holder(budget=None)
     sup = Supervisor(Options(["true"]))
@@ -530,9 +531,10 @@ def test_a_worker_that_aborted_after_a_peer_died_names_the_peers_cause() -> None
     of another node was killed: that node's cause is named, not this node's abort; a signal
     sent to a worker (SIGKILL) is this node's own cause; an abort with no word from another
     node is named as it is."""
-    from ciuic.supervisor.agent import Options, Supervisor
+    from ciuic.supervisor.agent import Supervisor
     from ciuic.supervisor.holder import Holder
     from ciuic.supervisor.peers import Node
+    from ciuic.supervisor.starts import Options
 
     holder = Holder(budget=None)
     sup = Supervisor(Options(["true"]))
@@ -561,9 +563,10 @@ def test_a_worker_that_lost_its_peer_is_a_consequence_and_waits_for_the_cause(
     import logging
 
     from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.agent import Supervisor
     from ciuic.supervisor.holder import Holder
     from ciuic.supervisor.peers import Node
+    from ciuic.supervisor.starts import Options, Start
 
     holder = Holder(budget=None)
     sup = Supervisor(Options(["true"]))
@@ -632,9 +635,10 @@ class _NodeOfTwo:
     worker ``pid`` in heartbeat slot 0 (rank 2) at ``step``, at the monotonic time ``at``."""
 
     def __init__(self, n: int, step: int) -> None:
-        from ciuic.supervisor.agent import Options, Start, Supervisor
+        from ciuic.supervisor.agent import Supervisor
         from ciuic.supervisor.holder import Holder
         from ciuic.supervisor.peers import Node
+        from ciuic.supervisor.starts import Options, Start
 
         self.holder = Holder(budget=None)
         self.holder._nodes = [Node(0, "10.0.0.1", 7000), Node(1, "10.0.0.2", 7000)]
@@ -668,8 +672,8 @@ def test_a_new_generation_before_the_other_nodes_word_defers_a_lost_peer(
     without one."""
     import logging
 
-    from ciuic.supervisor.agent import CAUSE_WAIT_S
     from ciuic.supervisor.peers import Node
+    from ciuic.supervisor.starts import CAUSE_WAIT_S
 
     node = _NodeOfTwo(2, step=9)
     holder, sup, workers, poll = node.holder, node.sup, node.workers, node.poll
@@ -746,9 +750,10 @@ def test_torchrun_exiting_after_a_node_was_lost_passes_on_the_loss_not_its_exit(
     import logging
 
     from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import Options, Start, Supervisor, first_cause
+    from ciuic.supervisor.agent import Supervisor, first_cause
     from ciuic.supervisor.holder import Holder
     from ciuic.supervisor.peers import Node
+    from ciuic.supervisor.starts import Options, Start
 
     holder = Holder(budget=None)
     sup = Supervisor(Options(["true"]))
@@ -813,8 +818,9 @@ def test_a_torchrun_without_restarts_left_is_not_said_to_restart_its_workers(
 
     from ciuic.cli.run import torchrun_restarts
     from ciuic.supervisor import beat
-    from ciuic.supervisor.agent import Options, Start, Supervisor
+    from ciuic.supervisor.agent import Supervisor
     from ciuic.supervisor.holder import Holder
+    from ciuic.supervisor.starts import Options, Start
 
     py = [sys.executable, "-m", "torch.distributed.run"]
     assert torchrun_restarts([*py, "--nproc_per_node", "2", "train.py"]) == 0

@@ -145,7 +145,10 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow],
     last: dict[str, str] = {}  # run -> the last snapshot it committed, or resumed from
     restarts = {r.id: r.restart for r in runs if r.restart}
     skipped: dict[str, list[str]] = {}  # run -> the damaged snapshots its restore skipped
+    failed: dict[tuple[str, str], list[EventRow]] = {}  # (run, its snapshot before) -> those
     for e in sorted(events, key=lambda e: (e.at, e.kind != "restore")):
+        if e.kind == "failed":
+            failed.setdefault((e.run, last.get(e.run, "")), []).append(e)
         if e.kind in ("snapshot", "restore") and e.detail:
             last[e.run] = e.detail
         if e.kind == "damaged":
@@ -160,6 +163,11 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow],
             found.setdefault(e.detail, []).append((e.at, f"resumed by run {e.run[:8]}{by}{why}"))
     died = {e.run for e in events if e.kind == "stopped"}  # Catalog.stopped_at
     chain = _Chain(snapshots or (), listed_pruned)
+    for (run, sid), those in failed.items():
+        s = chain.by_id.get(sid)
+        if snapshots and (s is None or not chain.listed(s)):
+            sid = ""  # (before any snapshot, or after one the listing leaves out)
+        found.setdefault(sid, []).append((those[0].at, failures_said(run, those, bool(sid))))
     starts = sorted(r.started for r in runs)
     for r in runs:
         where = last.get(r.id)
@@ -189,6 +197,19 @@ def history(runs: Sequence[RunRow], events: Sequence[EventRow],
             (when, f"{'before this, run' if after else 'then run'} {r.id[:8]} stopped "
                    f"{stopped_where(step, known)}: {how.removeprefix('it ')}"))
     return {sid: [note for _, note in sorted(notes)] for sid, notes in found.items()}
+
+
+def failures_said(run: str, those: Sequence[EventRow], then: bool) -> str:
+    """A run's failed snapshots (its "failed" events, in order) in one note: after the
+    snapshot it is shown on (``then``), or on its own."""
+    steps = sorted({e.step for e in those if e.step is not None})
+    why = _short(those[-1].detail)
+    if len({e.detail for e in those}) > 1:
+        why = f"the last: {why}"
+    said = (f"run {run[:8]}'s snapshot at step {steps[0]} failed" if len(those) == 1 and steps
+            else f"{len(those)} snapshots of run {run[:8]} failed"
+            + (f", at steps {steps[0]} to {steps[-1]}" if steps else ""))
+    return f"{'then ' if then else ''}{said}: {why}"
 
 
 def damaged(events: Sequence[EventRow]) -> set[str]:

@@ -123,11 +123,13 @@ def log_cmd(job: str, all_: bool, as_json: bool) -> None:
         runs, events = repo.catalog.runs(project, name), repo.catalog.events(project, name,
                                                                              limit=EVENTS)
     snaps = [s for s in every if all_ or s.status == "committed"]
+    notes = history(runs, events, every, listed_pruned=all_)
+    unplaced = notes.pop("", [])  # failed snapshots before any listed one
     if not snaps and not as_json:
         console.print(f"Job {project}/{name} has no snapshots.")
+        _print_failures(unplaced)
         report_damaged(damaged)
         return
-    notes = history(runs, events, every, listed_pruned=all_)
     bad = found_damaged(events)
     groups = list(lineages(snaps, {s.id: s.parent for s in every}).values())
     groups.sort(key=lambda g: max(s.seq for s in g), reverse=True)  # the newest lineage first
@@ -136,7 +138,9 @@ def log_cmd(job: str, all_: bool, as_json: bool) -> None:
             {**s.to_json(), "lineage": len(groups) - k, "notes": notes.get(s.id, []),
              "damaged": s.id in bad}
             for k, group in enumerate(groups)
-            for s in sorted(group, key=lambda s: s.seq, reverse=True)]}))
+            for s in sorted(group, key=lambda s: s.seq, reverse=True)],
+            "failed": [{"run": e.run, "step": e.step, "at": e.at, "error": e.detail}
+                       for e in sorted(events, key=lambda e: e.at) if e.kind == "failed"]}))
         report_damaged(damaged)
         return
     for k, group in enumerate(groups):
@@ -146,7 +150,14 @@ def log_cmd(job: str, all_: bool, as_json: bool) -> None:
             title += (f": lineage {len(groups) - k} of {len(groups)}, from step {root.step} "
                       f"({root.short_id}, {time_text(root.created)} UTC)")
         console.print(_chain_table(title, group, notes, bad))
+    _print_failures(unplaced)
     report_damaged(damaged)
+
+
+def _print_failures(notes: list[str]) -> None:
+    """Failed snapshots that no listed snapshot came before (``history``'s notes)."""
+    for note in notes:
+        console.print(f"Failed: {note}", markup=False)
 
 
 def _chain_table(title: str, snaps: list[SnapshotInfo], notes: dict[str, list[str]],

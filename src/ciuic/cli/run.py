@@ -84,7 +84,8 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where it does not set it: with torch's shared
     rendezvous store a node that replaces a lost one waits 60 s and every torchrun exits.
     """
-    from ciuic.supervisor.agent import Options, Supervisor
+    from ciuic.supervisor.agent import Supervisor
+    from ciuic.supervisor.starts import Options
 
     if not hasattr(os, "memfd_create"):
         raise ConfigurationError("ciuic run needs Linux (memfd and abstract Unix sockets); on "

@@ -341,6 +341,7 @@ class Pipeline(abc.ABC, Generic[C]):
             log.warning("snapshot at step %d interrupted (%s); the latest snapshot is %s",
                         step, type(e).__name__, latest)
             return
+        self.session.failed(step, e)
         if isinstance(e, CaptureError):  # raised to the caller (now, or at the next step())
             self.fatal = self.fatal or e
             return

@@ -352,12 +352,21 @@ class RunSession:
             (how + ".") if how else "",
         )
 
-    def event(self, kind: str, step: int, snapshot_id: str) -> None:
+    def event(self, kind: str, step: int, detail: str) -> None:
+        """Record an event of the run (rank 0): ``detail`` is the snapshot's ID, or what
+        happened."""
         if self.coll.coordinator:
             self._record(f"the {kind} event of step {step}", self.repo.catalog.event, self.run_id,
-                    self.project, self.job, kind, step, snapshot_id)
+                         self.project, self.job, kind, step, detail)
             if self._reporter is not None:
                 self._reporter.report(self.run_id)
+
+    def failed(self, step: int, e: Exception) -> None:
+        """After a snapshot failed: tell the supervisor (every rank); record it with its
+        reason (rank 0), for ``ciuic log``."""
+        if self.supervised is not None:
+            self.supervised.beacon.failed(step)
+        self.event("failed", step, " ".join((str(e) or type(e).__name__).split())[:500])
 
     def committed(self, step: int, snapshot_id: str) -> None:
         """After a commit: tell the supervisor (every rank); record it, then prune what

@@ -30,7 +30,6 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from types import FrameType
 
 from ciuic.supervisor import beat
@@ -60,76 +59,11 @@ from ciuic.supervisor.procs import (
     stop_later,
     tail_text,
 )
+from ciuic.supervisor.starts import CAUSE_WAIT_S, Options, Start, snapshots_said
 from ciuic.words import counted
 
 log = logging.getLogger("ciuic.run")
 TAIL_LINES = 60
-#: how long a generation's cause not known when it was said is waited for
-CAUSE_WAIT_S = 30.0
-
-
-@dataclass
-class Options:
-    command: list[str]
-    max_restarts: int = 10
-    hang_timeout_s: float | None = 600.0
-    #: seconds to wait for the first heartbeat of a start (None: no limit)
-    startup_timeout_s: float | None = None
-    grace_s: float = 30.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 60.0
-    max_stalls: int = 3
-    #: the most bytes of host memory the snapshot copy may hold (None: no host-memory tier)
-    host_memory: int | None = None
-    #: a job of several nodes: how many other nodes hold a replica of this node's chunks, and
-    #: how long another node's ciuic run may not answer before this node's workers are
-    #: stopped (their collectives would wait far longer) for torchrun to restart them
-    replicas: int = 1
-    peer_timeout_s: float = 10.0
-    poll_s: float = 0.1
-    #: set in the command's environment beyond the supervisor's own (cli/run.torchrun_env)
-    env: dict[str, str] = field(default_factory=dict)
-    #: the command is torchrun: its own ``--max-restarts`` of the workers (None: not known)
-    worker_restarts: int | None = None
-
-
-@dataclass
-class Start:
-    """What one start of the command did, as the supervisor saw it."""
-
-    number: int
-    began: float
-    pids: set[int] = field(default_factory=set)
-    ranks: dict[int, int] = field(default_factory=dict)  # pid -> rank, of every worker seen
-    generation_of: dict[int, int] = field(default_factory=dict)  # pid -> its generation
-    step: int | None = None  # the highest step() seen
-    committed: int | None = None  # the highest committed step seen
-    cause: Cause | None = None
-    returncode: int | None = None
-    hang_seen_s: float | None = None  # how long after the hang began it was detected
-    #: torchrun's restarts of the workers within this start (its ``--max-restarts``): the
-    #: current generation, its workers (heartbeat slot -> pid), when one was first seen gone
-    #: and whether its cause was said
-    generation: int = 1
-    workers: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (pid, gen)
-    gone_since: float | None = None
-    said: bool = False
-    cut_off: set[int] = field(default_factory=set)  # nodes this start stopped workers for
-    hung_pid: int | None = None  # the worker the last hang detected was
-    hang_cause: Cause | None = None  # a hung worker stopped alone (several nodes), not told
-    stopping: set[int] = field(default_factory=set)  # workers stopped for a hang
-    hang_pending: float | None = None  # when a hang on several nodes was first detected
-    #: a generation's end said before its cause was known: (its step, its number, when said);
-    #: the cause is said when it arrives (a torchrun line, another node's word), or that it
-    #: is still not known after ``CAUSE_WAIT_S``
-    unknown: tuple[int | None, int, float] | None = None
-    #: that generation's lines for failed workers and lost peers (``Supervisor._failed``)
-    unknown_lines: list[str] = field(default_factory=list)
-    #: the cause said for the end of a generation, and that generation: a start that ends
-    #: before a later generation made a step() ends for it (torchrun's own exit follows)
-    told: tuple[str, int] | None = None
-    #: then, how torchrun's exit that followed looked (said, not passed on as the cause)
-    then: Cause | None = None
 
 
 class Supervisor:
@@ -191,13 +125,16 @@ class Supervisor:
             self.starts.append(start)
             rc = self._run_once(holder, start)
             start.returncode = rc
+            said, failures = snapshots_said(self.starts)
             if self._stop is not None:
-                log.warning("ciuic run: the job exited (%s) after %s: not restarted",
-                            exit_text(rc), signal_name(self._stop))
+                log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its "
+                            "snapshots: %s", exit_text(rc), signal_name(self._stop), said)
                 return exit_code(rc)
             if rc == 0 and start.cause is None:
-                log.info("ciuic run: the job finished (exit 0)%s",
-                         f" after {counted(start.number, 'restart')}" if start.number else "")
+                log.log(logging.WARNING if failures else logging.INFO,
+                        "ciuic run: the job finished (exit 0)%s. Its snapshots: %s",
+                        f" after {counted(start.number, 'restart')}" if start.number else "",
+                        said)
                 return 0
             progress = start.committed is not None and (best_commit is None
                                                         or start.committed > best_commit)
@@ -214,8 +151,9 @@ class Supervisor:
                        if stalls >= o.max_stalls else
                        f"it was restarted {counted(start.number, 'time')}, the limit "
                        "(--max-restarts)")
-                log.error("ciuic run: giving up: %s. The last failure, %s: %s%s", why, where,
-                          start.cause, tail_text(self._tail))
+                log.error("ciuic run: giving up: %s. The last failure, %s: %s. Its "
+                          "snapshots: %s%s", why, where, start.cause, said,
+                          tail_text(self._tail))
                 return exit_code(rc) or 1
             delay = 0.0 if progress else min(o.max_backoff_s, o.backoff_s * 2 ** (stalls - 1))
             self.restarts += 1  # (torchrun's restarts of the workers count too)
@@ -520,14 +458,7 @@ class Supervisor:
         return ", ".join(f"rank {b.rank} (pid {b.pid}) exited" for b in dead), "none"
 
     def _note(self, start: Start, beats: list[beat.Beat]) -> None:
-        for b in beats:
-            start.pids.add(b.pid)
-            start.ranks[b.pid] = b.rank
-            if b.step is not None and (start.step is None or b.step > start.step):
-                start.step = b.step
-            if b.committed is not None and (start.committed is None
-                                            or b.committed > start.committed):
-                start.committed = b.committed
+        start.note(beats)
 
     def _hung(self, start: Start, beats: list[beat.Beat], alive: set[int], now: float
               ) -> Cause | None:

@@ -14,6 +14,8 @@ A slot (128 bytes, little-endian)::
     commits q   snapshots committed by this process
     started d   when the rank attached
     rank    q   the rank (global)
+    fails   q   snapshots that failed in this process
+    failed  q   the last failed step + 1 (0: none)
 
 CLOCK_MONOTONIC is the same clock in every process of a machine, so the supervisor compares
 these times with its own. A busy rank (restoring, saving synchronously, waiting for a write) is
@@ -35,11 +37,12 @@ SLOT_BYTES = 128
 SLOTS = 512
 REGION_BYTES = SLOT_BYTES * SLOTS
 SLOT_MAGIC = 0x63697569635F6231  # "ciuic_b1"
-_SLOT = struct.Struct("<qqqdqdqqdq")
+_SLOT = struct.Struct("<qqqdqdqqdqqq")
 _STEP = struct.Struct("<qd")  # step + 1, alive: one store of 16 bytes at offset 16
 _BUSY = struct.Struct("<qd")  # busy, since: at offset 32
 _ALIVE = struct.Struct("<d")
 _COMMIT = struct.Struct("<qq")  # at offset 48
+_FAILED = struct.Struct("<qq")  # at offset 80
 BUSY = {0: "training", 1: "restoring a snapshot", 2: "saving a snapshot",
         3: "waiting for a snapshot write", 4: "closing", 5: "taking an emergency snapshot",
         6: "opening its store", 7: "done with training"}
@@ -58,9 +61,11 @@ class Beacon:
         self._off = slot * SLOT_BYTES
         self._depth = 0
         now = time.monotonic()
-        _SLOT.pack_into(region, self._off, 0, pid, 0, now, _KIND["start"], now, 0, 0, now, rank)
+        _SLOT.pack_into(region, self._off, 0, pid, 0, now, _KIND["start"], now, 0, 0, now, rank,
+                        0, 0)
         struct.pack_into("<q", region, self._off, SLOT_MAGIC)  # valid from here on
         self._commits = 0
+        self._failures = 0
         self._starting = True  # busy opening the store until the manager is built: started()
         self._done = False  # detach(): busy "done" for good
 
@@ -93,6 +98,10 @@ class Beacon:
         self._commits += 1
         _COMMIT.pack_into(self._map, self._off + 48, step + 1, self._commits)
 
+    def failed(self, step: int) -> None:
+        self._failures += 1
+        _FAILED.pack_into(self._map, self._off + 80, self._failures, step + 1)
+
     def detach(self) -> None:
         """The rank is done with training (its manager closed): the supervisor no longer
         watches it for a hang, and still reads its last step and commit."""
@@ -115,6 +124,8 @@ class Beat:
     committed: int | None
     commits: int
     started: float
+    failures: int = 0  # snapshots that failed
+    failed: int | None = None  # the last failed step
 
     def silent_s(self, now: float) -> float:
         """Seconds since the last sign of training (0 while busy)."""
@@ -125,11 +136,12 @@ def read(region: mmap.mmap | bytes) -> list[Beat]:
     """Every attached slot of the region."""
     beats = []
     for slot in range(SLOTS):
-        (magic, pid, step, alive, busy, since, commit, commits, started,
-         rank) = _SLOT.unpack_from(region, slot * SLOT_BYTES)
+        (magic, pid, step, alive, busy, since, commit, commits, started, rank, fails,
+         failed) = _SLOT.unpack_from(region, slot * SLOT_BYTES)
         if magic != SLOT_MAGIC:
             continue
         beats.append(Beat(slot, rank, pid, step - 1 if step > 0 else None, alive,
                           BUSY.get(busy, "busy") if busy else None, since,
-                          commit - 1 if commit > 0 else None, commits, started))
+                          commit - 1 if commit > 0 else None, commits, started, fails,
+                          failed - 1 if failed > 0 else None))
     return beats
