@@ -8,13 +8,16 @@ and the misuses."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.framework_runs import differences, final, finished, launch, resumed_at
+from tests.framework_runs import differences, final, finished, free_port, launch, resumed_at
 
 pytest.importorskip("torchtitan", reason="pip install 'ciuic[torchtitan]'")
 pytest.importorskip("safetensors.torch")
@@ -87,33 +90,63 @@ def test_torchtitan_own_resume_is_not_bit_exact_which_docs_integrations_records(
     assert diff  # no RNG is saved: dropout and the augmentation differ after the resume
 
 
+# -- torchtitan's own train.main() and Trainer, its llama3 debug model --------------------------
+
+MAIN = Path(__file__).parent / "helpers" / "tt_main.py"
+
+
 @pytest.fixture(scope="module")
-def llama3_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """torchtitan's own llama3 debugmodel, uninterrupted: 18 steps, snapshots every 4."""
-    out = tmp_path_factory.mktemp("tt-llama3")
-    assert "STEP 18 SAMPLES 72" in finished(train(out, "--model", "llama3")).stdout
-    return out
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.helpers.tt_configs import write_assets
+
+    folder = tmp_path_factory.mktemp("tt-assets")
+    write_assets(folder)
+    return folder
+
+
+def titan(assets: Path, out: Path, config: str, kill_at: int = 0
+          ) -> subprocess.CompletedProcess[str]:
+    """torchtitan's ``train.main()`` on 2 ranks, as its users run it (``--module``,
+    ``--config``; the CPU shims of tests/helpers/tt_main.py), its dump folder in ``out``; its
+    log (torchtitan's, ciuic's) in ``stdout``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), str(MAIN), "--module",
+               "tests.helpers.tt_configs", "--config", config, "--dump_folder", str(out)]
+    env = {**os.environ, "CIUIC_TT_ASSETS": str(assets), "CIUIC_TT_STORE": str(out / "store"),
+           "CIUIC_TT_OUT": str(out), "CIUIC_TT_KILL_AT": str(kill_at),
+           "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=400, env=env, cwd=Path(__file__).parents[1])
 
 
 @pytest.mark.slow
-def test_torchtitans_llama3_with_fused_qkv_killed_ends_bit_exact_as_its_own_resume_does(
-        llama3_reference: Path, tmp_path: Path) -> None:
-    """torchtitan's stock llama3 (fused QKV: its state-dict hooks split ``wqkv``), FSDP2 on 2
-    ranks: every snapshot failed before (DCP's get_state_dict cannot name ``wq``). Its own DCP
-    checkpointer resumes it exactly too (the loop draws no random numbers), which
-    docs/integrations.md records."""
-    llama3 = ("--model", "llama3")
-    killed(train(tmp_path / "c", *llama3, "--kill-at", "10"))
-    again = finished(train(tmp_path / "c", *llama3))
-    assert resumed_at(again, "torchtitan loop") == 8
-    reference = final(llama3_reference)
-    assert len(reference) > 100
-    assert differences(reference, final(tmp_path / "c")) == {}
-    killed(train(tmp_path / "t", *llama3, "--mode", "titan", "--kill-at", "10"))
-    again = finished(train(tmp_path / "t", *llama3, "--mode", "titan"))
-    assert resumed_at(again, "torchtitan loop") == 8
-    diff = differences(reference, final(tmp_path / "t", "titan"))
-    print(f"torchtitan's own resume of its llama3: {len(diff)} of {len(reference)} tensors differ")
+def test_torchtitans_own_trainer_on_its_llama3_killed_ends_bit_exact_as_its_own_resume_does(
+        assets: Path, tmp_path: Path) -> None:
+    """torchtitan's own ``train.main()`` and ``Trainer`` on its ``llama3_debugmodel`` (fused
+    QKV: its state-dict hooks split ``wqkv``; every snapshot failed before), FSDP2 on 2 ranks,
+    12 steps, a checkpoint every 4, SIGKILLed after step 6, run again: ciuic's checkpointer
+    and torchtitan's own DCP one both end with every shard equal to an uninterrupted run's
+    (nothing in this loop draws random numbers), which docs/integrations.md records."""
+    reference = tmp_path / "reference"
+    run = finished(titan(assets, reference, "ciuic_llama3_debugmodel"))
+    assert "step: 12" in run.stdout
+    want = final(reference)
+    assert len(want) > 300
+
+    ciuic = tmp_path / "ciuic"
+    assert titan(assets, ciuic, "ciuic_llama3_debugmodel", kill_at=6).returncode != 0
+    assert not (ciuic / "final-ciuic.safetensors").exists()
+    again = finished(titan(assets, ciuic, "ciuic_llama3_debugmodel"))
+    assert "Resuming training at step 5" in again.stdout, again.stdout[-3000:]
+    assert differences(want, final(ciuic)) == {}
+
+    own = tmp_path / "titan"
+    assert titan(assets, own, "titan_llama3_debugmodel", kill_at=6).returncode != 0
+    again = finished(titan(assets, own, "titan_llama3_debugmodel"))
+    assert re.search(r"Loading the checkpoint from \S+step-4", again.stdout), again.stdout[-3000:]
+    diff = differences(want, final(own, "titan"))
+    print(f"torchtitan's own resume of its llama3 under its Trainer: {len(diff)} of "
+          f"{len(want)} tensors differ")
     assert diff == {}
 
 

@@ -6,6 +6,10 @@ in the tests, never in ciuic (docs/integrations.md lists them).
   model packages are imported against a stub, which is then taken away: torch (which has
   found triton absent before) and everything imported later see no triton. A kernel of
   theirs would fail if it were called; the CPU tests call none.
+
+And one that is not CPU-only (:func:`torch_213_for_torchtitan`): torchtitan 0.3.0 (the newest
+release) calls ``torch.distributed.set_timeout`` after a job's first step, which torch 2.13 (the
+pinned one) no longer has; the same call on a GPU fails the same way.
 """
 
 from __future__ import annotations
@@ -78,3 +82,40 @@ def import_torchtitan_without_triton() -> None:
     finally:
         for name in stubs:
             del sys.modules[name]
+
+
+def torch_213_for_torchtitan() -> None:
+    """``torch.distributed.set_timeout(timeout, group)``, which torchtitan 0.3.0's
+    ``set_pg_timeouts`` calls and torch 2.13 no longer has: the same through
+    ``distributed_c10d._set_pg_timeout`` (the default group for None)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]
+
+
+def torchtitan_on_cpu() -> None:
+    """torchtitan 0.3.0 takes CUDA when torch finds no accelerator (``tools.utils.
+    get_device_info``): its device is the CPU here, set before any module of its that copies
+    it (``from torchtitan.tools.utils import device_type``) is imported, with what its memory
+    monitor asks of a device module (the machine's memory as the capacity, no peak
+    statistics)."""
+    import os
+
+    import torch
+    from torchtitan.tools import utils
+
+    cpu = types.ModuleType("torchtitan_cpu_device")
+    for name in ("set_device", "synchronize", "device_count", "Stream",
+                 "stream", "current_stream", "is_available"):
+        setattr(cpu, name, getattr(torch.cpu, name))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu.current_device = lambda: 0  # type: ignore[attr-defined]  # (a barrier's device_ids)
+    cpu.get_device_name = lambda device=None: "cpu"  # type: ignore[attr-defined]
+    cpu.get_device_properties = (  # type: ignore[attr-defined]
+        lambda device=None: types.SimpleNamespace(name="cpu", total_memory=memory))
+    cpu.memory_stats = lambda device=None: {}  # type: ignore[attr-defined]
+    cpu.reset_peak_memory_stats = lambda device=None: None  # type: ignore[attr-defined]
+    cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
+    utils.device_type, utils.device_module = "cpu", cpu

@@ -1,13 +1,11 @@
 """A torchtitan-style training loop for the integration tests (run under torchrun, CPU, gloo).
 
     torchrun --nproc_per_node 2 tests/helpers/tt_train.py --out DIR --mode ciuic|titan
-        [--kill-at STEP] [--every N] [--steps N] [--model mlp|llama3]
+        [--kill-at STEP] [--every N] [--steps N]
 
-The loop is torchtitan's ``Trainer.train`` with its components: an MLP with dropout, or
-torchtitan's own ``llama3`` ``debugmodel`` (``--model llama3``: 6.2 M parameters, fused QKV
-with its state-dict hooks; torchtitan's SDPA attention in place of FlexAttention on the CPU)
-over sequences of random tokens, FSDP2 (``fully_shard`` over a 2-rank CPU mesh, per layer and
-whole), torchtitan's ``OptimizersContainer`` (AdamW) and
+The loop is torchtitan's ``Trainer.train`` with its components (torchtitan's own Trainer on its
+own llama3 is tests/helpers/tt_main.py): an MLP with dropout, FSDP2 (``fully_shard`` over a
+2-rank CPU mesh, per layer and whole), torchtitan's ``OptimizersContainer`` (AdamW) and
 ``LRSchedulersContainer`` (warmup, then linear decay), its ``ParallelAwareDataloader`` over a
 stateful, sharded, reshuffled-per-epoch stream whose samples get noise from torch's global RNG,
 and a ``train_state`` (step, samples seen). The checkpointer is built the way the trainer builds
@@ -68,49 +66,9 @@ class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
-class Tokens(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Like :class:`Stream`, over sequences of random tokens (input, then the next tokens)."""
-
-    def __init__(self, rank: int, world: int, n: int = 48, length: int = 32) -> None:
-        self.rank, self.world, self.n, self.length = rank, world, n, length
-        self.epoch, self.index = 0, 0
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(
-                100 + self.epoch))[self.rank::self.world].tolist()
-            while self.index < len(order):
-                i = order[self.index]
-                self.index += 1
-                seq = torch.randint(0, 2048, (self.length + 1,),
-                                    generator=torch.Generator().manual_seed(i))
-                yield seq[:-1], seq[1:]
-            self.epoch, self.index = self.epoch + 1, 0
-
-    state_dict = Stream.state_dict
-    load_state_dict = Stream.load_state_dict
-
-
-def build(kind: str, mesh: Any, rank: int, world: int) -> tuple[nn.Module, IterableDataset[Any]]:
+def build(mesh: Any, rank: int, world: int) -> tuple[nn.Module, IterableDataset[Any]]:
     """The model, sharded with FSDP2 per layer and whole, and its data."""
     torch.manual_seed(0)
-    if kind == "llama3":
-        sys.path.insert(0, str(Path(__file__).parents[2]))
-        from tests.helpers.cpu_shims import import_torchtitan_without_triton
-
-        import_torchtitan_without_triton()
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-        from torchtitan.models.llama3 import model_registry
-
-        model = model_registry("debugmodel").model.build()
-        model.init_states()
-        for layer in model.layers.values():  # a CPU shim: FlexAttention compiles for CUDA
-            layer.attention.inner_attention = ScaledDotProductAttention(
-                ScaledDotProductAttention.Config())
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, Tokens(rank, world)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
     for layer in (model[0], model[3]):
         fully_shard(layer, mesh=mesh)
@@ -148,7 +106,6 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--steps", type=int, default=18)
-    p.add_argument("--model", choices=["mlp", "llama3"], default="mlp")
     a = p.parse_args()
     out = Path(a.out)
     dist.init_process_group("gloo")
@@ -157,7 +114,7 @@ def main() -> int:
     # one thread: a loaded machine can make a multi-threaded kernel sum in another order (seen:
     # last-bit differences in one slow-suite run in the clean-clone CI)
     torch.set_num_threads(1)
-    model, data = build(a.model, mesh, rank, world)
+    model, data = build(mesh, rank, world)
     optimizers = OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
                                        optimizer_kwargs={"lr": 0.01, "weight_decay": 0.1})],
@@ -201,7 +158,6 @@ def main() -> int:
                 checkpointer.manager.wait()
             os.kill(os.getpid(), signal.SIGKILL)
     checkpointer.close()
-    # the parameters as they are (a state dict would run llama3's hooks: wq, wk, wv)
     mine = {f"model/{k}": local(v) for k, v in model.named_parameters()}
     for name, param in model.named_parameters():
         for k, v in optimizers.optimizers[0].state[param].items():
