@@ -67,11 +67,7 @@ class AccelerateSnapshots:
             raise ConfigurationError(
                 "AccelerateSnapshots: the accelerator has no prepared model; build it after "
                 "model, optimizer, ... = accelerator.prepare(model, optimizer, ...)")
-        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if kind.upper() in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"):
-            raise ConfigurationError(
-                f"AccelerateSnapshots does not snapshot {kind} training yet (its state lives in "
-                "the engine); use accelerator.save_state for it")
+        refuse(accelerator)
         self.accelerator = accelerator
         self.manager = SnapshotManager(project_id, job=job, save_interval=save_interval,
                                        **manager_options)
@@ -146,6 +142,26 @@ class AccelerateSnapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refuse(accelerator: Any) -> None:
+    """Raise ConfigurationError for the distributed types AccelerateSnapshots does not snapshot:
+    DeepSpeed, Megatron-LM and XLA (their state lives in the engine), and FSDP1 (its sharded
+    state dict is made of ``ShardedTensor``s, which ciuic does not write; FSDP2 gives
+    ``DTensor``s)."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind.upper() in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
+        raise ConfigurationError(
+            f"AccelerateSnapshots does not snapshot {kind} training yet (its state lives in "
+            "the engine); use accelerator.save_state for it")
+    if kind.upper() == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
+        raise ConfigurationError(
+            f"AccelerateSnapshots snapshots FSDP2 only, and this Accelerator runs FSDP{version} "
+            "(FullyShardedDataParallel), whose sharded state dict is made of ShardedTensors, "
+            "which ciuic does not write: set fsdp_version=2 (FullyShardedDataParallelPlugin("
+            "fsdp_version=2), or fsdp_version: 2 in the accelerate config), or use "
+            "accelerator.save_state for FSDP1")
 
 
 def ddp_wrappers(accelerator: Any) -> list[Any]:
