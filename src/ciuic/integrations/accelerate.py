@@ -26,6 +26,13 @@ without loading them, in the same order, with the same augmentation.
 Snapshots are taken at optimizer steps only (``accelerator.sync_gradients``): within a gradient
 accumulation window the gradients are part of the state, and they are not saved.
 
+Under FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the model and optimizer are
+taken as ciuic takes any FSDP2 model (:mod:`ciuic.distributed.plan`): DCP's sharded state
+dicts, each process writing its own shards, restored shard by shard (another world size
+reshards them, as for any FSDP2 snapshot; not tested under Accelerate). FSDP1 is refused (DCP
+gives its sharded state as ``ShardedTensor``s, which ciuic does not write), as are DeepSpeed,
+Megatron-LM and XLA: each with what to use instead.
+
 Under DDP, ``restore()`` pins each prepared model's gradient bucket layout before its first
 forward (:mod:`ciuic.state.ddp`), so that past two processes a resumed run adds the gradients in
 the uninterrupted run's order. ``prepare`` returns the DDP wrapper but keeps only the unwrapped
