@@ -243,6 +243,19 @@ def test_fsdp2_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit
 
 
 @pytest.mark.slow
+def test_fsdp2_with_gradient_accumulation_resumes_bit_exact(tmp_path: Path) -> None:
+    """Accumulation 2 under FSDP2 (``accumulate`` turns gradient sync off between optimizer
+    steps): 3 optimizer steps an epoch, killed in epoch 1 after step 5, resumed from step 4."""
+    args = ("--fsdp", "2", "--accumulate", "2", "--every", "2")
+    assert "GLOBAL_STEP 9 SEEN 72" in finished(train(tmp_path / "a", *args)).stdout
+    killed(train(tmp_path / "b", *args, "--kill-at", "5"))
+    again = finished(train(tmp_path / "b", *args))
+    assert resumed_at(again, "Accelerate loop") == 4
+    assert "after global step 4 (epoch 1, 2 batches into it)" in again.stderr
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
 def test_accelerate_own_fsdp2_resume_is_not_bit_exact_which_docs_integrations_records(
         fsdp_reference: Path, tmp_path: Path) -> None:
     """Accelerate's own FSDP2 checkpoint (``save_state`` with ``SHARDED_STATE_DICT``: DCP, a
