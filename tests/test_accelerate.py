@@ -1,6 +1,7 @@
 """Hugging Face Accelerate with ciuic: a loop of your own (tests/helpers/acc_train.py), SIGKILLed
 mid-epoch after epoch 0, the same command run again, and every model and optimizer tensor
-compared with an uninterrupted run's; Accelerate's own save_state/load_state alongside."""
+compared with an uninterrupted run's; Accelerate's own save_state/load_state alongside. Under
+DDP, and under Accelerate's FSDP2 (the final states gathered from the shards)."""
 
 from __future__ import annotations
 
@@ -184,3 +185,104 @@ def test_accelerate_own_resume_is_not_bit_exact_which_docs_integrations_records(
     print(f"accelerate's own resume: {len(diff)} of 17 tensors differ, max "
           f"{max(diff.values()):.3g}")
     assert diff  # the data order and augmentation of the resumed epoch differ
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted FSDP2 run (``FullyShardedDataParallelPlugin(fsdp_version=2)``): 2
+    processes, 3 epochs of 6 steps each, snapshots every 4 optimizer steps."""
+    out = tmp_path_factory.mktemp("acc-fsdp-reference")
+    assert "GLOBAL_STEP 18 SEEN 72" in finished(train(out, "--fsdp", "2")).stdout
+    yield out
+
+
+def written_by_rank(store: Path) -> list[dict[str, list[int]]]:
+    """For the job's latest snapshot, what each rank wrote: the first offsets of the boxes of
+    each model and optimizer tensor it wrote, by path (a split body has one part per rank)."""
+    from ciuic.chain.read import Parts, read_body
+    from ciuic.chain.repo import Repository
+
+    with Repository.open(store) as repo:
+        m, index = read_body(repo, repo.resolve("tests/acc@latest"), parts=False)
+        parts = Parts.of(repo, m, index)
+        assert parts is not None, "the body is not split into one part per rank"
+        return [{path: [box["offsets"][0] for box in boxes] for path, boxes in part.shards.items()}
+                for part in parts.all()]
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_mid_epoch_resumes_bit_exact_each_rank_writing_its_shards(
+        fsdp_reference: Path, tmp_path: Path) -> None:
+    killed(train(tmp_path, "--fsdp", "2", "--kill-at", "9"))  # epoch 1, 3 batches in
+    again = finished(train(tmp_path, "--fsdp", "2"))
+    assert resumed_at(again, "Accelerate loop") == 8
+    assert "after global step 8 (epoch 1, 2 batches into it)" in again.stderr
+    assert "GLOBAL_STEP 18 SEEN 72" in again.stdout
+    # the 4 parameters and their AdamW moments, each row-sharded over the 2 ranks: each rank
+    # wrote its own half (rows 0.. for rank 0, from ceil(rows / 2) for rank 1), no other's
+    rows = {"model/0.weight": 32, "model/0.bias": 32, "model/3.weight": 3, "model/3.bias": 3}
+    written = written_by_rank(tmp_path / "store")
+    assert len(written) == 2 and len(written[0]) == 12, written
+    for rank, boxes in enumerate(written):
+        for path, starts in boxes.items():
+            model_path = "model/" + path.split("/")[2] if path.startswith("optimizer/") else path
+            assert starts == [rank * -(-rows[model_path] // 2)], (rank, path, starts)
+    assert differences(final(fsdp_reference), final(tmp_path)) == {}
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
+        fsdp_reference: Path, tmp_path: Path) -> None:
+    killed(train(tmp_path, "--fsdp", "2", "--kill-at", "9"))
+    # resumed from step 8, then killed while a rank writes its part of the first snapshot
+    killed(second := train(tmp_path, "--fsdp", "2", failpoints="body.put=kill@1"))
+    assert resumed_at(second, "Accelerate loop") == 8
+    again = finished(train(tmp_path, "--fsdp", "2"))
+    assert resumed_at(again, "Accelerate loop") == 8
+    assert differences(final(fsdp_reference), final(tmp_path)) == {}
+
+
+@pytest.mark.slow
+def test_fsdp2_with_gradient_accumulation_resumes_bit_exact(tmp_path: Path) -> None:
+    """Accumulation 2 under FSDP2 (``accumulate`` turns gradient sync off between optimizer
+    steps): 3 optimizer steps an epoch, killed in epoch 1 after step 5, resumed from step 4."""
+    args = ("--fsdp", "2", "--accumulate", "2", "--every", "2")
+    assert "GLOBAL_STEP 9 SEEN 72" in finished(train(tmp_path / "a", *args)).stdout
+    killed(train(tmp_path / "b", *args, "--kill-at", "5"))
+    again = finished(train(tmp_path / "b", *args))
+    assert resumed_at(again, "Accelerate loop") == 4
+    assert "after global step 4 (epoch 1, 2 batches into it)" in again.stderr
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
+
+
+@pytest.mark.slow
+def test_accelerate_own_fsdp2_resume_is_not_bit_exact_which_docs_integrations_records(
+        fsdp_reference: Path, tmp_path: Path) -> None:
+    """Accelerate's own FSDP2 checkpoint (``save_state`` with ``SHARDED_STATE_DICT``: DCP, a
+    file per rank) and resume (``load_state`` + ``skip_first_batches``), the same kill."""
+    own = finished(train(tmp_path / "a", "--fsdp", "2", "--mode", "acc"))
+    assert "GLOBAL_STEP 18" in own.stdout
+    killed(train(tmp_path / "b", "--fsdp", "2", "--mode", "acc", "--kill-at", "9"))
+    assert sorted(p.name for p in (tmp_path / "b" / "acc" / "step_8" / "pytorch_model_fsdp_0"
+                                   ).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    resumed = finished(train(tmp_path / "b", "--fsdp", "2", "--mode", "acc"))
+    assert resumed_at(resumed, "Accelerate loop", own=True) == 8
+    # uninterrupted, the two agree: ciuic changes nothing in the training
+    assert differences(final(fsdp_reference), final(tmp_path / "a", "acc")) == {}
+    diff = differences(final(tmp_path / "a", "acc"), final(tmp_path / "b", "acc"))
+    print(f"accelerate's own FSDP2 resume: {len(diff)} of 17 tensors differ, max "
+          f"{max(diff.values()):.3g}")
+    # the resumed epoch's data order and augmentation differ: every parameter and moment
+    assert all(k in diff for k in final(fsdp_reference) if "/" in k and not k.endswith("step"))
+
+
+def test_fsdp1_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
+    """FSDP1 (``fsdp_version=1``): DCP's sharded state dict of a ``FullyShardedDataParallel``
+    is made of ShardedTensors, which ciuic does not write; AccelerateSnapshots says so and
+    what to use, on every process, before anything is written."""
+    run = train(tmp_path, "--fsdp", "1")
+    assert run.returncode != 0
+    assert "AccelerateSnapshots snapshots FSDP2 only, and this Accelerator runs FSDP1" in \
+        run.stderr, run.stderr[-3000:]
+    assert "set fsdp_version=2" in run.stderr
+    assert not (tmp_path / "store").exists()  # refused before the manager opens the store

@@ -1,7 +1,7 @@
 """A tiny Accelerate training loop for the integration tests (a subprocess, or under torchrun).
 
     python tests/helpers/acc_train.py --out DIR --mode ciuic|acc [--kill-at STEP]
-        [--accumulate N] [--every N]
+        [--accumulate N] [--every N] [--fsdp 1|2]
 
 An MLP with dropout on data whose ``__getitem__`` adds noise from torch's global RNG, shuffled
 by a ``DataLoader(shuffle=True)``, AdamW and a LambdaLR schedule, prepared by an
@@ -11,6 +11,11 @@ DIR/acc/step_N, resuming as Accelerate's examples do (``load_state`` of the newe
 ``skip_first_batches`` in the resumed epoch). ``--kill-at`` SIGKILLs every process at the end
 of that optimizer step (once the last due snapshot is committed, so that the test knows which
 one the restart resumes from). At a normal end the main process writes DIR/final-MODE.safetensors.
+
+``--fsdp 2`` (or ``1``), under torchrun: the model sharded by Accelerate's FSDP plugin
+(``FullyShardedDataParallelPlugin(fsdp_version=...)``, sharded state dicts for ``save_state``),
+made to run on the CPU by ``cpu_shims.accelerate_fsdp_on_cpu``; the final state is then gathered
+from every process's shards. FSDP1 needs the model prepared before its optimizer is built.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from finalstate import write_final  # beside this script
+from finalstate import write_final, write_final_gathered  # beside this script
 from leave import leave
 from noisy import Noisy
 from torch import nn
@@ -52,14 +57,27 @@ def main() -> int:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--fsdp", type=int, choices=[0, 1, 2], default=0)
     a = p.parse_args()
     out = Path(a.out)
     # one thread: a loaded machine can make a multi-threaded kernel sum in another order (seen:
     # last-bit differences in one slow-suite run in the clean-clone CI)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    accelerator = Accelerator(gradient_accumulation_steps=a.accumulate, cpu=True)
+    plugin: Any = None
+    if a.fsdp:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from cpu_shims import accelerate_fsdp_on_cpu
+
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=a.fsdp,
+                                                state_dict_type="SHARDED_STATE_DICT")
+    accelerator = Accelerator(gradient_accumulation_steps=a.accumulate, cpu=True,
+                              fsdp_plugin=plugin)
+    if plugin is not None:
+        accelerate_fsdp_on_cpu(accelerator, plugin)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+    if a.fsdp == 1:  # FSDP1 flattens the parameters: the optimizer takes the flat ones
+        model = accelerator.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.05 * s))
     loader = DataLoader(Noisy(48), batch_size=4, shuffle=True)
@@ -111,8 +129,12 @@ def main() -> int:
         snapshots.finish()
         snapshots.close()
     accelerator.wait_for_everyone()
+    path = out / f"final-{a.mode}.safetensors"
+    if a.fsdp:  # every process takes part in gathering the shards
+        write_final_gathered(model, optimizer.optimizer, path, accelerator.is_main_process)
     if accelerator.is_main_process:
-        write_final(accelerator.unwrap_model(model), optimizer, out / f"final-{a.mode}.safetensors")
+        if not a.fsdp:
+            write_final(accelerator.unwrap_model(model), optimizer, path)
         print(f"GLOBAL_STEP {global_step} SEEN {counter.seen} STEP {accelerator.step}")
     accelerator.end_training()
     if torch.distributed.is_initialized():

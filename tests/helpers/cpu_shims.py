@@ -1,11 +1,17 @@
-"""CPU-only shims for running torchtitan 0.3.0's own models and Trainer on the CPU tests: kept
-in the tests, never in ciuic (docs/integrations.md lists them).
+"""CPU-only shims for running torchtitan 0.3.0's own models and Trainer, and Accelerate's FSDP,
+on the CPU tests: kept in the tests, never in ciuic (docs/integrations.md lists them).
 
 - ``triton``: torchtitan's model packages import three modules that import triton at the top
   (its expert-parallel kernels and two fused overrides), and triton has no CPU wheel. The
   model packages are imported against a stub, which is then taken away: torch (which has
   found triton absent before) and everything imported later see no triton. A kernel of
   theirs would fail if it were called; the CPU tests call none.
+- Accelerate's FSDP (:func:`accelerate_fsdp_on_cpu`): accelerate 1.16 makes a run FSDP only on
+  an accelerator device (``AcceleratorState`` lists ``MULTI_GPU``, ``MULTI_XPU``, ...); on the
+  CPU it stays ``MULTI_CPU`` and ``prepare`` wraps the model in DDP, ignoring the plugin without
+  a word. The shim sets the distributed type after the ``Accelerator`` is built; from there on
+  ``prepare`` (``fully_shard`` or ``FullyShardedDataParallel``), ``accumulate``, ``save_state``
+  and ``load_state`` are accelerate's own FSDP code, run on gloo.
 
 And one that is not CPU-only (:func:`torch_213_for_torchtitan`): torchtitan 0.3.0 (the newest
 release) calls ``torch.distributed.set_timeout`` after a job's first step, which torch 2.13 (the
@@ -119,3 +125,23 @@ def torchtitan_on_cpu() -> None:
     cpu.reset_peak_memory_stats = lambda device=None: None  # type: ignore[attr-defined]
     cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
     utils.device_type, utils.device_module = "cpu", cpu
+
+
+def accelerate_fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Make a CPU ``Accelerator`` (``cpu=True``, under torchrun) an FSDP one with ``plugin``,
+    before anything is prepared. Both shared states are set: each new ``AcceleratorState``
+    (accelerate builds some while preparing) copies ``PartialState``'s distributed type. FSDP1
+    also gets the device ``cpu`` rather than ``MULTI_CPU``'s ``cpu:0``: it passes the device as
+    ``device_id``, which ``FullyShardedDataParallel`` compares with its compute device."""
+    import torch
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU or accelerator._models:
+        raise RuntimeError("accelerate_fsdp_on_cpu: build Accelerator(cpu=True) under torchrun "
+                           "and call this before accelerator.prepare")
+    for state in (PartialState._shared_state, accelerator.state.__dict__):
+        state["distributed_type"] = DistributedType.FSDP
+        if plugin.fsdp_version == 1:
+            state["device"] = torch.device("cpu")
+    accelerator.state.fsdp_plugin = plugin

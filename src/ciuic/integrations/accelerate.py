@@ -26,6 +26,13 @@ without loading them, in the same order, with the same augmentation.
 Snapshots are taken at optimizer steps only (``accelerator.sync_gradients``): within a gradient
 accumulation window the gradients are part of the state, and they are not saved.
 
+Under FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the model and optimizer are
+taken as ciuic takes any FSDP2 model (:mod:`ciuic.distributed.plan`): DCP's sharded state
+dicts, each process writing its own shards, restored shard by shard (another world size
+reshards them, as for any FSDP2 snapshot; not tested under Accelerate). FSDP1 is refused (DCP
+gives its sharded state as ``ShardedTensor``s, which ciuic does not write), as are DeepSpeed,
+Megatron-LM and XLA: each with what to use instead.
+
 Under DDP, ``restore()`` pins each prepared model's gradient bucket layout before its first
 forward (:mod:`ciuic.state.ddp`), so that past two processes a resumed run adds the gradients in
 the uninterrupted run's order. ``prepare`` returns the DDP wrapper but keeps only the unwrapped
@@ -67,11 +74,7 @@ class AccelerateSnapshots:
             raise ConfigurationError(
                 "AccelerateSnapshots: the accelerator has no prepared model; build it after "
                 "model, optimizer, ... = accelerator.prepare(model, optimizer, ...)")
-        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if kind.upper() in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"):
-            raise ConfigurationError(
-                f"AccelerateSnapshots does not snapshot {kind} training yet (its state lives in "
-                "the engine); use accelerator.save_state for it")
+        refuse(accelerator)
         self.accelerator = accelerator
         self.manager = SnapshotManager(project_id, job=job, save_interval=save_interval,
                                        **manager_options)
@@ -146,6 +149,26 @@ class AccelerateSnapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def refuse(accelerator: Any) -> None:
+    """Raise ConfigurationError for the distributed types AccelerateSnapshots does not snapshot:
+    DeepSpeed, Megatron-LM and XLA (their state lives in the engine), and FSDP1 (its sharded
+    state dict is made of ``ShardedTensor``s, which ciuic does not write; FSDP2 gives
+    ``DTensor``s)."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind.upper() in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
+        raise ConfigurationError(
+            f"AccelerateSnapshots does not snapshot {kind} training yet (its state lives in "
+            "the engine); use accelerator.save_state for it")
+    if kind.upper() == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
+        raise ConfigurationError(
+            f"AccelerateSnapshots snapshots FSDP2 only, and this Accelerator runs FSDP{version} "
+            "(FullyShardedDataParallel), whose sharded state dict is made of ShardedTensors, "
+            "which ciuic does not write: set fsdp_version=2 (FullyShardedDataParallelPlugin("
+            "fsdp_version=2), or fsdp_version: 2 in the accelerate config), or use "
+            "accelerator.save_state for FSDP1")
 
 
 def ddp_wrappers(accelerator: Any) -> list[Any]:
