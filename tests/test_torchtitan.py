@@ -104,48 +104,60 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def titan(assets: Path, out: Path, config: str, kill_at: int = 0
+def titan(assets: Path, out: Path, config: str, *options: str, ranks: int = 2, kill_at: int = 0
           ) -> subprocess.CompletedProcess[str]:
-    """torchtitan's ``train.main()`` on 2 ranks, as its users run it (``--module``,
-    ``--config``; the CPU shims of tests/helpers/tt_main.py), its dump folder in ``out``; its
-    log (torchtitan's, ciuic's) in ``stdout``."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    """torchtitan's ``train.main()`` under torchrun, as its users run it (``--module``,
+    ``--config``, its own ``options``; the CPU shims of tests/helpers/tt_main.py), its dump
+    folder in ``out``; its log (torchtitan's, ciuic's) in ``stdout``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_port", str(free_port()), str(MAIN), "--module",
-               "tests.helpers.tt_configs", "--config", config, "--dump_folder", str(out)]
+               "tests.helpers.tt_configs", "--config", config, "--dump_folder", str(out),
+               *options]
     env = {**os.environ, "CIUIC_TT_ASSETS": str(assets), "CIUIC_TT_STORE": str(out / "store"),
            "CIUIC_TT_OUT": str(out), "CIUIC_TT_KILL_AT": str(kill_at),
            "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=400, env=env, cwd=Path(__file__).parents[1])
+                          timeout=600, env=env, cwd=Path(__file__).parents[1])
+
+
+TP = ("--parallelism.tensor_parallel_degree", "2")
 
 
 @pytest.mark.slow
-def test_torchtitans_own_trainer_on_its_llama3_killed_ends_bit_exact_as_its_own_resume_does(
-        assets: Path, tmp_path: Path) -> None:
-    """torchtitan's own ``train.main()`` and ``Trainer`` on its ``llama3_debugmodel`` (fused
-    QKV: its state-dict hooks split ``wqkv``; every snapshot failed before), FSDP2 on 2 ranks,
-    12 steps, a checkpoint every 4, SIGKILLed after step 6, run again: ciuic's checkpointer
-    and torchtitan's own DCP one both end with every shard equal to an uninterrupted run's
-    (nothing in this loop draws random numbers), which docs/integrations.md records."""
+@pytest.mark.parametrize(("model", "ranks", "options"), [
+    ("llama3_debugmodel", 2, ()), ("deepseek_v3_debugmodel", 2, ()),
+    ("llama3_debugmodel", 4, TP)], ids=["llama3-fsdp2", "deepseek-v3-moe-fsdp2", "llama3-fsdp2-tp"])
+def test_torchtitans_own_trainer_killed_ends_bit_exact_as_its_own_resume_does(
+        assets: Path, tmp_path: Path, model: str, ranks: int, options: tuple[str, ...]) -> None:
+    """torchtitan's own ``train.main()`` and ``Trainer`` on its own debug models, 12 steps, a
+    checkpoint every 4, SIGKILLed after step 6, run again: ciuic's checkpointer and torchtitan's
+    own DCP one both end with every shard equal to an uninterrupted run's (nothing in these
+    loops draws random numbers), which docs/integrations.md records. ``llama3_debugmodel``
+    fuses its QKV (state-dict hooks split ``wqkv``: every snapshot failed before);
+    ``deepseek_v3_debugmodel`` is an MoE (8 experts, MLA attention); FSDP2 on 2 ranks, and
+    FSDP2 with tensor parallelism (2 x 2) on 4."""
     reference = tmp_path / "reference"
-    run = finished(titan(assets, reference, "ciuic_llama3_debugmodel"))
+    run = finished(titan(assets, reference, f"ciuic_{model}", *options, ranks=ranks))
     assert "step: 12" in run.stdout
     want = final(reference)
-    assert len(want) > 300
+    assert {k.split("/")[1] for k in want if k.startswith("model/")} == {
+        f"rank{r}" for r in range(ranks)}
 
     ciuic = tmp_path / "ciuic"
-    assert titan(assets, ciuic, "ciuic_llama3_debugmodel", kill_at=6).returncode != 0
+    assert titan(assets, ciuic, f"ciuic_{model}", *options, ranks=ranks, kill_at=6
+                 ).returncode != 0
     assert not (ciuic / "final-ciuic.safetensors").exists()
-    again = finished(titan(assets, ciuic, "ciuic_llama3_debugmodel"))
+    again = finished(titan(assets, ciuic, f"ciuic_{model}", *options, ranks=ranks))
     assert "Resuming training at step 5" in again.stdout, again.stdout[-3000:]
     assert differences(want, final(ciuic)) == {}
 
     own = tmp_path / "titan"
-    assert titan(assets, own, "titan_llama3_debugmodel", kill_at=6).returncode != 0
-    again = finished(titan(assets, own, "titan_llama3_debugmodel"))
+    assert titan(assets, own, f"titan_{model}", *options, ranks=ranks, kill_at=6
+                 ).returncode != 0
+    again = finished(titan(assets, own, f"titan_{model}", *options, ranks=ranks))
     assert re.search(r"Loading the checkpoint from \S+step-4", again.stdout), again.stdout[-3000:]
     diff = differences(want, final(own, "titan"))
-    print(f"torchtitan's own resume of its llama3 under its Trainer: {len(diff)} of "
+    print(f"torchtitan's own resume of {model} on {ranks} ranks {options}: {len(diff)} of "
           f"{len(want)} tensors differ")
     assert diff == {}
 

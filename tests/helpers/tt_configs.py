@@ -78,20 +78,21 @@ def _sum_reductions(parallelize: Callable[..., nn.Module]) -> Callable[..., nn.M
     return parallelized
 
 
-def _cpu() -> Trainer.Config:
+def _cpu(config: Trainer.Config) -> Trainer.Config:
+    """torchtitan's own ``config``, with what the CPU tests change (the module's list)."""
     from torchtitan.config import CompileConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-    config = llama3_debugmodel()
     assets = os.environ["CIUIC_TT_ASSETS"]
-    spec = model_registry("debugmodel")
+    spec = config.model_spec
+    assert spec is not None
     config.model_spec = spec = dataclasses.replace(
         spec, parallelize_fn=_sum_reductions(spec.parallelize_fn))
     for layer in spec.model.layers:  # FlexAttention (the default) compiles for CUDA
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        attention = getattr(layer, "attention", None)
+        if isinstance(getattr(attention, "inner_attention", None), FlexAttention.Config):
+            attention.inner_attention = ScaledDotProductAttention.Config()
     config.hf_assets_path = assets
     config.dataloader = HuggingFaceTextDataLoader.Config(
         dataset="c4_test", dataset_path=str(Path(assets) / "data"))
@@ -109,23 +110,50 @@ def _cpu() -> Trainer.Config:
     return config
 
 
-def titan_llama3_debugmodel() -> Trainer.Config:
-    """torchtitan's llama3_debugmodel with its own DCP checkpointer, every 4 steps."""
+def _stock(name: str) -> Trainer.Config:
+    """A config of torchtitan's own registries: llama3_debugmodel, deepseek_v3_debugmodel
+    (an MoE: 8 experts; qwen3_moe_debug's 64 experts make 316 M parameters)."""
+    if name == "llama3_debugmodel":
+        from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+        return _cpu(llama3_debugmodel())
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    return _cpu(deepseek_v3_debugmodel())
+
+
+def _titan(name: str) -> Trainer.Config:
+    """torchtitan's own DCP checkpointer, every 4 steps."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    config = _cpu()
+    config = _stock(name)
     config.checkpoint = CheckpointManager.Config(
         enable=True, interval=4, folder=os.environ["CIUIC_TT_STORE"],
         last_save_model_only=False)
     return config
 
 
-def ciuic_llama3_debugmodel() -> Trainer.Config:
-    """torchtitan's llama3_debugmodel with ciuic's checkpointer, every 4 steps."""
+def _ciuic(name: str) -> Trainer.Config:
+    """ciuic's checkpointer, every 4 steps."""
     from ciuic.integrations.torchtitan import CiuicCheckpointManager
 
-    config = _cpu()
+    config = _stock(name)
     config.checkpoint = CiuicCheckpointManager.Config(
-        enable=True, interval=4, project="tt", job="llama3",
-        store=os.environ["CIUIC_TT_STORE"])
+        enable=True, interval=4, project="tt", job=name, store=os.environ["CIUIC_TT_STORE"])
     return config
+
+
+def titan_llama3_debugmodel() -> Trainer.Config:
+    return _titan("llama3_debugmodel")
+
+
+def ciuic_llama3_debugmodel() -> Trainer.Config:
+    return _ciuic("llama3_debugmodel")
+
+
+def titan_deepseek_v3_debugmodel() -> Trainer.Config:
+    return _titan("deepseek_v3_debugmodel")
+
+
+def ciuic_deepseek_v3_debugmodel() -> Trainer.Config:
+    return _ciuic("deepseek_v3_debugmodel")
