@@ -2,19 +2,20 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/helpers/ds_train.py --out DIR
         --mode ciuic|ds --stage 0|1|2|3 [--kill-at STEP] [--accumulate N] [--every N]
-        [--generator] [--batchnorm]
+        [--generator] [--batchnorm] [--step-first]
 
 An MLP with dropout on data whose ``__getitem__`` adds noise from torch's global RNG, a
 ``DistributedSampler(shuffle=True)`` (``--generator``: each rank's half of the data shuffled by
 ``DataLoader(shuffle=True, generator=torch.Generator())``), AdamW and a LambdaLR schedule handed
 to ``deepspeed.initialize``; 3 epochs (``--batchnorm``: a ``BatchNorm1d`` after the first
 layer, buffers each rank updates on its own). ``--mode ciuic`` snapshots with DeepSpeedSnapshots
-into DIR/store every ``--every`` optimizer steps; ``--mode ds`` with ``engine.save_checkpoint`` into
-DIR/ds, resuming as DeepSpeed users do (``load_checkpoint`` of the latest tag, the epoch and the
-batches to skip computed from ``global_steps``). ``--kill-at`` SIGKILLs every rank at the end of
-that optimizer step (once the last due snapshot is committed). At a normal end rank 0 writes
-DIR/final-MODE.safetensors: the module's tensors (under ZeRO-3 gathered from every rank's
-partition) and every rank's optimizer state.
+into DIR/store every ``--every`` optimizer steps (``--step-first``: restoring into an engine
+that has trained a step, on zeros, as a rollback in a running job does); ``--mode ds`` with
+``engine.save_checkpoint`` into DIR/ds, resuming as DeepSpeed users do (``load_checkpoint`` of
+the latest tag, the epoch and the batches to skip computed from ``global_steps``).
+``--kill-at`` SIGKILLs every rank at the end of that optimizer step (once the last due snapshot
+is committed). At a normal end rank 0 writes DIR/final-MODE.safetensors: the module's tensors
+(under ZeRO-3 gathered from every rank's partition) and every rank's optimizer state.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--generator", action="store_true")
     p.add_argument("--batchnorm", action="store_true")
+    p.add_argument("--step-first", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -115,6 +117,11 @@ def main() -> int:
         snapshots = DeepSpeedSnapshots(engine, "tests", job="ds", store=out / "store",
                                        save_interval=a.every, loaders=[loader],
                                        handle_signals=False)
+        if a.step_first:  # a used engine: ZeRO-3 keeps its small parameters gathered after
+            loss = nn.functional.cross_entropy(engine(torch.zeros(4, 8)),  # a step
+                                               torch.zeros(4, dtype=torch.long))
+            engine.backward(loss)
+            engine.step()
         first_epoch = snapshots.restore()
     elif (out / "ds" / "latest").exists():
         engine.load_checkpoint(str(out / "ds"))
