@@ -1,4 +1,4 @@
-"""DeepSpeed (ZeRO stages 0, 1 and 2): the engine's whole state in the snapshot chain,
+"""DeepSpeed (ZeRO stages 0, 1, 2 and 3): the engine's whole state in the snapshot chain,
 asynchronously, with each rank's RNG and data position; resumed bit-exactly.
 
 ::
@@ -19,19 +19,26 @@ asynchronously, with each rank's RNG and data position; resumed bit-exactly.
             snapshots.step(loss=loss.item())
     snapshots.finish()
 
-What a snapshot holds, against ``engine.save_checkpoint``: the module (a global state, written
-once across the data-parallel ranks, as any replicated model); under ZeRO-0 the optimizer (a
-global state too); under ZeRO-1 and -2 each rank's partition, as a per-rank state: its fp32
-master weights, its base optimizer's state (moments and **step count**, which DeepSpeed's own
-ZeRO-1/2 checkpoints can lose, deepspeed #4396), the loss scaler's values, the overflow and
-clipping settings; the LR scheduler; the engine's counters (global steps and samples, skipped
-and micro steps); each rank's RNG (DeepSpeed saves none) and each given loader's position. All
-of it as plain trees and tensors: nothing is pickled, and nothing of DeepSpeed's own classes is
-stored (the loss scaler's numbers are set back on the live scaler).
+What a snapshot holds, against ``engine.save_checkpoint``: under ZeRO-0, -1 and -2 the module
+(a global state, written once across the data-parallel ranks, as any replicated model); under
+ZeRO-0 the optimizer (a global state too); under ZeRO-1 and -2 each rank's partition, as a
+per-rank state: its fp32 master weights, its base optimizer's state (moments and **step
+count**, which DeepSpeed's own ZeRO-1/2 checkpoints can lose, deepspeed #4396), the loss
+scaler's values, the overflow and clipping settings. Under ZeRO-3 the module's parameters are
+partitioned too (its ``state_dict()`` holds placeholders), so there is no global state: each
+rank's per-rank state holds its fp32 master partition, the bit16 partition its parameters'
+``ds_tensor`` view, the base optimizer's state (moments, step count), the loss scaler's values,
+overflow and clipping, and the module's buffers (not partitioned; BatchNorm statistics are
+each rank's own, as each rank updates them). Then, at every stage: the LR scheduler; the
+engine's counters (global steps and samples, skipped and micro steps); each rank's RNG
+(DeepSpeed saves none) and each given loader's position. All of it as plain trees and tensors:
+nothing is pickled, and nothing of DeepSpeed's own classes is stored (the loss scaler's
+numbers are set back on the live scaler).
 
 A ZeRO partition belongs to one data-parallel rank of one world size: a snapshot restores onto
-the world size that wrote it, and refuses another with the reason (DeepSpeed's universal
-checkpoint conversion is the way to change it).
+the ZeRO stage, world size and model that wrote it, and refuses another with the reason
+(DeepSpeed's universal checkpoint conversion is the way to reshape a DeepSpeed checkpoint).
+ZeRO-3 with NVMe offload (partitions in swap files) is refused when the engine is wrapped.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ciuic.errors import ConfigurationError
+from ciuic.errors import ConfigurationError, StateMismatch
 from ciuic.format.info import SnapshotInfo
 from ciuic.integrations._loaders import LoaderPosition
 from ciuic.manager import SnapshotManager
@@ -56,6 +63,46 @@ def _plain(obj: Any) -> dict[str, Any]:
     """The plain-valued attributes of a DeepSpeed object (a loss scaler)."""
     return {k: v for k, v in vars(obj).items()
             if isinstance(v, (bool, int, float, str)) or v is None}
+
+
+def _scalars(o: Any) -> dict[str, Any]:
+    """A ZeRO optimizer's loss scaler (its numbers), overflow and clipping."""
+    return {"loss_scaler": _plain(o.loss_scaler), "dynamic_loss_scale": bool(o.dynamic_loss_scale),
+            "overflow": bool(o.overflow), "clip_grad": float(o.clip_grad)}
+
+
+def _set_scalars(o: Any, state: dict[str, Any]) -> None:
+    for k, v in state["loss_scaler"].items():
+        if hasattr(o.loss_scaler, k):  # set back on the live scaler: none of its class stored
+            setattr(o.loss_scaler, k, v)
+    o.dynamic_loss_scale = bool(state["dynamic_loss_scale"])
+    o.overflow = bool(state["overflow"])
+    o.clip_grad = float(state["clip_grad"])
+
+
+def _stage_of(layout: dict[str, Any]) -> int:
+    """The ZeRO stage a partition's layout was written at (ZeRO-1/2's name no stage)."""
+    return int(layout.get("stage") or (2 if layout.get("gradients_partitioned") else 1))
+
+
+def _check_layout(saved: Any, want: dict[str, Any]) -> None:
+    """ConfigurationError, saying what differs, unless a snapshot's partition layout is this
+    engine's: a partition belongs to one data-parallel rank of one world size."""
+    if saved == want:
+        return
+    if not isinstance(saved, dict):
+        why = f"the snapshot's ZeRO state names no layout ({saved!r})"
+    elif _stage_of(saved) != _stage_of(want):
+        why = (f"it was written at ZeRO stage {_stage_of(saved)}, this engine runs stage "
+               f"{_stage_of(want)}")
+    else:
+        why = "; ".join(f"{k}: snapshot {saved.get(k)}, this run {v}" for k, v in want.items()
+                        if saved.get(k) != v)
+    raise ConfigurationError(
+        f"this ZeRO partition does not fit this engine: {why}. A ZeRO snapshot restores onto "
+        "the ZeRO stage, data-parallel world size (partition_count) and model (sizes, params) "
+        "that wrote it: run with those (DeepSpeed's universal checkpoint conversion is the way "
+        "to reshape a DeepSpeed checkpoint)")
 
 
 class ZeroPartition:
@@ -73,31 +120,103 @@ class ZeroPartition:
     def state_dict(self) -> dict[str, Any]:
         o = self.optimizer
         return {"layout": self._layout(), "base": o.optimizer.state_dict(),
-                "fp32": list(o.single_partition_of_fp32_groups),
-                "loss_scaler": _plain(o.loss_scaler),
-                "dynamic_loss_scale": bool(o.dynamic_loss_scale), "overflow": bool(o.overflow),
-                "clip_grad": float(o.clip_grad)}
+                "fp32": list(o.single_partition_of_fp32_groups)} | _scalars(o)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         o = self.optimizer
-        want = self._layout()
-        if state.get("layout") != want:
-            raise ConfigurationError(
-                f"this ZeRO partition was written by another layout ({state.get('layout')}; "
-                f"this run: {want}): a ZeRO-1/2 snapshot restores onto the world size and "
-                "ZeRO stage that wrote it. Run with those, or convert with DeepSpeed's "
-                "universal checkpoint tools")
+        _check_layout(state.get("layout"), self._layout())
         o.optimizer.load_state_dict(state["base"])
         with torch.no_grad():
             for live, saved in zip(o.single_partition_of_fp32_groups, state["fp32"],
                                    strict=True):
                 live.copy_(saved)
-        for k, v in state["loss_scaler"].items():
-            if hasattr(o.loss_scaler, k):
-                setattr(o.loss_scaler, k, v)
-        o.dynamic_loss_scale = bool(state["dynamic_loss_scale"])
-        o.overflow = bool(state["overflow"])
-        o.clip_grad = float(state["clip_grad"])
+        _set_scalars(o, state)
+
+
+def _module_buffers(module: Any) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers by state-dict name (what ``state_dict()`` holds besides
+    parameters): ZeRO-3 partitions parameters, never buffers."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in module.named_modules():
+        for name, buf in m._buffers.items():
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+class Zero3Partition:
+    """One rank's part of a ZeRO-3 engine (parameters partitioned): a per-rank extra of the
+    snapshot. It holds what the module's ``state_dict()`` cannot (outside a forward its
+    parameters are empty placeholders, or gathered copies): this rank's fp32 master partition,
+    the bit16 partition its parameters' ``ds_tensor`` view, the base optimizer's state, the
+    loss scaler's numbers, overflow and clipping; and the module's buffers (not partitioned:
+    each rank's own, as each rank updates them)."""
+
+    def __init__(self, engine: Any) -> None:
+        o = engine.optimizer
+        if not hasattr(o, "fp32_partitioned_groups_flat"):
+            raise ConfigurationError(
+                f"this ZeRO-3 engine has no ZeRO-3 optimizer (it has {type(o).__name__}): "
+                "DeepSpeedSnapshots snapshots training; give deepspeed.initialize the optimizer")
+        if getattr(o, "swap_optimizer", False) or any(
+                f is None for f in o.fp16_partitioned_groups_flat):
+            raise ConfigurationError(
+                "this ZeRO-3 engine offloads to NVMe (offload_optimizer or offload_param device "
+                "'nvme'): its partitions live in swap files, which DeepSpeedSnapshots does not "
+                "read. Offload to 'cpu' or not at all, or use engine.save_checkpoint")
+        self.engine = engine
+        self.optimizer = o
+
+    def _layout(self) -> dict[str, Any]:
+        o = self.optimizer
+        return {"stage": 3, "partition_count": int(o.partition_count),
+                "sizes": [int(t.numel()) for t in o.fp32_partitioned_groups_flat],
+                "params": [[int(p.ds_numel) for p in g] for g in o.fp16_groups]}
+
+    def state_dict(self) -> dict[str, Any]:
+        o = self.optimizer
+        # between steps ZeRO-3 leaves the base optimizer's groups empty: the fp32 partitions
+        # are put in for the call, as DeepSpeed's own state_dict does
+        o._set_fp32_optimizer_param_groups()
+        try:
+            base = o.optimizer.state_dict()
+        finally:
+            o._clear_fp32_optimizer_param_groups()
+        return {"layout": self._layout(), "base": base,
+                "fp32": list(o.fp32_partitioned_groups_flat),
+                "bit16": list(o.fp16_partitioned_groups_flat),
+                "buffers": _module_buffers(self.engine.module)} | _scalars(o)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """What DeepSpeed's ``load_checkpoint`` does at ZeRO-3, from the snapshot's tensors:
+        every parameter partitioned first (no gathered copy goes stale), the partitions
+        copied in, the persistent parameters gathered again (as after a step)."""
+        o = self.optimizer
+        _check_layout(state.get("layout"), self._layout())
+        buffers = _module_buffers(self.engine.module)
+        if sorted(state["buffers"]) != sorted(buffers):
+            raise ConfigurationError(
+                f"the snapshot's module buffers ({', '.join(sorted(state['buffers']))}) are "
+                f"not this module's ({', '.join(sorted(buffers))}): restore onto the model "
+                "that wrote it")
+        o.checkpoint_event_prologue()
+        o._set_fp32_optimizer_param_groups()
+        try:
+            o.optimizer.load_state_dict(state["base"])
+        finally:
+            o._clear_fp32_optimizer_param_groups()
+        with torch.no_grad():
+            for live, saved in zip(o.fp32_partitioned_groups_flat, state["fp32"], strict=True):
+                live.copy_(saved)
+            for live, saved in zip(o.fp16_partitioned_groups_flat, state["bit16"],
+                                   strict=True):
+                live.copy_(saved)
+            for name, buf in buffers.items():
+                buf.copy_(state["buffers"][name])
+        for i in range(len(o.fp16_partitioned_groups_flat)):
+            o._unflatten_partitioned_parameters(i)  # each param.ds_tensor a view of its flat
+        _set_scalars(o, state)
+        o.checkpoint_event_epilogue()
 
 
 class DeepSpeedSnapshots:
@@ -116,16 +235,15 @@ class DeepSpeedSnapshots:
             raise TypeError(f"DeepSpeedSnapshots takes a DeepSpeed engine (deepspeed.initialize"
                             f"'s first value), got {type(engine).__name__}")
         stage = int(engine.zero_optimization_stage())
-        if stage > 2:
-            raise ConfigurationError(
-                f"DeepSpeedSnapshots supports ZeRO stages 0, 1 and 2; this engine runs stage "
-                f"{stage} (parameters partitioned): use engine.save_checkpoint for it")
         self.engine = engine
         self.stage = stage
+        # first: a ZeRO-3 engine it cannot snapshot is refused before the manager starts
+        self.zero: ZeroPartition | Zero3Partition | None = (
+            Zero3Partition(engine) if stage == 3 else ZeroPartition(engine.optimizer) if stage
+            else None)
         self.manager = SnapshotManager(project_id, job=job, save_interval=save_interval,
                                        **manager_options)
         self.positions = [LoaderPosition(dl) for dl in loaders]
-        self.zero = ZeroPartition(engine.optimizer) if stage else None
         self._steps_seen = int(engine.global_steps)
         self.restored: SnapshotInfo | None = None
 
@@ -141,14 +259,23 @@ class DeepSpeedSnapshots:
             extras["lr_scheduler"] = e.lr_scheduler
         extras["deepspeed"] = {k: int(getattr(e, k)) for k in _COUNTERS} | {
             "zero_stage": self.stage}
-        return e.module, optimizer, extras
+        # under ZeRO-3 the module's parameters are each rank's partition ("zero"), and its
+        # state_dict() holds placeholders: no global model state
+        return (None if self.stage == 3 else e.module), optimizer, extras
 
     def restore(self, snapshot: str | None = None) -> int:
         """Load the job's latest snapshot (or ``snapshot``) into the engine. Returns the epoch
         to start at (0 for a new job), from the first loader's position."""
         model, optimizer, extras = self._states()
         extras.pop("deepspeed")
-        step = self.manager.restore(model, optimizer, snapshot=snapshot, **extras)
+        try:
+            step = self.manager.restore(model, optimizer, snapshot=snapshot, **extras)
+        except StateMismatch as e:
+            raise StateMismatch(
+                f"{e}\n(This engine runs ZeRO stage {self.stage}; a DeepSpeedSnapshots snapshot "
+                "restores only onto the ZeRO stage that wrote it: ZeRO-3's hold each rank's "
+                "parameter partition and no module state, ZeRO-0/1/2's the module as one "
+                "global state. If another stage wrote this one, run with that stage.)") from e
         if step is None:
             return 0
         self.restored = self.manager.restored
