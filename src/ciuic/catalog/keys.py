@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from ciuic.catalog import Catalog
+from ciuic.catalog.index import Catalog
 from ciuic.catalog.models import ApiKey, AuditEvent
 from ciuic.errors import ConfigurationError
 from ciuic.format.layout import check_name

@@ -320,7 +320,7 @@ class SnapshotManager:
         self._restore_called = True
         pin_buckets(model)  # every run of a DDP job reduces in one layout (state/ddp.py)
         done = self._recovery.restore(model, optimizer, extras, snapshot)
-        self._reserve(model, optimizer, restored=done is not None)
+        self._pipeline.reserve_after_restore(model, optimizer, restored=done is not None)
         if done is None:
             return None
         info = done.info
@@ -329,28 +329,6 @@ class SnapshotManager:
         self._session.event("restore", info.step, info.id)
         log.info("Resuming training at step %d", info.step + 1)
         return info.step
-
-    def _reserve(self, model: Any, optimizer: Any, restored: bool) -> None:
-        """After a restore (or none to make), the state's shape is known: allocate the staging
-        buffers in the background, so that the first snapshot only copies, whether ``step()``
-        or ``save_async()`` takes it (into fresh memory the copy of the 1 GiB state took
-        0.08-4.7 s on the VM, its pages faulted in one by one; into buffers allocated ahead,
-        0.04-0.06 s). With nothing restored, an optimizer has no state until its first step:
-        ``step()`` reserves again then, for what appeared. Only the model's and optimizer's
-        (the bytes): an extra's ``state_dict()`` may act on it before training has begun
-        (torchdata's loader starts a pass, which draws from torch's RNG and shifted a resumed
-        torchtitan run). Advice only: state that cannot be captured now (an optimizer that
-        cannot describe itself before its first step, as Megatron's distributed one) is left
-        for ``step()``, which raises where it must."""
-        if self._pipeline.reserved:
-            return
-        try:
-            self._pipeline.reserve(model, optimizer, {})
-        except Exception as e:
-            restored = False
-            log.debug("staging buffers not reserved after the restore: %s", e)
-        if not restored:  # step() reserves (again)
-            self._pipeline.reserved = False
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
 
@@ -374,19 +352,9 @@ class SnapshotManager:
         try:
             info = self.save(step, model, optimizer, **extras)
         except (CiuicError, OSError) as e:  # counted and logged by the pipeline already
-            if emergency:
-                log.error("Emergency snapshot at step %d failed: %s", step, e)
-            else:
-                latest = self._pipeline.last_committed_step
-                log.error("the final snapshot at step %d failed (%s); %s", step, e,
-                          "this run committed no snapshot and restored none" if latest is None
-                          else f"the latest snapshot is step {latest}")
+            _said_last(step, emergency, error=e, latest=self._pipeline.last_committed_step)
             return
-        if emergency:
-            log.warning("Emergency snapshot at step %d saved (%s); exiting (run the job again "
-                        "to resume from it)", step, info.short_id)
-        else:
-            log.info("Final snapshot at step %d saved (%s)", step, info.short_id)
+        _said_last(step, emergency, saved=info.short_id)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -437,6 +405,24 @@ class SnapshotManager:
             self._last_state = None  # the objects are the caller's: not kept past the close
             self.wait()
             self._save_last(step, model, optimizer, extras)
+
+
+def _said_last(step: int, emergency: bool, *, saved: str = "", error: BaseException | None = None,
+               latest: int | None = None) -> None:
+    """Say how the emergency or the final snapshot of ``step`` went: ``saved`` (its short ID),
+    or ``error`` (``latest``: the latest committed step)."""
+    if error is None:
+        if emergency:
+            log.warning("Emergency snapshot at step %d saved (%s); exiting (run the job again "
+                        "to resume from it)", step, saved)
+        else:
+            log.info("Final snapshot at step %d saved (%s)", step, saved)
+    elif emergency:
+        log.error("Emergency snapshot at step %d failed: %s", step, error)
+    else:
+        log.error("the final snapshot at step %d failed (%s); %s", step, error,
+                  "this run committed no snapshot and restored none" if latest is None
+                  else f"the latest snapshot is step {latest}")
 
 
 if SnapshotManager.__doc__ is not None:  # None under python -OO
