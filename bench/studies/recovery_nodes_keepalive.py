@@ -1,7 +1,7 @@
 """How long torch's c10d rendezvous keeps a lost node's slot, by its keep-alive settings, and
 what an agent that stalls (a GC pause, a loaded machine) does to a running job.
 
-    .venv/bin/python bench/recovery_nodes_keepalive.py [--rounds 3] [--stall 3]
+    .venv/bin/python bench/studies/recovery_nodes_keepalive.py [--rounds 3] [--stall 3]
         [--json FILE]   # default: bench/results/recovery_nodes_keepalive-<date>.json
 
 Root only: 2 simulated nodes (network namespaces on a bridge, tests/netns.py), plain torchrun
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench.recovery import summary  # noqa: E402
 from bench.recovery_nodes import fresh, load, machine  # noqa: E402

@@ -1,7 +1,7 @@
 """What a Ceph cluster below ``min_size`` costs a client and a training job (issue 42, item 14):
 how long each store call takes to fail, and how long ``step()`` waits with ``on_busy="wait"``.
 
-    .venv/bin/python bench/ceph_min_size.py [--op-timeout 5] [--json FILE]
+    .venv/bin/python bench/studies/ceph_min_size.py [--op-timeout 5] [--json FILE]
 
 Starts the test cluster of tests/cluster.py (3 OSDs, pools 3/2, ``rados osd op timeout`` and
 ``rados mon op timeout`` ``--op-timeout`` s) on 127.0.0.1, trains a small model with
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests import cluster  # noqa: E402

@@ -1,6 +1,6 @@
 """Would writing chunks while the stall still copies (naming them after) beat today's order?
 
-    .venv/bin/python bench/overlap_study.py [--rounds 5] [--dir /var/tmp/ciuic-overlap]
+    .venv/bin/python bench/studies/overlap_study.py [--rounds 5] [--dir /var/tmp/ciuic-overlap]
 
 A bare emulation of a full snapshot of bench/run.py's module state (its tensors of 4 MiB or
 more, 0.98 GiB), without ciuic, interleaved round by round:
@@ -35,7 +35,7 @@ import blake3
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: measure, states
 
 from measure import fsync_path, machine, summary
 from states import module_state
