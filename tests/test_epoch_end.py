@@ -1,5 +1,6 @@
 """A snapshot taken after the last batch of an epoch resumes at the next epoch's first batch,
-whichever way the loop finds its epoch (issue 44: Megatron's loop lost an epoch whole)."""
+whichever way the loop finds its epoch (issue 44: Megatron's loop lost an epoch whole); a
+position started over (another data split's, after a data-parallel change) is not used."""
 
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ def test_a_resumable_sampler_at_an_epochs_end_serves_both_conventions() -> None:
     fresh = ResumableSampler(10, seed=1)
     fresh.set_epoch(1)
     assert list(nxt) == list(fresh)
+
+
+def test_a_position_started_over_begins_the_pass_the_loop_sets_at_its_first_batch() -> None:
+    """After a data-parallel change (MegatronSnapshots) a saved position is another split's:
+    ``start_over`` drops it, and the next pass is the epoch the loop set, whole, from its first
+    batch, where the restored position alone would have skipped the batches it had consumed."""
+    torch.manual_seed(0)
+    _, saved = epoch_loop(1, iteration=0, snapshot_at=3)  # 3 of epoch 0's 5 batches trained
+    assert saved is not None and saved["loader"]["consumed"] == 3
+
+    def first_pass(start_over: bool) -> list[list[float]]:
+        dl, sampler, position = loader()
+        position.load_state_dict(saved["loader"])
+        set_rng_state(saved["rng"])
+        position.fetch.restored()
+        if start_over:
+            position.start_over()
+        sampler.set_epoch(0)
+        return [b.tolist() for b in dl]
+
+    assert len(first_pass(start_over=False)) == BATCHES - 3  # the position skips by itself
+    whole = first_pass(start_over=True)
+    assert len(whole) == BATCHES
+    dl, sampler, _ = loader()
+    sampler.set_epoch(0)  # the samples (a sample's value is its index plus noise in [0, 1))
+    assert [[int(x) for x in b] for b in whole] == [[int(x) for x in b.tolist()] for b in dl]

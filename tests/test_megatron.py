@@ -1,8 +1,10 @@
 """megatron-core with ciuic on CPU (gloo), 2 ranks under torchrun (tests/helpers/mg_train.py: a
 tiny GPTModel, local layer spec, learned absolute positions, fp32, dropout, noisy data):
 SIGKILLed mid-epoch, run again, every rank's model and optimizer tensors compared with an
-uninterrupted run's, at TP=2, PP=2 and TP1xDP2 with the distributed optimizer; a restore onto
-another layout (TP2 -> TP1xDP2); Megatron's own ``dist_checkpointing`` resume alongside.
+uninterrupted run's, at TP=2, PP=2 and TP1xDP2 with the distributed optimizer; the same after
+a snapshot at an epoch's end; a restore onto another layout (TP2 -> TP1xDP2); the distributed
+optimizer resharded DP=2 -> DP=4 -> DP=2 (4 ranks), every global tensor compared right after
+each restore with the saving run's; Megatron's own ``dist_checkpointing`` resume alongside.
 
 The CPU shims megatron-core needs live in tests/helpers/mg_cpu.py only. Every process a run
 started is SIGKILLed at its end (tests/helpers/mg_run.py): Megatron's checkpoint writer
@@ -11,9 +13,11 @@ processes outlive a killed rank, and held the output pipes open until the test t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,13 +107,16 @@ def test_distributed_optimizer_killed_mid_epoch_ends_bit_exact(tmp_path: Path) -
     assert differences(ref, resumed) == {}
 
 
-def _global(state: dict[str, object]) -> dict[str, object]:
-    """Every global tensor, assembled from every rank's boxes (``rankR/KEY@OFFSETS``)."""
+def _global(state: dict[str, object], *, gaps: bool = False) -> dict[str, object]:
+    """Every global tensor, assembled from every rank's boxes (``rankR/KEY@OFFSETS``; the
+    distributed optimizer's by parameter too: ``rankR/main/NAME/STATE@START``). ``gaps``: NaN
+    where no box is (the padding between parameters in the distributed optimizer's buckets,
+    which the helper leaves out); else every element must be covered."""
     import torch
 
     pieces: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     for name, t in state.items():
-        if "/" in name and isinstance(t, torch.Tensor):
+        if "/" in name and "@" in name and isinstance(t, torch.Tensor):
             key, offsets = name.split("/", 1)[1].rsplit("@", 1)
             pieces.setdefault(key, {})[tuple(int(o) for o in offsets.split(","))] = t
     out: dict[str, object] = {}
@@ -119,7 +126,7 @@ def _global(state: dict[str, object]) -> dict[str, object]:
         whole = torch.full(shape, float("nan"), dtype=first.dtype)
         for o, t in boxes.items():
             whole[tuple(slice(a, a + n) for a, n in zip(o, t.shape, strict=True))] = t
-        assert not whole.isnan().any(), key
+        assert gaps or not whole.isnan().any(), key
         out[key] = whole
     return out
 
@@ -202,7 +209,8 @@ def test_the_distributed_optimizer_onto_another_tp_is_refused_and_the_model_alon
     args = ("--dist-opt", "--no-loader-state")
     finished(train(tmp_path, "--tp", "2", "--steps", "5", *args))
     def model(out: Path) -> dict[str, object]:  # the dp_reshardable buckets have gaps
-        return _global({k: v for k, v in final(out).items() if "/optimizer." not in k})
+        return _global({k: v for k, v in final(out).items()
+                        if "/optimizer." not in k and "/main/" not in k})
 
     before = model(tmp_path)
     (tmp_path / "final-ciuic.safetensors").unlink()
@@ -214,6 +222,99 @@ def test_the_distributed_optimizer_onto_another_tp_is_refused_and_the_model_alon
     after = model(tmp_path)
     assert before.keys() == after.keys() and before
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def _not_equal(saved: dict[str, object], restored: dict[str, object]) -> list[str]:
+    """What differs between two dumps of the helper's state, on any data-parallel size (each
+    global tensor assembled from its ranks' boxes): the model's weights, each parameter's fp32
+    master weight and Adam moments (``main/NAME/STATE``) and step count (``step/NAME``, on
+    every rank that holds part of it), the distributed optimizer's buckets (the padding between
+    parameters left out), the learning rate and the iteration. Nothing is missing from either."""
+    import torch
+
+    a, b = _global(saved, gaps=True), _global(restored, gaps=True)
+    assert a.keys() == b.keys()
+    counted = {n.split("/", 2)[2] for n in saved if "/step/" in n}
+    for state in ("param", "exp_avg", "exp_avg_sq"):  # every parameter's, whole (below)
+        assert {k[5:].rsplit("/", 1)[0] for k in a if k.endswith("/" + state)} == counted
+    assert len(counted) > 20 and any(k.startswith("decoder.") for k in a)
+    for k in a:
+        if not k.startswith("optimizer.distributed."):
+            assert not a[k].isnan().any() and not b[k].isnan().any(), k  # type: ignore[union-attr]
+
+    def same(x: Any, y: Any) -> bool:
+        gap = x.isnan()
+        return torch.equal(gap, y.isnan()) and torch.equal(x[~gap], y[~gap])
+
+    def steps(state: dict[str, object]) -> dict[str, set[float]]:
+        out: dict[str, set[float]] = {}
+        for name, t in state.items():
+            if "/step/" in name and isinstance(t, torch.Tensor):
+                out.setdefault(name.split("/", 2)[2], set()).add(float(t))
+        return out
+
+    differ = [k for k in a if not same(a[k], b[k])]
+    differ += ["step counts"] * (steps(saved) != steps(restored) or not steps(saved))
+    return differ + [k for k in ("lr", "iteration") if not torch.equal(
+        saved[k], restored[k])]  # type: ignore[arg-type]
+
+
+def _split_parameters(state: dict[str, object]) -> int:
+    """The parameters whose master weight a rank holds from an element past the first: those
+    the data-parallel shards cut through."""
+    return len({k.split("/", 2)[2].split("/")[0] for k in state
+                if re.fullmatch(r"rank\d+/main/.+/param@[1-9]\d*", k)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_distributed_optimizer_reshards_dp2_to_dp4_and_back_exactly(tmp_path: Path) -> None:
+    """TP1 PP1 with the distributed optimizer: 12 iterations on 2 ranks (DP=2), restored on 4
+    (DP=4), 4 more, restored on 2 again. Right after each restore, before any step, every
+    global tensor (the model, each parameter's fp32 master weight, exp_avg, exp_avg_sq and step
+    assembled from the ranks' shards) equals the saving run's at its snapshot, bit for bit.
+    The loaders' positions (another split's) are not used across a DP change: the loaders
+    start a pass at its beginning and the loop skips by the iteration."""
+    from safetensors.torch import load_file
+
+    args = ("--tp", "1", "--dist-opt", "--every", "6")
+    finished(train(tmp_path, *args, "--steps", "12"))
+    saved = final(tmp_path)  # the state at the snapshot of iteration 12 (finish())
+    four = finished(train(tmp_path, *args, "--steps", "16", "--dump-after-restore", ranks=4))
+    assert resumed_at(four, "Megatron loop") == 12
+    assert "resharded from TP1 PP1 DP2" in four.stderr and "TRAINED 4" in four.stdout
+    assert "the data-parallel size changed (2 -> 4)" in four.stderr
+    restored: dict[str, object] = load_file(str(tmp_path / "restored-ciuic.safetensors"))
+    assert any(k.startswith("rank3/main/") for k in restored)
+    # DP=4 cuts parameters that DP=2 held whole: the boxes are not the saved ones
+    assert _split_parameters(restored) > _split_parameters(saved)
+    assert _not_equal(saved, restored) == []
+
+    saved = final(tmp_path)  # iteration 16, written on 4 ranks
+    two = finished(train(tmp_path, *args, "--steps", "18", "--dump-after-restore"))
+    assert resumed_at(two, "Megatron loop") == 16
+    assert "resharded from TP1 PP1 DP4" in two.stderr and "TRAINED 2" in two.stdout
+    assert "the data-parallel size changed (4 -> 2)" in two.stderr
+    restored = load_file(str(tmp_path / "restored-ciuic.safetensors"))
+    assert _not_equal(saved, restored) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_snapshot_at_an_epochs_end_resumes_with_the_next_epoch_bit_exact(
+        tmp_path: Path) -> None:
+    """TP1xDP2, the distributed optimizer, 6 batches per epoch per rank: the snapshot of
+    iteration 12 is taken after epoch 1's last batch; killed at 13, resumed with the loader
+    state. The loop sets epoch 2 (12 // 6) and the loader starts it from its first batch, as
+    the uninterrupted run did (before 2026-12-05 it skipped that whole epoch)."""
+    args = ("--tp", "1", "--dist-opt", "--every", "6")
+    ref = finished(train(tmp_path / "a", *args))
+    assert "TRAINED 18" in ref.stdout
+    killed(train(tmp_path / "b", *args, "--kill-at", "13"))
+    again = finished(train(tmp_path / "b", *args))
+    assert resumed_at(again, "Megatron loop") == 12
+    assert "TRAINED 6" in again.stdout and "ITERATION 18" in again.stdout
+    assert differences(final(tmp_path / "a"), final(tmp_path / "b")) == {}
 
 
 def test_misuse_is_a_clear_error(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/helpers/mg_train.py --out DIR --mode ciuic|megatron
         [--tp N] [--pp N] [--dist-opt] [--kill-at STEP] [--every N] [--steps N]
-        [--device cuda] [--no-loader-state] [--hidden N] [--model-only]
+        [--device cuda] [--no-loader-state] [--hidden N] [--model-only] [--dump-after-restore]
 
 ``GPTModel`` with the local layer spec (no fused kernels), learned absolute positions, fp32,
 dropout; Megatron's DDP wrapper, its Adam (``--dist-opt``: the distributed optimizer) and an
@@ -13,7 +13,10 @@ DIR/store every ``--every`` iterations; ``--mode megatron`` with Megatron's own
 checkpoint, the trained batches skipped). ``--kill-at`` SIGKILLs every rank at the end of that
 iteration (once the last due snapshot is committed). At a normal end rank 0 writes
 DIR/final-MODE.safetensors: every rank's model and optimizer tensors, as Megatron's sharded
-state dict names them.
+state dict names them, and the distributed optimizer's by parameter (``main/NAME/STATE@START``,
+``step/NAME``: see ``master_shards``), then prints TRAINED (iterations this run trained) and
+ITERATION. ``--dump-after-restore``: the same, right after a restore, before any step, into
+DIR/restored-ciuic.safetensors.
 
 ``--device cuda`` (tests/test_cuda_megatron.py): NCCL, bf16 parameters, deterministic kernels,
 Megatron's real CUDA RNG tracker, no CPU shims.
@@ -144,6 +147,32 @@ def tensors(model: Any, opt: Any) -> dict[str, torch.Tensor]:
             out[name] = x.data.detach().cpu().clone().contiguous().reshape(box)
 
     visit(sd)
+    return out | master_shards(model, opt)
+
+
+def master_shards(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """The distributed optimizer's state of this rank by parameter: ``main/NAME/STATE@START``,
+    the slice of the parameter's flattened fp32 master weight (``param``) or moment that this
+    rank holds, from element START; ``step/NAME`` its step count. Assembled across ranks, each
+    parameter's whole state (whatever the bucket layout of the data-parallel size)."""
+    out: dict[str, torch.Tensor] = {}
+    names = {p: n for n, p in model.module.named_parameters()}
+    for o in getattr(opt, "chained_optimizers", [opt]) if opt is not None else []:
+        if type(o).__name__ != "DistributedOptimizer":
+            continue
+        for param, name in names.items():
+            if param not in o.model_param_gbuf_map:
+                continue
+            gbuf, dtype, bucket = o.model_param_gbuf_map[param]
+            ranges = o.gbuf_ranges[gbuf][dtype][bucket]["param_map"].get(param)
+            if ranges is None:
+                continue  # wholly in another rank's shard
+            start = ranges["param"].start
+            for k, v in o._get_main_param_and_optimizer_states(param).items():
+                if k == "step":
+                    out[f"step/{name}"] = v.detach().cpu().clone().reshape(())
+                else:
+                    out[f"main/{name}/{k}@{start}"] = v.detach().cpu().clone().reshape(-1)
     return out
 
 
@@ -163,6 +192,8 @@ def main() -> int:
     # after a data-parallel change a saved loader position is another sampler's: the loop
     # skips the trained batches itself, from the iteration, as Megatron-LM does
     p.add_argument("--no-loader-state", action="store_true")
+    # DIR/restored-ciuic.safetensors: the state right after restore(), before any step
+    p.add_argument("--dump-after-restore", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     if a.device == "cuda":
@@ -196,13 +227,19 @@ def main() -> int:
                                       loaders=[] if a.no_loader_state else [loader],
                                       handle_signals=False)
         iteration = snapshots.restore()
-        skip = iteration % per_epoch if a.no_loader_state else 0
+        # the loader resumes mid-epoch by itself, unless its position was not restored (none
+        # given, or a data-parallel change): the loop skips by the iteration
+        skip = 0 if snapshots.data_resumed else iteration % per_epoch
+        if a.dump_after_restore and iteration:
+            dump(out / "restored-ciuic.safetensors", model, None if a.model_only else opt,
+                 opt.param_groups[0]["lr"], iteration)
     elif (out / "mg" / "latest").exists():
         iteration = own_load(out, model, opt, sched)
         skip = iteration % per_epoch
         if dist.get_rank() == 0:
             print(f"Resuming the Megatron loop at global step {iteration}", file=sys.stderr)
     step = get_forward_backward_func()
+    trained = 0  # iterations this run trained
     while iteration < a.steps:
         epoch = iteration // per_epoch
         sampler.set_epoch(epoch)
@@ -218,6 +255,7 @@ def main() -> int:
             opt.step()
             sched.step(increment=MICRO * dp_size)
             iteration += 1
+            trained += 1
             if snapshots is not None:
                 snapshots.step(iteration)
             elif iteration % a.every == 0:
@@ -231,19 +269,29 @@ def main() -> int:
     if snapshots is not None:
         snapshots.finish()
         snapshots.close()
-    parts: list[Any] = [None] * dist.get_world_size()
     # a distributed optimizer that never stepped cannot make its state dict (megatron-core 0.16)
-    dist.all_gather_object(parts, tensors(model, None if a.model_only else opt))
+    dump(out / f"final-{a.mode}.safetensors", model, None if a.model_only else opt,
+         opt.param_groups[0]["lr"], iteration)
     if dist.get_rank() == 0:
-        from safetensors.torch import save_file
-
-        merged = {f"rank{r}/{k}": v for r, part in enumerate(parts) for k, v in part.items()}
-        merged["lr"] = torch.tensor([opt.param_groups[0]["lr"]], dtype=torch.float64)
-        save_file(merged, str(out / f"final-{a.mode}.safetensors"))
+        print(f"TRAINED {trained}")
         print(f"ITERATION {iteration} LR {opt.param_groups[0]['lr']:.6g}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def dump(path: Path, model: Any, opt: Any, lr: float, iteration: int) -> None:
+    """Every rank's tensors (``rankR/NAME``), the learning rate and the iteration, written by
+    rank 0 to ``path``."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors(model, opt))
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        merged = {f"rank{r}/{k}": v for r, part in enumerate(parts) for k, v in part.items()}
+        merged["lr"] = torch.tensor([lr], dtype=torch.float64)
+        merged["iteration"] = torch.tensor([iteration])
+        save_file(merged, str(path))
 
 
 def own_state(model: Any, opt: Any, sched: Any, iteration: int) -> dict[str, Any]:

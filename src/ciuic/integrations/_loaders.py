@@ -78,6 +78,12 @@ class LoaderPosition:
         self.passes += 1
         self.fetch.at(0)
 
+    def start_over(self) -> None:
+        """Forget a restored position (another data split's): the next pass starts at its
+        beginning, wherever the loop has set its sampler."""
+        self._resume_at = 0
+        self.fetch.forget()
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "consumed": self.consumed, "fetch": self.fetch.state_dict()}
 

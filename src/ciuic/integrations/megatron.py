@@ -38,10 +38,14 @@ Restore, by what changed since the snapshot (:mod:`ciuic.integrations.megatron_s
 - another layout: the model, and a non-distributed optimizer's state, are resharded exactly to
   any TP, PP and DP whose boxes the saved boxes cover (Megatron's sharded metadata, as its own
   ``dist_checkpointing`` reshards them); the distributed optimizer's ``dp_reshardable`` state is
-  kept per TPxPP bucket, so it reshards to another DP size only (Megatron's own limit for that
-  format). The iteration, scheduler and common state come over; the RNG tracker's states are
-  not set (they are per TP rank) and each rank's RNG and loader position are those of saved
-  rank ``r % N`` (logged by the manager), so rebuild the data sampler for the new DP size.
+  kept per TPxPP bucket (one global tensor per bucket, laid out independently of the DP size),
+  so it reshards exactly to another DP size only (Megatron's own limit for that format). The
+  iteration, scheduler and common state come over; the RNG tracker's states are not set (they
+  are per TP rank) and each rank's RNG and loader position are those of saved rank ``r % N``
+  (logged by the manager). After a DP change a saved loader position is another split's: the
+  loaders start their next pass at its beginning and ``data_resumed`` is False, so position
+  the data by the consumed samples (the scheduler's ``num_steps`` when stepped by the global
+  batch size), as Megatron-LM's samplers do.
 """
 
 from __future__ import annotations
@@ -159,6 +163,10 @@ class MegatronSnapshots:
         self.manager = SnapshotManager(project_id, job=job, save_interval=save_interval,
                                        **manager_options)
         self.restored: SnapshotInfo | None = None
+        #: whether restore() put the loaders back where the snapshot's were: False for a new
+        #: job, without loaders, and after a data-parallel size change (the loop then positions
+        #: the data by the consumed samples, as Megatron-LM does)
+        self.data_resumed = False
 
     # -- the state -------------------------------------------------------------------------
 
@@ -193,6 +201,7 @@ class MegatronSnapshots:
         and loaders, on every rank. Returns the iteration it holds (0 for a new job): the
         loop continues with the next one."""
         self.state.saved = None
+        self.data_resumed = False
         step = self.manager.restore(snapshot=snapshot, **self._extras())
         if step is None:
             return 0
@@ -236,6 +245,16 @@ class MegatronSnapshots:
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
                 _own_step_counts(self.optimizer)
+        self.data_resumed = bool(self.positions) and saved["layout"]["dp"] == here["dp"]
+        if self.positions and not self.data_resumed:
+            for position in self.positions:  # another split's: it would skip wrong batches
+                position.start_over()
+            if self.manager.coll.rank == 0:
+                log.warning("the data-parallel size changed (%d -> %d): the loaders' saved "
+                            "positions are of samplers that split the data %d ways, so they "
+                            "start their next pass at its beginning; position the data by the "
+                            "consumed samples (data_resumed is False)",
+                            saved["layout"]["dp"], here["dp"], saved["layout"]["dp"])
         if same and saved["tracker"]:
             tensor_parallel.get_cuda_rng_tracker().set_states(saved["tracker"])
         elif saved["tracker"] and here["tp_rank"] == 0 and here["pp_rank"] == 0:

@@ -47,6 +47,7 @@ from ciuic.restore.reader import load_trees
 try:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
         ShardedObject,
         ShardedTensor,
         apply_factories,
@@ -89,10 +90,30 @@ def _walk(tree: Any, visit: Callable[[Any], None]) -> None:
         visit(tree)
 
 
+def _zero_padding(tree: Any) -> None:
+    """The distributed optimizer's ``dp_reshardable`` padding between parameters in a bucket
+    (a dict marked ``padding``: ``LocalNonpersistentObject(True)``) holds ``torch.empty``
+    tensors, never read back: zeros instead, so that a snapshot holds no stray bytes (stray
+    NaNs made the health check call it unhealthy) and unchanged padding deduplicates."""
+    if isinstance(tree, dict):
+        pad = tree.get("padding")
+        if isinstance(pad, LocalNonpersistentObject) and pad.unwrap() is True:
+            for v in tree.values():
+                if isinstance(v, ShardedTensor) and v.data is not None:
+                    v.data = torch.zeros_like(v.data)
+            return
+        for v in tree.values():
+            _zero_padding(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            _zero_padding(v)
+
+
 def to_snapshot(sharded_state: dict[str, Any]) -> dict[str, Any]:
     """A rank's sharded state dict as snapshot values (references to the live tensors, no
-    copies): its main-replica tensors and objects, and its common state. ``sharded_state`` is
-    consumed (factories applied in place)."""
+    copies; the optimizer's padding zeroed): its main-replica tensors and objects, and its
+    common state. ``sharded_state`` is consumed (factories applied in place)."""
+    _zero_padding(sharded_state)
     apply_factories(sharded_state)
     _, persistent = extract_nonpersistent(sharded_state)
     sharded, common = extract_sharded_base(persistent)

@@ -236,6 +236,11 @@ class FetchRng:
                 # or the loader is attached after the restore (Lightning): set when it starts
                 self._plan["generators"] = state["generators"]
 
+    def forget(self) -> None:
+        """Drop a restored position: the next pass starts at its beginning, with the RNG as it
+        is then."""
+        self._plan = None
+
     def restored(self) -> None:
         """The snapshot's RNG is restored: it is the state to continue from after the replay."""
         if self._plan is not None:
