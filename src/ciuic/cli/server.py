@@ -41,13 +41,19 @@ def _actor() -> str:
 @click.option("--plain-http", is_flag=True,
               help="Serve plain HTTP on a non-loopback --host: only behind a TLS-terminating "
               "proxy on a network you trust (API keys cross it in cleartext)")
+@click.option("--openapi", is_flag=True,
+              help="Print the API's OpenAPI document (JSON) and exit, serving nothing")
 def serve(host: str, port: int, catalog: str | None, certfile: str | None,
-          keyfile: str | None, plain_http: bool) -> None:
+          keyfile: str | None, plain_http: bool, openapi: bool) -> None:
     """Serve the store (--store / CIUIC_HOME) to clients: the API under /v1, its schema at
-    /docs. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits included, finish.
+    /docs and /openapi.json. Stops gracefully on SIGTERM/SIGINT: requests in flight, commits
+    included, finish.
 
     Clients send their API key with every request: on any address but the loopback, serve
     HTTPS (--certfile and --keyfile), or put a TLS proxy in front (docs/server.md)."""
+    if openapi:
+        _print_openapi()
+        return
     if (certfile is None) != (keyfile is None):
         raise click.UsageError("TLS needs both --certfile and --keyfile")
     from ciuic.store.http import is_loopback
@@ -85,6 +91,25 @@ def serve(host: str, port: int, catalog: str | None, certfile: str | None,
                 access_log=False, timeout_graceful_shutdown=30, ssl_certfile=certfile,
                 ssl_keyfile=keyfile)
 
+
+def _print_openapi() -> None:
+    """``serve --openapi``: the document on standard output, whatever the store (it does not
+    depend on one: nothing is opened or created there)."""
+    import json
+    import tempfile
+
+    try:
+        from ciuic.server import create_app
+    except ImportError as e:  # pragma: no cover - depends on optional packages
+        raise click.BadParameter("the server needs extra packages: pip install "
+                                 "'ciuic[server]'") from e
+    with tempfile.TemporaryDirectory(prefix="ciuic-openapi-") as tmp:
+        server = create_app(tmp)  # over an empty store: the document is the same for any
+        try:
+            document = server.openapi()
+        finally:
+            server.state.root.close()
+    print(json.dumps(document, indent=2))
 
 
 @app.group("apikey", cls=Group, no_args_is_help=True)

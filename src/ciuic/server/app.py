@@ -44,8 +44,10 @@ from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.records import RunReport as RunRecord  # RunReport: the request's model
 from ciuic.server import inspect, policy
+from ciuic.server import schemas as a
 from ciuic.server.guard import DEFAULT_JSON_MAX_BYTES, Guard, key_of
 from ciuic.server.observe import install
+from ciuic.server.openapi import install_document
 from ciuic.store.base import check_prefix
 from ciuic.version import __version__
 
@@ -54,14 +56,6 @@ _RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 DEFAULT_MAX_OBJECT_BYTES = 256 * 1024 * 1024
 LIST_PAGE = 1000
 GC_MAX_WAIT_S = 30.0  # the longest a gc asked through the API waits for saves in progress
-
-
-class MissingRequest(BaseModel):
-    keys: list[str] = Field(max_length=100_000, description="object keys to look for")
-
-
-class MissingResponse(BaseModel):
-    missing: list[str]
 
 
 class RunEventReport(BaseModel):
@@ -177,38 +171,45 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     # -- health and identity ------------------------------------------------------------------
 
-    @app.get("/", include_in_schema=False)
+    @app.get("/", tags=["dashboard"], response_class=HTMLResponse, responses={200: a.HTML})
     def dashboard() -> HTMLResponse:
         """The dashboard: projects -> jobs -> the chain -> a snapshot (static page, API calls
         with the key the user enters; it never leaves the browser tab)."""
         page = resources.files("ciuic.server").joinpath("dashboard.html").read_text("utf-8")
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
-    @app.get("/health", tags=["operations"])
+    @app.get("/health", tags=["operations"], **answer(a.Health))
     def health() -> dict[str, Any]:
+        """Liveness and version (no key)."""
         return {"status": "ok", "version": __version__}
 
-    @app.get("/v1/whoami", tags=["auth"])
+    @app.get("/v1/whoami", tags=["auth"], **answer(a.WhoAmI, 401))
     def whoami(info: Caller) -> dict[str, Any]:
+        """The key's project and role."""
         return {"key": info.id, "project": info.project, "role": info.role}
 
     # -- projects, jobs, snapshots ------------------------------------------------------------
 
-    @app.get("/v1/projects", tags=["snapshots"])
+    @app.get("/v1/projects", tags=["snapshots"], **answer(a.Projects, 401))
     def projects(info: Caller) -> dict[str, Any]:
+        """The projects the key opens: its own."""
         return {"projects": [info.project]}
 
-    @app.get("/v1/projects/{project}/jobs", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/jobs", tags=["snapshots"], **answer(a.Jobs, *a.PROJECT))
     def jobs(info: Caller, project: str) -> dict[str, Any]:
+        """The project's jobs with their snapshot counts (reader)."""
         allow(info, project, "reader")
         for _, job in list_jobs(repo_of(project).store, project):
             repo_of(project).sync_job(project, job)
         return {"jobs": [j.to_json() for j in catalog.jobs() if j.project == project]}
 
-    @app.get("/v1/projects/{project}/jobs/{job}/snapshots", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/jobs/{job}/snapshots", tags=["snapshots"],
+             **answer(a.SnapshotPage, *a.PROJECT))
     def snapshots(info: Caller, project: str, job: str,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                   offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+        """The job's chain, newest first, a page at a time (reader); each snapshot's
+        ``notes``: where runs stopped after it and why, who resumed from it."""
         allow(info, project, "reader")
         layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
@@ -222,9 +223,11 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                 "snapshots": [{**s.to_json(), "notes": notes.get(s.id, [])}
                               for s in found[offset:offset + limit]]}
 
-    @app.put("/v1/projects/{project}/jobs/{job}/runs/{run_id}", tags=["snapshots"])
+    @app.put("/v1/projects/{project}/jobs/{job}/runs/{run_id}", tags=["snapshots"],
+             **answer(a.RunAnswer, *a.PROJECT, 413, 422))
     def report_run(info: Caller, project: str, job: str, run_id: str,
                    report: RunReport) -> dict[str, Any]:
+        """A client's run of the job and its new events (writer; ``manager/report.py``)."""
         allow(info, project, "writer")
         layout.check_name("job", job)
         if not _RUN_ID.match(run_id):
@@ -234,8 +237,10 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         # "events": those the report carried; "added": those the server did not have yet
         return {"run": run_id, "events": len(report.events), "added": added}
 
-    @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"],
+             **answer(a.Snapshot, *a.PROJECT, 404))
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:
+        """The job's newest snapshot (reader)."""
         allow(info, project, "reader")
         layout.check_name("job", job)
         repo_of(project).sync_job(project, job)
@@ -244,16 +249,20 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             raise ApiError(404, "not_found", f"job {project}/{job} has no snapshot")
         return found.to_json()
 
-    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"],
+             **answer(a.Snapshot, *a.PROJECT, 404))
     def snapshot(info: Caller, project: str, snapshot_id: str
                  ) -> dict[str, Any]:
+        """One snapshot by ID or unique ID prefix (reader)."""
         allow(info, project, "reader")
         found: SnapshotInfo = _resolve(project, snapshot_id)
         return found.to_json()
 
-    @app.delete("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"])
+    @app.delete("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"],
+                **answer(a.Deleted, *a.PROJECT, 404))
     def delete_snapshot(info: Caller, project: str, snapshot_id: str,
                         request: Request) -> dict[str, Any]:
+        """Prune a snapshot: its body deleted, its manifest kept in the chain (admin)."""
         allow(info, project, "admin")
         found = _resolve(project, snapshot_id)
         prune_one(repo_of(project), found)
@@ -261,8 +270,11 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
               f"{found.job}@{found.step} {found.id}", _remote(request))
         return {"deleted": found.id, "status": "pruned"}
 
-    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}/tensors", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/snapshots/{snapshot_id}/tensors", tags=["snapshots"],
+             **answer(a.Tensors, *a.PROJECT, 404, 410, 422, 429))
     def snapshot_tensors(info: Caller, project: str, snapshot_id: str) -> dict[str, Any]:
+        """Every tensor of a snapshot with its statistics (reader): as recorded, else computed
+        for snapshots up to 512 MB; one such read per key at a time, 4 in all (429)."""
         allow(info, project, "reader")
         found = _resolve(project, snapshot_id)
         if found.status != "committed":
@@ -280,7 +292,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             raise ApiError(422, "damaged", f"snapshot {found.short_id} is damaged: {e}; "
                            "`ciuic verify --deep` names every damaged object") from e
 
-    @app.get("/v1/projects/{project}/jobs/{job}/series", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/jobs/{job}/series", tags=["snapshots"],
+             **answer(a.Series, *a.PROJECT))
     def job_series(info: Caller, project: str, job: str) -> dict[str, Any]:
         """The loss and each state's L2 norm at every snapshot, with its health (no tensor
         is read: the manifests record them)."""
@@ -289,7 +302,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         repo_of(project).sync_job(project, job)
         return inspect.series(repo_of(project), project, job)
 
-    @app.get("/v1/projects/{project}/diff", tags=["snapshots"])
+    @app.get("/v1/projects/{project}/diff", tags=["snapshots"],
+             **answer(a.Diff, *a.PROJECT, 404, 410, 422, 429))
     def snapshot_diff(info: Caller, project: str, a: str, b: str) -> dict[str, Any]:
         """``ciuic diff A B`` of two snapshots of the project (IDs or ID prefixes)."""
         allow(info, project, "reader")
@@ -319,9 +333,12 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return ApiError(410, "pruned", f"snapshot {found.short_id} was pruned: its tensors are "
                         "gone (the manifest stays in the chain)")
 
-    @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"])
+    @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"],
+              **answer(a.Verified, *a.PROJECT, 404, 429))
     def snapshot_verify(info: Caller, project: str, snapshot_id: str,
                         deep: bool = False) -> dict[str, Any]:
+        """Check a snapshot: its manifest, parent link and body (re-hashed) and its chunks
+        present; ``deep``: every chunk re-read and re-hashed, one deep check at a time (429)."""
         allow(info, project, "reader")  # a read; deep checks run one at a time (inspect.verify)
         found = _resolve(project, snapshot_id)
         if found.status == "committed":
@@ -340,18 +357,20 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     # -- objects ------------------------------------------------------------------------------
 
     @app.post("/v1/projects/{project}/objects/missing", tags=["objects"],
-              response_model=MissingResponse)
-    def missing(info: Caller, project: str, req: MissingRequest
-                ) -> MissingResponse:
+              **answer(a.Missing, *a.PROJECT, 413))
+    def missing(info: Caller, project: str, req: a.MissingRequest) -> dict[str, Any]:
+        """Which of these object keys the server lacks (writer)."""
         allow(info, project, "writer")
         store = repo_of(project).store
-        return MissingResponse(missing=[k for k in req.keys
-                                        if not store.has(object_key(project, k))])
+        return {"missing": [k for k in req.keys if not store.has(object_key(project, k))]}
 
-    @app.get("/v1/projects/{project}/objects", tags=["objects"])
+    @app.get("/v1/projects/{project}/objects", tags=["objects"],
+             **answer(a.ObjectPage, *a.PROJECT))
     def list_objects(info: Caller, project: str, prefix: str = "", after: str = "",
                      limit: Annotated[int, Query(ge=1, le=LIST_PAGE)] = LIST_PAGE
                      ) -> dict[str, Any]:
+        """The object keys under ``prefix``, in order, after ``after`` (reader; not
+        ``inflight/``)."""
         allow(info, project, "reader")
         check_prefix(prefix)
         keys: list[str] = []
@@ -362,10 +381,17 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                     break
         return {"keys": keys, "more": len(keys) == limit}
 
-    @app.put("/v1/projects/{project}/objects/{key:path}", tags=["objects"], status_code=200)
-    async def put_object(info: Caller, project: str, key: str, request: Request, response: Response,
-                         create: bool = False
-                         ) -> dict[str, Any]:
+    @app.put("/v1/projects/{project}/objects/{key:path}", tags=["objects"], status_code=200,
+             **answer(a.Stored, *a.PROJECT, 413, created=(
+                 201, "created (`?create=true`): the commit of a manifest"), exists=(
+                 409, "not created (`?create=true`): the object exists already")),
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string",
+                                                         "format": "binary"}}}}})
+    async def put_object(info: Caller, project: str, key: str, request: Request,
+                         response: Response, create: bool = False) -> dict[str, Any]:
+        """Upload an object, the request's body as its bytes (writer; only the layout's keys,
+        by kind: docs/server.md, "Authorization"). ``create``: only if it does not exist."""
         allow(info, project, "writer")
         kind = policy.object_kind(project, key, layout_keys_only)
         policy.check_put(kind, create)
@@ -416,8 +442,10 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         except Exception as e:  # unreadable (sealed) or a busy catalog: listings index lazily
             log.info("not indexing %s/%s now: %s", project, job, e)
 
-    @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
+             response_class=Response, responses={200: a.OCTETS, **a.errors(*a.PROJECT, 404)})
     def get_object(info: Caller, project: str, key: str, request: Request) -> Response:
+        """An object's bytes (reader)."""
         allow(info, project, "reader")
         key = object_key(project, key)
         data = repo_of(project).store.get(key)
@@ -428,16 +456,23 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                   f"{m.job} {m.snapshot_id}", _remote(request))
         return Response(data, media_type="application/octet-stream")
 
-    @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
+              response_class=Response, responses={
+                  200: {"description": "the object exists (no body)"},
+                  **a.bare(*a.PROJECT, 404)})
     def head_object(info: Caller, project: str, key: str) -> Response:
+        """Whether an object exists (reader)."""
         allow(info, project, "reader")
         key = object_key(project, key)
         if not repo_of(project).store.has(key):
             return Response(status_code=404)
         return Response(status_code=200)
 
-    @app.delete("/v1/projects/{project}/objects/{key:path}", tags=["objects"])
+    @app.delete("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
+                **answer(a.ObjectDeleted, *a.PROJECT))
     def delete_object(info: Caller, project: str, key: str, request: Request) -> dict[str, Any]:
+        """Delete an object, by kind (writer: docs/server.md, "Authorization"); a deleted body
+        marks its snapshots pruned."""
         allow(info, project, "writer")
         kind = policy.object_kind(project, key, layout_keys_only)
         store, actor = repo_of(project).store, f"key:{info.id}"
@@ -457,7 +492,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     # -- the server's gc and the audit log ----------------------------------------------------
 
-    @app.post("/v1/projects/{project}/gc", tags=["operations"])
+    @app.post("/v1/projects/{project}/gc", tags=["operations"],
+              **answer(a.GcAnswer, *a.PROJECT))
     def garbage_collect(info: Caller, project: str, request: Request, dry_run: bool = False,
                         wait_s: Annotated[float, Query(ge=0, le=GC_MAX_WAIT_S)] = 0.0
                         ) -> dict[str, Any]:
@@ -472,7 +508,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                   f"{result.deleted_bodies} bodies deleted{skipped}", _remote(request))
         return asdict(result)
 
-    @app.get("/v1/projects/{project}/audit", tags=["operations"])
+    @app.get("/v1/projects/{project}/audit", tags=["operations"],
+             **answer(a.AuditPage, *a.PROJECT))
     def read_audit(info: Caller, project: str,
                    key: Annotated[str | None, Query(max_length=64)] = None,
                    action: Annotated[str | None, Query(max_length=64)] = None,
@@ -488,7 +525,20 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                            until=until, before=before)
         return {"events": events, "next": events[-1]["id"] if len(events) == limit else None}
 
+    install_document(app)
     return app
+
+
+def answer(model: type[a.Answer], *statuses: int, **more: tuple[int, str]) -> dict[str, Any]:
+    """A JSON route's documentation: its answer ``model`` (the route's dict is checked against
+    it and sent as it is: ``schemas``' docstring), the error statuses it answers (each an
+    :class:`~ciuic.server.schemas.ErrorBody`) and ``more`` successful statuses (status,
+    description) answered with the same model."""
+    responses: dict[int | str, dict[str, Any]] = a.errors(*statuses)
+    for status, description in more.values():
+        responses[status] = {"model": model, "description": description}
+    return {"response_model": model, "response_model_exclude_unset": True,
+            "responses": responses}
 
 
 def _remote(request: Request) -> str:

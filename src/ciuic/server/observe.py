@@ -30,6 +30,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ciuic.server.schemas import METRICS_TEXT, errors
+
 access = logging.getLogger("ciuic.server.access")
 
 
@@ -76,7 +78,8 @@ def install(app: FastAPI) -> Metrics:
                 "key": getattr(request.state, "key_id", None),
                 "client": request.client.host if request.client else None}))
 
-    @app.get("/metrics", tags=["operations"], include_in_schema=True)
+    @app.get("/metrics", tags=["operations"], response_class=Response,
+             responses={200: METRICS_TEXT, **errors(401)})
     def prometheus(request: Request) -> Response:
         """The metrics (any API key; the key's project's series only)."""
         project = request.state.key.project  # the key was checked first (ciuic.server.guard)
