@@ -33,6 +33,14 @@ def launch(helper: Path, out: Path, *args: str, ranks: int = 1, failpoints: str 
                           capture_output=True, text=True, timeout=timeout, env=environ)
 
 
+def sigkilled(run: subprocess.CompletedProcess[str]) -> None:
+    """The run died of the test's SIGKILL (a process, or a worker under torchrun), not of
+    something else that a later resume would hide (a port taken, a crash: the resume then
+    starts from scratch and the test fails far from the cause)."""
+    assert run.returncode == -9 or (run.returncode != 0 and "(SIGKILL)" in run.stderr), (
+        run.returncode, run.stdout[-2000:] + run.stderr[-4000:])
+
+
 def finished(run: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from tests.framework_runs import differences, final, finished, free_port, launch, resumed_at
+from tests.framework_runs import (
+    differences,
+    final,
+    finished,
+    free_port,
+    launch,
+    resumed_at,
+    sigkilled,
+)
 
 pytest.importorskip("torchtitan", reason="pip install 'ciuic[torchtitan]'")
 pytest.importorskip("safetensors.torch")
@@ -41,7 +49,7 @@ def train(out: Path, *args: str, failpoints: str = "") -> subprocess.CompletedPr
 
 
 def killed(run: subprocess.CompletedProcess[str]) -> None:
-    assert run.returncode != 0, run.stdout[-2000:]
+    sigkilled(run)  # not failed for another reason
     assert "STEP 18" not in run.stdout
 
 
@@ -144,16 +152,16 @@ def test_torchtitans_own_trainer_killed_ends_bit_exact_as_its_own_resume_does(
         f"rank{r}" for r in range(ranks)}
 
     ciuic = tmp_path / "ciuic"
-    assert titan(assets, ciuic, f"ciuic_{model}", *options, ranks=ranks, kill_at=6
-                 ).returncode != 0
+    stopped = titan(assets, ciuic, f"ciuic_{model}", *options, ranks=ranks, kill_at=6)
+    assert stopped.returncode != 0 and "(SIGKILL)" in stopped.stdout, stopped.stdout[-3000:]
     assert not (ciuic / "final-ciuic.safetensors").exists()
     again = finished(titan(assets, ciuic, f"ciuic_{model}", *options, ranks=ranks))
     assert "Resuming training at step 5" in again.stdout, again.stdout[-3000:]
     assert differences(want, final(ciuic)) == {}
 
     own = tmp_path / "titan"
-    assert titan(assets, own, f"titan_{model}", *options, ranks=ranks, kill_at=6
-                 ).returncode != 0
+    stopped = titan(assets, own, f"titan_{model}", *options, ranks=ranks, kill_at=6)
+    assert stopped.returncode != 0 and "(SIGKILL)" in stopped.stdout, stopped.stdout[-3000:]
     again = finished(titan(assets, own, f"titan_{model}", *options, ranks=ranks))
     assert re.search(r"Loading the checkpoint from \S+step-4", again.stdout), again.stdout[-3000:]
     diff = differences(want, final(own, "titan"))
