@@ -43,8 +43,7 @@ from ciuic.faults import failpoint
 from ciuic.format import layout
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.records import RunReport as RunRecord  # RunReport: the request's model
-from ciuic.server import inspect, policy
-from ciuic.server import schemas as a
+from ciuic.server import inspect, policy, schemas
 from ciuic.server.guard import DEFAULT_JSON_MAX_BYTES, Guard, key_of
 from ciuic.server.observe import install
 from ciuic.server.openapi import install_document
@@ -171,31 +170,32 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     # -- health and identity ------------------------------------------------------------------
 
-    @app.get("/", tags=["dashboard"], response_class=HTMLResponse, responses={200: a.HTML})
+    @app.get("/", tags=["dashboard"], response_class=HTMLResponse, responses={200: schemas.HTML})
     def dashboard() -> HTMLResponse:
         """The dashboard: projects -> jobs -> the chain -> a snapshot (static page, API calls
         with the key the user enters; it never leaves the browser tab)."""
         page = resources.files("ciuic.server").joinpath("dashboard.html").read_text("utf-8")
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
-    @app.get("/health", tags=["operations"], **answer(a.Health))
+    @app.get("/health", tags=["operations"], **answer(schemas.Health))
     def health() -> dict[str, Any]:
         """Liveness and version (no key)."""
         return {"status": "ok", "version": __version__}
 
-    @app.get("/v1/whoami", tags=["auth"], **answer(a.WhoAmI, 401))
+    @app.get("/v1/whoami", tags=["auth"], **answer(schemas.WhoAmI, 401))
     def whoami(info: Caller) -> dict[str, Any]:
         """The key's project and role."""
         return {"key": info.id, "project": info.project, "role": info.role}
 
     # -- projects, jobs, snapshots ------------------------------------------------------------
 
-    @app.get("/v1/projects", tags=["snapshots"], **answer(a.Projects, 401))
+    @app.get("/v1/projects", tags=["snapshots"], **answer(schemas.Projects, 401))
     def projects(info: Caller) -> dict[str, Any]:
         """The projects the key opens: its own."""
         return {"projects": [info.project]}
 
-    @app.get("/v1/projects/{project}/jobs", tags=["snapshots"], **answer(a.Jobs, *a.PROJECT))
+    @app.get("/v1/projects/{project}/jobs", tags=["snapshots"],
+             **answer(schemas.Jobs, *schemas.PROJECT))
     def jobs(info: Caller, project: str) -> dict[str, Any]:
         """The project's jobs with their snapshot counts (reader)."""
         allow(info, project, "reader")
@@ -204,7 +204,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return {"jobs": [j.to_json() for j in catalog.jobs() if j.project == project]}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots", tags=["snapshots"],
-             **answer(a.SnapshotPage, *a.PROJECT))
+             **answer(schemas.SnapshotPage, *schemas.PROJECT))
     def snapshots(info: Caller, project: str, job: str,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                   offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                               for s in found[offset:offset + limit]]}
 
     @app.put("/v1/projects/{project}/jobs/{job}/runs/{run_id}", tags=["snapshots"],
-             **answer(a.RunAnswer, *a.PROJECT, 413, 422))
+             **answer(schemas.RunAnswer, *schemas.PROJECT, 413, 422))
     def report_run(info: Caller, project: str, job: str, run_id: str,
                    report: RunReport) -> dict[str, Any]:
         """A client's run of the job and its new events (writer; ``manager/report.py``)."""
@@ -238,7 +238,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return {"run": run_id, "events": len(report.events), "added": added}
 
     @app.get("/v1/projects/{project}/jobs/{job}/snapshots/latest", tags=["snapshots"],
-             **answer(a.Snapshot, *a.PROJECT, 404))
+             **answer(schemas.Snapshot, *schemas.PROJECT, 404))
     def latest(info: Caller, project: str, job: str) -> dict[str, Any]:
         """The job's newest snapshot (reader)."""
         allow(info, project, "reader")
@@ -250,7 +250,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return found.to_json()
 
     @app.get("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"],
-             **answer(a.Snapshot, *a.PROJECT, 404))
+             **answer(schemas.Snapshot, *schemas.PROJECT, 404))
     def snapshot(info: Caller, project: str, snapshot_id: str
                  ) -> dict[str, Any]:
         """One snapshot by ID or unique ID prefix (reader)."""
@@ -259,7 +259,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return found.to_json()
 
     @app.delete("/v1/projects/{project}/snapshots/{snapshot_id}", tags=["snapshots"],
-                **answer(a.Deleted, *a.PROJECT, 404))
+                **answer(schemas.Deleted, *schemas.PROJECT, 404))
     def delete_snapshot(info: Caller, project: str, snapshot_id: str,
                         request: Request) -> dict[str, Any]:
         """Prune a snapshot: its body deleted, its manifest kept in the chain (admin)."""
@@ -271,7 +271,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return {"deleted": found.id, "status": "pruned"}
 
     @app.get("/v1/projects/{project}/snapshots/{snapshot_id}/tensors", tags=["snapshots"],
-             **answer(a.Tensors, *a.PROJECT, 404, 410, 422, 429))
+             **answer(schemas.Tensors, *schemas.PROJECT, 404, 410, 422, 429))
     def snapshot_tensors(info: Caller, project: str, snapshot_id: str) -> dict[str, Any]:
         """Every tensor of a snapshot with its statistics (reader): as recorded, else computed
         for snapshots up to 512 MB; one such read per key at a time, 4 in all (429)."""
@@ -293,7 +293,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                            "`ciuic verify --deep` names every damaged object") from e
 
     @app.get("/v1/projects/{project}/jobs/{job}/series", tags=["snapshots"],
-             **answer(a.Series, *a.PROJECT))
+             **answer(schemas.Series, *schemas.PROJECT))
     def job_series(info: Caller, project: str, job: str) -> dict[str, Any]:
         """The loss and each state's L2 norm at every snapshot, with its health (no tensor
         is read: the manifests record them)."""
@@ -303,7 +303,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return inspect.series(repo_of(project), project, job)
 
     @app.get("/v1/projects/{project}/diff", tags=["snapshots"],
-             **answer(a.Diff, *a.PROJECT, 404, 410, 422, 429))
+             **answer(schemas.Diff, *schemas.PROJECT, 404, 410, 422, 429))
     def snapshot_diff(info: Caller, project: str, a: str, b: str) -> dict[str, Any]:
         """``ciuic diff A B`` of two snapshots of the project (IDs or ID prefixes)."""
         allow(info, project, "reader")
@@ -334,7 +334,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
                         "gone (the manifest stays in the chain)")
 
     @app.post("/v1/projects/{project}/snapshots/{snapshot_id}/verify", tags=["snapshots"],
-              **answer(a.Verified, *a.PROJECT, 404, 429))
+              **answer(schemas.Verified, *schemas.PROJECT, 404, 429))
     def snapshot_verify(info: Caller, project: str, snapshot_id: str,
                         deep: bool = False) -> dict[str, Any]:
         """Check a snapshot: its manifest, parent link and body (re-hashed) and its chunks
@@ -357,15 +357,15 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     # -- objects ------------------------------------------------------------------------------
 
     @app.post("/v1/projects/{project}/objects/missing", tags=["objects"],
-              **answer(a.Missing, *a.PROJECT, 413))
-    def missing(info: Caller, project: str, req: a.MissingRequest) -> dict[str, Any]:
+              **answer(schemas.Missing, *schemas.PROJECT, 413))
+    def missing(info: Caller, project: str, req: schemas.MissingRequest) -> dict[str, Any]:
         """Which of these object keys the server lacks (writer)."""
         allow(info, project, "writer")
         store = repo_of(project).store
         return {"missing": [k for k in req.keys if not store.has(object_key(project, k))]}
 
     @app.get("/v1/projects/{project}/objects", tags=["objects"],
-             **answer(a.ObjectPage, *a.PROJECT))
+             **answer(schemas.ObjectPage, *schemas.PROJECT))
     def list_objects(info: Caller, project: str, prefix: str = "", after: str = "",
                      limit: Annotated[int, Query(ge=1, le=LIST_PAGE)] = LIST_PAGE
                      ) -> dict[str, Any]:
@@ -382,7 +382,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return {"keys": keys, "more": len(keys) == limit}
 
     @app.put("/v1/projects/{project}/objects/{key:path}", tags=["objects"], status_code=200,
-             **answer(a.Stored, *a.PROJECT, 413, created=(
+             **answer(schemas.Stored, *schemas.PROJECT, 413, created=(
                  201, "created (`?create=true`): the commit of a manifest"), exists=(
                  409, "not created (`?create=true`): the object exists already")),
              openapi_extra={"requestBody": {"required": True, "content": {
@@ -443,7 +443,8 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
             log.info("not indexing %s/%s now: %s", project, job, e)
 
     @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
-             response_class=Response, responses={200: a.OCTETS, **a.errors(*a.PROJECT, 404)})
+             response_class=Response,
+             responses={200: schemas.OCTETS, **schemas.errors(*schemas.PROJECT, 404)})
     def get_object(info: Caller, project: str, key: str, request: Request) -> Response:
         """An object's bytes (reader)."""
         allow(info, project, "reader")
@@ -459,7 +460,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
               response_class=Response, responses={
                   200: {"description": "the object exists (no body)"},
-                  **a.bare(*a.PROJECT, 404)})
+                  **schemas.bare(*schemas.PROJECT, 404)})
     def head_object(info: Caller, project: str, key: str) -> Response:
         """Whether an object exists (reader)."""
         allow(info, project, "reader")
@@ -469,7 +470,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return Response(status_code=200)
 
     @app.delete("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
-                **answer(a.ObjectDeleted, *a.PROJECT))
+                **answer(schemas.ObjectDeleted, *schemas.PROJECT))
     def delete_object(info: Caller, project: str, key: str, request: Request) -> dict[str, Any]:
         """Delete an object, by kind (writer: docs/server.md, "Authorization"); a deleted body
         marks its snapshots pruned."""
@@ -493,7 +494,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     # -- the server's gc and the audit log ----------------------------------------------------
 
     @app.post("/v1/projects/{project}/gc", tags=["operations"],
-              **answer(a.GcAnswer, *a.PROJECT))
+              **answer(schemas.GcAnswer, *schemas.PROJECT))
     def garbage_collect(info: Caller, project: str, request: Request, dry_run: bool = False,
                         wait_s: Annotated[float, Query(ge=0, le=GC_MAX_WAIT_S)] = 0.0
                         ) -> dict[str, Any]:
@@ -509,7 +510,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         return asdict(result)
 
     @app.get("/v1/projects/{project}/audit", tags=["operations"],
-             **answer(a.AuditPage, *a.PROJECT))
+             **answer(schemas.AuditPage, *schemas.PROJECT))
     def read_audit(info: Caller, project: str,
                    key: Annotated[str | None, Query(max_length=64)] = None,
                    action: Annotated[str | None, Query(max_length=64)] = None,
@@ -529,12 +530,12 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
     return app
 
 
-def answer(model: type[a.Answer], *statuses: int, **more: tuple[int, str]) -> dict[str, Any]:
+def answer(model: type[schemas.Answer], *statuses: int, **more: tuple[int, str]) -> dict[str, Any]:
     """A JSON route's documentation: its answer ``model`` (the route's dict is checked against
     it and sent as it is: ``schemas``' docstring), the error statuses it answers (each an
     :class:`~ciuic.server.schemas.ErrorBody`) and ``more`` successful statuses (status,
     description) answered with the same model."""
-    responses: dict[int | str, dict[str, Any]] = a.errors(*statuses)
+    responses: dict[int | str, dict[str, Any]] = schemas.errors(*statuses)
     for status, description in more.values():
         responses[status] = {"model": model, "description": description}
     return {"response_model": model, "response_model_exclude_unset": True,
