@@ -112,7 +112,7 @@ class Cluster:
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = (self.base / f"{name}.out").open("ab")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
 
     def ceph(self, *args: str, timeout: float = 30) -> str:
         run = subprocess.run(["ceph", "-c", str(self.conf), "--connect-timeout", "10", *args],
@@ -194,20 +194,26 @@ class Cluster:
         return total / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+        stop_daemons(self.procs)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _die_with_parent() -> None:
+def stop_daemons(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every daemon, SIGKILL to one that has not exited 10 s later; ``procs``
+    emptied."""
+    for proc in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs.values():
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+
+
+def die_with_parent() -> None:
     """In the child: SIGKILL it when the process that started it dies (a test run killed
     leaves no daemons behind)."""
     import ctypes

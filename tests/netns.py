@@ -6,7 +6,8 @@
         nodes[2].link(False)                     # node 2's switch port down (a cable pulled)
         nodes[2].kill_all()                      # SIGKILL every process of node 2, by pid
 
-One bridge per set (MTU 65000, no host address, so the host neither routes nor answers), and
+One bridge per set (MTU 65000, no host address, so the host neither routes nor answers, unless
+``host=True`` gives it ``10.77.<X>.254``), and
 per node a netns ``ciuic-<id>-n<i>`` holding the ``eth0`` end of a veth pair (MTU 65000) whose
 other end ``cv<id>n<i>`` is a port of the bridge; ``eth0`` has ``10.77.<X>.<i>/24`` and ``lo``
 is up. Traffic goes only between the nodes' addresses and each node's loopback. The netns share
@@ -151,7 +152,14 @@ class Nodes:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def make(self, count: int) -> None:
+    @property
+    def host_addr(self) -> str:
+        """The host's address on the bridge, where :meth:`make` gave it one (``host=True``)."""
+        return f"10.77.{self.subnet}.254"
+
+    def make(self, count: int, host: bool = False) -> None:
+        """The bridge and ``count`` nodes; ``host``: the host gets :attr:`host_addr` on the
+        bridge (a daemon on the host that the nodes reach, Slurm's controller)."""
         ip("link", "add", self.bridge, "type", "bridge")
         self.bridged = True
         # Bridged frames must not go through the host's iptables FORWARD chain, which may drop
@@ -159,6 +167,8 @@ class Nodes:
         ip("link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0",
            "nf_call_ip6tables", "0", "nf_call_arptables", "0")
         ip("link", "set", self.bridge, "mtu", str(MTU), "up")
+        if host:
+            ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
         for i in range(1, count + 1):
             name, port = f"{PREFIX}{self.id}-n{i}", f"cv{self.id}n{i}"
             ip("netns", "add", name)
@@ -232,8 +242,9 @@ def unavailable() -> str | None:
 
 
 @contextmanager
-def simulated_nodes(count: int) -> Iterator[Nodes]:
-    """``count`` nodes, removed on exit; skips the test where they cannot be made."""
+def simulated_nodes(count: int, host: bool = False) -> Iterator[Nodes]:
+    """``count`` nodes (``host``: the host on their bridge too), removed on exit; skips the
+    test where they cannot be made."""
     why = unavailable()
     if why:
         pytest.skip(why)
@@ -241,7 +252,7 @@ def simulated_nodes(count: int) -> Iterator[Nodes]:
     nodes = Nodes(count)
     try:
         try:
-            nodes.make(count)
+            nodes.make(count, host)
         except RuntimeError as e:
             if "netns add" in str(e) or not nodes.created:
                 pytest.skip(f"cannot make network namespaces here: {e}")

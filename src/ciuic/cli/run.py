@@ -11,6 +11,7 @@ import click
 
 from ciuic.cli.app import app, size_text
 from ciuic.errors import ConfigurationError
+from ciuic.supervisor import slurm
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -83,6 +84,13 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     --rdzv-conf that sets either is left as it is. Its environment gets
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where it does not set it: with torch's shared
     rendezvous store a node that replaces a lost one waits 60 s and every torchrun exits.
+
+    \b
+    Under Slurm (one ciuic run per node, srun --ntasks-per-node=1), a torchrun that says no
+    rendezvous gets --nnodes, --rdzv-backend c10d, --rdzv-endpoint FIRST_NODE:29400,
+    --rdzv-id and is_host from the job step. SIGUSR1 (--signal=USR1@T, scancel
+    --signal=USR1) is a preemption notice: every rank takes its emergency snapshot, and the
+    job is requeued (scontrol requeue; sbatch --requeue).
     """
     from ciuic.supervisor.agent import Supervisor
     from ciuic.supervisor.starts import Options
@@ -109,6 +117,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     log.info("ciuic run: %s (restarts at most %d, hang timeout %s, host memory %s)",
              " ".join(command), max_restarts, f"{hang_timeout:g} s" if hang_timeout else "off",
              size_text(budget) if budget is not None else "off")
+    command, slurm_said = with_slurm(command, os.environ)
+    if slurm_said:
+        log.info("ciuic run: %s", slurm_said)
     advice = torchrun_advice(command)
     if advice:
         log.warning("ciuic run: %s", advice)
@@ -213,6 +224,23 @@ def torchrun_env(command: list[str], environ: Mapping[str, str]
     return {}, None
 
 
+def with_rdzv_conf(command: list[str], pairs: dict[str, str]) -> list[str]:
+    """``command`` (a torchrun) with ``pairs`` added to its ``--rdzv-conf`` (one given is
+    extended, not replaced: torchrun takes only the last)."""
+    at = _torchrun_at(command)
+    assert at is not None and pairs
+    args = command[at + 1:]
+    conf = _option(args, "--rdzv-conf")
+    added = ",".join(f"{k}={v}" for k, v in pairs.items())
+    if conf is None:
+        args = ["--rdzv-conf", added, *args]
+    else:
+        i, value = conf
+        joined = f"{value},{added}" if value else added
+        args[i] = joined if args[i] == value else args[i].split("=", 1)[0] + "=" + joined
+    return [*command[:at + 1], *args]
+
+
 def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
     """``command`` with :data:`KEEP_ALIVE` added to its ``--rdzv-conf`` where it runs torchrun
     on several nodes with the c10d rendezvous and sets neither of the two itself (a value the
@@ -220,24 +248,44 @@ def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
     found = _c10d_nodes(command)
     if found is None:
         return command, None
-    at, args = found
-    conf = _option(args, "--rdzv-conf")
+    conf = _option(found[1], "--rdzv-conf")
     given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
                                          if "=" in kv)
     if set(KEEP_ALIVE) & set(given):
         return command, None
     added = ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items())
-    if conf is None:
-        args = ["--rdzv-conf", added, *args]
-    else:
-        i, value = conf
-        joined = f"{value},{added}" if value else added
-        args[i] = joined if args[i] == value else args[i].split("=", 1)[0] + "=" + joined
     lapse = int(KEEP_ALIVE["keep_alive_interval"]) * int(KEEP_ALIVE["keep_alive_max_attempt"])
     said = (f"torchrun's c10d rendezvous gets --rdzv-conf {added}: a lost node's place is "
             f"freed after {lapse} s without its keep-alive instead of torch's 15 s (set either "
             "in --rdzv-conf to choose)")
-    return [*command[:at + 1], *args], said
+    return with_rdzv_conf(command, KEEP_ALIVE), said
+
+
+def with_slurm(command: list[str], environ: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """Under ``srun``, ``command``'s torchrun with the rendezvous a Slurm step implies where
+    it says none (:func:`ciuic.supervisor.slurm.torchrun_args`), and a line saying what was
+    added (None: nothing)."""
+    at = _torchrun_at(command)
+    if at is None or not slurm.in_step(environ):
+        return command, None
+    args = command[at + 1:]
+    own = args[:next((i for i, a in enumerate(args) if a.endswith(".py")), len(args))]
+    if "--standalone" in own:  # one node, by the user's choice
+        return command, None
+    given = {name: (found[1] if (found := _option(args, name)) else None)
+             for name in ("--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
+                          "--rdzv-conf")}
+    added, conf = slurm.torchrun_args(environ, given)
+    command = [*command[:at + 1], *added, *args]
+    if conf:
+        command = with_rdzv_conf(command, conf)
+    words = [f"{a} {b}" for a, b in zip(added[::2], added[1::2], strict=True)]
+    words += [f"--rdzv-conf {k}={v}" for k, v in conf.items()]
+    if not words:
+        return command, None
+    return command, (f"Slurm job {environ.get('SLURM_JOB_ID')}, node "
+                     f"{environ.get('SLURM_NODEID', '?')} of the step: torchrun gets "
+                     f"{', '.join(words)}")
 
 
 def torchrun_advice(command: list[str]) -> str | None:

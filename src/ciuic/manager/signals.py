@@ -1,6 +1,12 @@
 """SIGTERM and SIGINT: the first one asks for an emergency snapshot at the next ``step()`` (a
 consistent point, after an optimizer update, never in the middle of one) and then an exit; a
-second one exits at once.
+second one exits at once. SIGUSR1 too where nothing else takes it (it would kill the process):
+Slurm's usual preemption notice (``--signal=USR1@T``); under ``ciuic run`` the workers ignore
+it and ``ciuic run`` passes SIGTERM on.
+
+A signal that arrives within :data:`SAME_WITHIN_S` of the first is the same request, not a
+second one: Slurm signals every process of a job step, and torchrun (or ``ciuic run``) passes
+on what it received, so a worker gets the one request two or three times within milliseconds.
 
 The handler only sets a flag. It is installed from the main thread only; the handlers it
 replaced are kept after :meth:`SignalGuard.restore`, because a closed guard's handler may still
@@ -13,12 +19,17 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 log = logging.getLogger("ciuic")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: taken only where its handler is the default (which kills the process)
+IF_DEFAULT = (signal.SIGUSR1,)
+#: a signal this soon after the first is the same request, sent by several (seconds)
+SAME_WITHIN_S = 2.0
 
 
 class SignalGuard:
@@ -32,12 +43,16 @@ class SignalGuard:
         self.agreed = False
         self.closed = False
         self._prev: dict[int, Any] = {}
+        self._first_at = 0.0
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in SIGNALS:
-            self._prev[sig] = signal.getsignal(sig)
+        for sig in (*SIGNALS, *IF_DEFAULT):
+            prev = signal.getsignal(sig)
+            if sig in IF_DEFAULT and prev != signal.SIG_DFL:
+                continue
+            self._prev[sig] = prev
             signal.signal(sig, self._on_signal)
 
     @property
@@ -50,13 +65,15 @@ class SignalGuard:
             _pass_on(_unchained(self._prev.get(signum, signal.SIG_DFL), signum), signum, frame)
             return
         name = signal.Signals(signum).name
+        if self.pending is not None and time.monotonic() - self._first_at < SAME_WITHIN_S:
+            return  # the same request, passed on by another process
         if self.pending is not None:  # a second signal: stop now
             self._on_exit(f"signal:{name}")
             self.restore()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
-        self.pending = signum
+        self.pending, self._first_at = signum, time.monotonic()
         log.warning("%s received: taking an emergency snapshot at the next step() and exiting "
                     "(send %s again to exit at once)", name, name)
 

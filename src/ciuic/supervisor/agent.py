@@ -7,7 +7,12 @@
   (:mod:`~ciuic.supervisor.beat`). It gets SIGTERM, then SIGKILL after ``grace`` seconds.
 - SIGTERM, SIGINT or SIGHUP to the supervisor is passed on to the command's process group (under
   torchrun: to torchrun, which passes it to its workers, which take their emergency snapshot);
-  the job is then not restarted. A second one kills the job at once.
+  the job is then not restarted. A second one kills the job at once. SIGUSR1 is a preemption
+  notice (Slurm's ``--signal=USR1@T``, ``scancel --signal=USR1``): SIGTERM is passed on, and
+  under Slurm the job is requeued once it exited (:func:`~ciuic.supervisor.slurm.requeue`).
+  The command starts with SIGUSR1 ignored (Slurm signals every process of a step: torchrun
+  would die of it, the workers with no snapshot); once it exited on a signal, the workers still
+  finishing their snapshot (torchrun may exit first) are waited for, up to ``grace``.
 - Restarts back off: the first after a start that committed a snapshot past the latest one
   (of the starts before) is immediate, then 1, 2, 4 ... seconds up to ``max_backoff``. After
   ``max_stalls`` failures in a row without such a snapshot, or ``max_restarts`` restarts, the
@@ -32,7 +37,7 @@ import threading
 import time
 from types import FrameType
 
-from ciuic.supervisor import beat
+from ciuic.supervisor import beat, slurm
 from ciuic.supervisor.causes import (
     PEER_LOST,
     RAISED,
@@ -93,7 +98,13 @@ class Supervisor:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
-        if self._stops == 1:
+        if self._stops == 1 and signum == signal.SIGUSR1:
+            log.warning("ciuic run: SIGUSR1 received, a preemption notice: passing SIGTERM to "
+                        "the job (it takes an emergency snapshot and exits; it will not be "
+                        "restarted here%s)", "; Slurm will requeue it" if slurm.in_step(
+                            os.environ) else "")
+            signal_group(proc.pid, signal.SIGTERM)
+        elif self._stops == 1:
             log.warning("ciuic run: %s received: passing it on to the job (it takes an "
                         "emergency snapshot and exits; it will not be restarted). Send it again "
                         "to kill the job at once.", signal_name(signum))
@@ -108,7 +119,7 @@ class Supervisor:
         o = self.o
         self.holder = holder = Holder(o.host_memory, o.replicas, o.peer_timeout_s)
         old = {s: signal.signal(s, self._on_signal)
-               for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+               for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
         try:
             return self._loop(holder)
         finally:
@@ -127,8 +138,14 @@ class Supervisor:
             start.returncode = rc
             said, failures = snapshots_said(self.starts)
             if self._stop is not None:
+                self._wait_workers(start)
+                said, failures = snapshots_said(self.starts)
                 log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its "
                             "snapshots: %s", exit_text(rc), signal_name(self._stop), said)
+                if self._stop == signal.SIGUSR1:
+                    requeued, words = slurm.requeue(os.environ)
+                    if words:
+                        (log.warning if requeued else log.error)("ciuic run: %s", words)
                 return exit_code(rc)
             if rc == 0 and start.cause is None:
                 log.log(logging.WARNING if failures else logging.INFO,
@@ -192,7 +209,7 @@ class Supervisor:
         self._failed = collections.deque(maxlen=TAIL_LINES)
         try:
             proc = subprocess.Popen(o.command, env=self._env(), stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=pdeathsig)
+                                    start_new_session=True, preexec_fn=_in_child)
         except OSError as e:
             start.cause = Cause("exit", f"exit: the command could not be started: {e}")
             log.error("ciuic run: cannot start %s: %s", o.command[0], e)
@@ -482,6 +499,16 @@ class Supervisor:
                 f"no first step() within {o.hang_timeout_s:g} s of its manager's start")
         return Cause("hang", f"hang: {what} ({who}pid {worst.pid})")
 
+    def _wait_workers(self, start: Start) -> None:
+        """After a stop by signal: the workers that still run (torchrun exited before them, a
+        second signal from the scheduler cut its wait short) finish their emergency snapshot,
+        for up to ``grace`` seconds; their last heartbeats are then read once more."""
+        end = time.monotonic() + self.o.grace_s
+        while time.monotonic() < end and any(running(pid) for pid in start.pids):
+            time.sleep(self.o.poll_s)
+        if self.holder is not None:
+            self._note(start, beat.read(self.holder.beats))
+
     def _terminate(self, proc: subprocess.Popen[bytes], start: Start) -> int:
         self._kill(proc, signal.SIGTERM, start.pids)
         try:
@@ -498,6 +525,13 @@ class Supervisor:
         for pid in pids or (self.starts[-1].pids if self.starts else set()):
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
+
+
+def _in_child() -> None:
+    """In the command's process: die with the supervisor, and ignore SIGUSR1 (the supervisor
+    acts on it; the ignored disposition passes to torchrun and its workers)."""
+    pdeathsig()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def first_cause(start: Start, beats: list[beat.Beat], peered: bool) -> None:
