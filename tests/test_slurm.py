@@ -6,6 +6,8 @@ and the training command (tests/helpers/sup_train.py, DDP over gloo). Each job e
 bit-identical to the same script's uninterrupted job:
 - a node lost (its slurmd and the job's processes SIGKILLed): Slurm requeues the job onto the
   spare node, every rank restores from the store;
+- ``scancel``: every rank takes one emergency snapshot (the SIGTERM that Slurm and torchrun
+  both send a worker is one request), the job is not requeued;
 - preempted twice: ``scancel --signal=USR1`` (what ``--signal=USR1@T`` sends to the step) and
   ``scancel -b --signal=USR1`` (``--signal=B:USR1@T``, to the batch shell, which passes it on):
   each time every rank takes its emergency snapshot, ``ciuic run`` requeues the job, and it
@@ -141,3 +143,27 @@ def test_preemption_by_sigusr1_snapshots_every_rank_requeues_and_resumes_bit_exa
     resumed = [int(s) for s in re.findall(r"Resuming training at step (\d+)", text)]
     assert resumed == [e + 1 for e in emergency], (resumed, emergency, text[-4000:])
     assert_same(final(out), final(reference))
+
+
+def test_scancel_gives_one_emergency_snapshot_on_every_rank_and_no_requeue(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``scancel`` sends SIGTERM to every process of the step: a worker gets it from Slurm and
+    again from torchrun (and torchrun from Slurm and from ciuic run) within milliseconds; each
+    rank still takes one emergency snapshot, the same step on all, and the job is not
+    requeued (a cancel is not a preemption notice)."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    job = cluster.sbatch(main_script(store, out), tmp_path)
+    cluster.wait(job, "RUNNING")
+    wait_for(lambda: (committed_step(store) or 0) >= 5, 240, "the snapshot at step 5")
+    cluster.command("scancel", str(job))
+    cluster.wait(job, "CANCELLED", timeout=120)  # at once: its processes still run
+    saved_at = re.compile(r"\[WARNING(?: rank \d)?\] Emergency snapshot at step (\d+) saved")
+    # (KillWait, 10 s here, before Slurm's SIGKILL)
+    wait_for(lambda: len(saved_at.findall(output(tmp_path, job))) >= 4, 60,
+             "every rank's emergency snapshot")
+    text = output(tmp_path, job)
+    saved = saved_at.findall(text)
+    assert len(saved) == 4 and len(set(saved)) == 1, text[-4000:]  # every rank, one step
+    assert committed_step(store) == int(saved[0])
+    assert "again: killing the job" not in text and "requeued" not in text, text[-4000:]
+    assert cluster.job(job)["Restarts"] == "0"
