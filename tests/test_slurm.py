@@ -2,8 +2,8 @@
 slurmd per simulated node, 3 nodes; root only, skipped with the reason elsewhere).
 
 The script is docs/multinode.md's, as written but for the sizes (2 nodes of 2 ranks, no GPUs)
-and the training command (tests/helpers/sup_train.py, DDP over gloo). Each job ends
-bit-identical to the same script's uninterrupted job:
+and the training command (tests/helpers/sup_train.py, DDP over gloo). Each job that finishes
+ends bit-identical to the same script's uninterrupted job:
 - a node lost (its slurmd and the job's processes SIGKILLed): Slurm requeues the job onto the
   spare node, every rank restores from the store;
 - ``scancel``: every rank takes one emergency snapshot (the SIGTERM that Slurm and torchrun
