@@ -75,7 +75,8 @@ class SignalGuard:
             raise SystemExit(128 + signum)
         self.pending, self._first_at = signum, time.monotonic()
         log.warning("%s received: taking an emergency snapshot at the next step() and exiting "
-                    "(send %s again to exit at once)", name, name)
+                    "(send %s again, %g s or more later, to exit at once)", name, name,
+                    SAME_WITHIN_S)
 
     def restore(self) -> None:
         """Put back the handlers ours replaced (where ours is still the installed one)."""
