@@ -52,6 +52,22 @@ def test_the_same_signal_passed_on_by_several_processes_is_one_request(
     next step()), not the "again: exit at once" that loses it."""
     # (the second: torchrun's copy, milliseconds later)
     stops_at_step_2(store_dir, "same", signal.SIGTERM, signal.SIGTERM)
+    # srun's Ctrl-C: SIGINT to every process of the step, and torchrun's copy
+    stops_at_step_2(store_dir, "same-int", signal.SIGINT, signal.SIGINT)
+
+
+def test_a_persons_second_ctrl_c_exits_at_once(store_dir: Path) -> None:
+    """SIGINT's window is short: a second Ctrl-C a moment later (0.4 s) is a person's."""
+    m, _, _ = _trained(store_dir, "ctrl-c")
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert m.signal_pending
+        time.sleep(signals.SAME_SIGINT_WITHIN_S + 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (Python runs the handler at once; this is not reached)
+    finally:
+        m.close()
 
 
 def stops_at_step_2(store_dir: Path, job: str, *sent: signal.Signals) -> None:

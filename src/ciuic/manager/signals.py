@@ -4,9 +4,11 @@ second one exits at once. SIGUSR1 too where nothing else takes it (it would kill
 Slurm's usual preemption notice (``--signal=USR1@T``); under ``ciuic run`` the workers ignore
 it and ``ciuic run`` passes SIGTERM on.
 
-A signal that arrives within :data:`SAME_WITHIN_S` of the first is the same request, not a
+A signal that arrives soon after the first (:func:`same_within`) is the same request, not a
 second one: Slurm signals every process of a job step, and torchrun (or ``ciuic run``) passes
 on what it received, so a worker gets the one request two or three times within milliseconds.
+SIGINT's window is short, :data:`SAME_SIGINT_WITHIN_S`: a second Ctrl-C is a person's, a few
+hundred milliseconds or more after the first, and must stop the process at once.
 
 The handler only sets a flag. It is installed from the main thread only; the handlers it
 replaced are kept after :meth:`SignalGuard.restore`, because a closed guard's handler may still
@@ -30,6 +32,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 IF_DEFAULT = (signal.SIGUSR1,)
 #: a signal this soon after the first is the same request, sent by several (seconds)
 SAME_WITHIN_S = 2.0
+#: the same for SIGINT after SIGINT: a person's second Ctrl-C comes later than that
+SAME_SIGINT_WITHIN_S = 0.3
+
+
+def same_within(first: int, then: int) -> float:
+    """Seconds after the signal ``first`` within which ``then`` is the same request."""
+    if first == then == signal.SIGINT:
+        return SAME_SIGINT_WITHIN_S
+    return SAME_WITHIN_S
 
 
 class SignalGuard:
@@ -65,7 +76,8 @@ class SignalGuard:
             _pass_on(_unchained(self._prev.get(signum, signal.SIG_DFL), signum), signum, frame)
             return
         name = signal.Signals(signum).name
-        if self.pending is not None and time.monotonic() - self._first_at < SAME_WITHIN_S:
+        if (self.pending is not None
+                and time.monotonic() - self._first_at < same_within(self.pending, signum)):
             return  # the same request, passed on by another process
         if self.pending is not None:  # a second signal: stop now
             self._on_exit(f"signal:{name}")
@@ -75,8 +87,9 @@ class SignalGuard:
             raise SystemExit(128 + signum)
         self.pending, self._first_at = signum, time.monotonic()
         log.warning("%s received: taking an emergency snapshot at the next step() and exiting "
-                    "(send %s again, %g s or more later, to exit at once)", name, name,
-                    SAME_WITHIN_S)
+                    "(%s to exit at once)", name,
+                    "press Ctrl-C again" if signum == signal.SIGINT
+                    else f"send {name} again, {SAME_WITHIN_S:g} s or more later,")
 
     def restore(self) -> None:
         """Put back the handlers ours replaced (where ours is still the installed one)."""
