@@ -113,21 +113,30 @@ def module_state(scale: int = 1, seed: int = 0, optimizer: str = "adam",
     return BenchState(flat, (model, opt))
 
 
-@contextlib.contextmanager
-def tenth_changed(flat: dict[str, torch.Tensor]) -> Iterator[None]:
+def tenth_changed(flat: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
     """Every tenth tensor (by name) changed in place by 1e-3, as an incremental snapshot's
     state; put back bit for bit after, for what is measured next."""
-    changed = [flat[k] for k in sorted(flat)[::10]]
-    kept = [t.clone() for t in changed]
+    return changed(flat, every=10)
+
+
+@contextlib.contextmanager
+def changed(flat: dict[str, torch.Tensor], every: int = 1, by: float = 1e-3
+            ) -> Iterator[None]:
+    """Every ``every``-th tensor (by name; 1: all, as after an optimizer step) changed in place
+    by ``by``; put back bit for bit after, for what is measured next."""
+    picked = [flat[k] for k in sorted(flat)[::every]]
+    kept = [t.clone() for t in picked]
     with torch.no_grad():
-        for t in changed:
-            t.add_(1e-3)
+        for t in picked:
+            t.add_(by)
+    sync(flat)
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, k in zip(changed, kept, strict=True):
+            for t, k in zip(picked, kept, strict=True):
                 t.copy_(k)
+        sync(flat)
 
 
 def build(kind: str, scale: int, device: str, optimizer: str = "adam") -> BenchState:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from measure import drop_caches, fsync_tree
-from states import BenchState, sync, tenth_changed
+from measure import drop_caches, fsync_tree, release_freed_memory, staging_floor
+from states import BenchState, changed, sync, tenth_changed
 
 
 class System:
@@ -117,11 +117,12 @@ class Ciuic(System):
 
     One manager per round (a fresh store, so the snapshot is full), ``keep_last=2``,
     snapshotting every other step: the measured snapshot is the first one. ``incremental``
-    re-snapshots with 10 % of the tensors changed; ``rollbacks`` restores with the live manager
-    (a rollback, as ``restore(snapshot="healthy")`` after a loss spike does): the latest
-    snapshot, then the one before it, each from a cold page cache; ``load`` is the restart: a
-    new manager's restore. Every restore ends in the live module's and optimizer's tensors,
-    at the same addresses."""
+    re-snapshots with 10 % of the tensors changed, ``later`` with every tensor changed (the
+    steady state of a job whose optimizer updates every weight); ``rollbacks`` restores with the
+    live manager (a rollback, as ``restore(snapshot="healthy")`` after a loss spike does):
+    the latest snapshot, then the one before it, each from a cold page cache; ``load`` is the
+    restart: a new manager's restore. Every restore ends in the live module's and optimizer's
+    tensors, at the same addresses."""
 
     encryption = False
     compression = "auto"  # on a local disk "auto" decides not to compress
@@ -134,7 +135,8 @@ class Ciuic(System):
         self.step = 0
         self.steady: dict[str, list[float]] = {
             "stall": [], "durable": [], "new_bytes": [], "reserve_s": [], "rollback": [],
-            "rollback_previous": [], "restart_restore": [], "restart_open": []}
+            "rollback_previous": [], "restart_restore": [], "restart_open": [],
+            "later_stall": [], "later_durable": [], "later_floor": [], "later_new_bytes": []}
         #: where each live tensor's memory is: a restore must leave it there
         self.pointers = {k: v.untyped_storage().data_ptr() for k, v in self.live.items()}
 
@@ -175,6 +177,22 @@ class Ciuic(System):
             m.wait()
             self.steady["durable"].append(time.perf_counter() - t0)
         self.steady["new_bytes"].append(m.latest().new_bytes)
+
+    def later(self) -> None:
+        """A later snapshot with every tensor changed since the last one, and the copy floor
+        just before it (the buffers hold the last snapshot's bytes: none of them is equal)."""
+        m = self.manager
+        self.step += 2
+        with changed(self.state, by=2e-3):  # not incremental()'s 1e-3: every byte differs
+            release_freed_memory()
+            self.steady["later_floor"].append(staging_floor(self.state))
+            release_freed_memory()
+            t0 = time.perf_counter()
+            m.step(self.step, *self.objects)
+            self.steady["later_stall"].append(time.perf_counter() - t0)
+            m.wait()
+            self.steady["later_durable"].append(time.perf_counter() - t0)
+        self.steady["later_new_bytes"].append(m.latest().new_bytes)
 
     def rollbacks(self) -> None:
         """The live manager restores the latest snapshot, then the one before it."""

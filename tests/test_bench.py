@@ -45,7 +45,12 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
         assert all(inc[k][0] > 0 for k in ("rollback", "rollback_previous", "restart_restore",
                                            "restart_open")), name
         assert f"{name} rollback" in text
-    assert out["state"] == "module" and len(out["ratios"]) == 13
+        # the later snapshot, every tensor changed: all of it new, and its own copy floor
+        assert inc["later_new_bytes"][0] > 5 * inc["new_bytes"][0], name
+        assert 0 < inc["later_stall"][0] <= inc["later_durable"][0], name
+        assert inc["later_floor"][0] > 0, name
+        assert f"{name} later snapshot" in text
+    assert out["state"] == "module" and len(out["ratios"]) == 15
     assert len(out["direct_write_floor"]) == 1 and out["direct_write_floor"][0] > 0
     assert all(v > 0 for v in out["ratios"].values()), out["ratios"]
     assert "ratios of medians" in text
