@@ -1,20 +1,21 @@
-"""Where a snapshot's time goes: the phases of a full and of an incremental snapshot (10 % of the
-tensors changed) of bench/run.py's module state, against the disk's direct-write floor.
+"""Where a snapshot's time goes: the phases of a full snapshot, an incremental one (10 % of the
+tensors changed) and a later one (every tensor changed, the steady state) of bench/run.py's
+module state, against the disk's direct-write floor.
 
     .venv/bin/python bench/phases.py [--rounds 5] [--optimizer adam|adamw] [--dir /var/tmp/x]
                                      [--vary write_threads=2,4]
 
 Each round builds a manager on a fresh local store as a job does (``restore()``, then
-``step()``), takes the full snapshot, then the incremental one, and times, by wrapping ciuic's
-own functions for the run (nothing else changes): the stall and its parts (capture: walking
-the module's and optimizer's state; staging: the copy, with the comparison of unchanged
-chunks for the incremental one), the writer thread's parts (the chunks' naming and writing,
-the fsyncs, the commit: body, manifest, catalog; then the bookkeeping after the commit), and
-the CPU seconds spent hashing (BLAKE3) and reducing the health statistics, summed over the
-threads. The floor: the state's size written with direct I/O in 4 MiB blocks, then fsync,
-as ``dd oflag=direct`` does. Prints min/median/max. ``--vary KNOB=V1,V2,...`` measures several
-values of one of ``ciuic.knobs`` (``chunk_bytes``, ``write_threads``...) in alternation within
-each round.
+``step()``), takes the full snapshot, the incremental one, then the later one, and times, by
+wrapping ciuic's own functions for the run (nothing else changes): the stall and its parts
+(capture: walking the module's and optimizer's state; staging: the copy, with the comparison of
+unchanged chunks for the incremental one), the writer thread's parts (the chunks' naming and
+writing, the fsyncs, the commit: body, manifest, catalog; then the bookkeeping after the
+commit), and the CPU seconds spent hashing (BLAKE3) and reducing the health statistics, summed
+over the threads. The floor: the state's size written with direct I/O in 4 MiB blocks, then
+fsync, as ``dd oflag=direct`` does. Prints min/median/max. ``--vary KNOB=V1,V2,...`` measures
+several values of one of ``ciuic.knobs`` (``chunk_bytes``, ``write_threads``...) in alternation
+within each round.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from measure import direct_floor, machine, nbytes, summary
-from states import module_state, tenth_changed
+from states import changed, module_state, tenth_changed
 
 WALL = ("stall", "capture", "stage", "write_leaves", "sync", "commit", "after_commit",
         "durable")
@@ -132,6 +133,9 @@ def one_round(base: Path, state: Any, p: Phases) -> dict[str, dict[str, float]]:
         m.step(3, model, opt)
         with tenth_changed(state.flat):
             out["incremental"] = snapshot(4)
+        m.step(5, model, opt)
+        with changed(state.flat, by=2e-3):  # every byte differs from the incremental one's
+            out["later"] = snapshot(6)
     finally:
         m.close(final=False)
     return out
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _report(rounds: list[dict[str, dict[str, float]]], size: int, floor: float,
             title: str) -> None:
-    for kind in ("full", "incremental"):
+    for kind in ("full", "incremental", "later"):
         print(f"\n{title}{kind} snapshot, seconds (min / median / max):")
         for key in (*WALL, *CPU):
             xs = [r[kind].get(key, 0.0) for r in rounds]
@@ -197,8 +201,10 @@ def _report(rounds: list[dict[str, dict[str, float]]], size: int, floor: float,
         print(f"  new bytes        {new / size:.3f} of the state")
     full = statistics.median(r["full"]["durable"] for r in rounds)
     inc = statistics.median(r["incremental"]["durable"] for r in rounds)
+    later = statistics.median(r["later"]["durable"] for r in rounds)
     print(f"\n{title}incremental / full, durable: {inc / full:.3f}; full durable / "
-          f"direct-write floor: {full / floor:.3f}")
+          f"direct-write floor: {full / floor:.3f}; later durable / direct-write floor: "
+          f"{later / floor:.3f}")
 
 
 if __name__ == "__main__":

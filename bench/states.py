@@ -114,7 +114,7 @@ def module_state(scale: int = 1, seed: int = 0, optimizer: str = "adam",
 
 
 def tenth_changed(flat: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
-    """Every tenth tensor (by name) changed in place by 1e-3, as an incremental snapshot's
+    """Every tenth tensor (by name) changed in place (x 1.001), as an incremental snapshot's
     state; put back bit for bit after, for what is measured next."""
     return changed(flat, every=10)
 
@@ -122,13 +122,15 @@ def tenth_changed(flat: dict[str, torch.Tensor]) -> contextlib.AbstractContextMa
 @contextlib.contextmanager
 def changed(flat: dict[str, torch.Tensor], every: int = 1, by: float = 1e-3
             ) -> Iterator[None]:
-    """Every ``every``-th tensor (by name; 1: all, as after an optimizer step) changed in place
-    by ``by``; put back bit for bit after, for what is measured next."""
+    """Every ``every``-th tensor (by name; 1: all, as after an optimizer step) changed in place,
+    multiplied by ``1 + by``: every nonzero element changes (an added constant would make
+    Adam's tiny second moments one value, whose chunks deduplicate); put back bit for bit
+    after, for what is measured next."""
     picked = [flat[k] for k in sorted(flat)[::every]]
     kept = [t.clone() for t in picked]
     with torch.no_grad():
         for t in picked:
-            t.add_(by)
+            t.mul_(1 + by)
     sync(flat)
     try:
         yield
