@@ -268,6 +268,7 @@ def test_training_goes_on_while_a_storage_node_is_killed_and_brought_back(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # radosgw's answers below min_size: their mapping in test_cluster_dialect
 def test_with_too_few_nodes_a_snapshot_fails_clearly_and_training_goes_on(
         healed: Cluster, ceph_url: str) -> None:
     """Two of three OSDs killed: the pools are below min_size. radosgw answers after `rados osd
@@ -326,6 +327,7 @@ def test_with_too_few_nodes_a_snapshot_fails_clearly_and_training_goes_on(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a cluster set up without the op timeout the docs require
 def test_without_the_op_timeout_a_held_request_is_bounded_and_explained(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A cluster configured without `rados osd op timeout`, two of its three OSDs killed:

@@ -120,6 +120,7 @@ def test_random_sigkills_from_outside(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # test_random_sigkills_from_outside kills in CI
 @pytest.mark.timeout(1800)  # 20 kill-and-restart rounds: longer than the suite's 300 s per test
 def test_random_sigkills_long(tmp_path: Path) -> None:
     stats = random_kill_loop(tmp_path, rounds=20, seed=2, steps=200)
