@@ -16,8 +16,9 @@ from torch import nn
 from ciuic import SnapshotManager, StateHolder, knobs
 from ciuic.engine import staging
 from ciuic.format.crypto import ObjectCodec
+from tests.helpers.gpu import needs_cuda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_cuda()
 
 
 # not tests/models.py's: on the GPU, with a GELU and Adam that may be capturable

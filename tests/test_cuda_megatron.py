@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
+from tests.helpers.gpu import needs_cuda
 from tests.test_megatron import differences, final, finished, killed, resumed_at, train
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_cuda()
 
 ARGS = ("--device", "cuda", "--tp", "1", "--dist-opt", "--every", "5")
 
