@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from measure import direct_floor, machine, nbytes, summary
-from states import changed, module_state, tenth_changed
+from states import build, changed, tenth_changed
 
 WALL = ("stall", "capture", "stage", "write_leaves", "sync", "commit", "after_commit",
         "durable")
@@ -93,8 +93,8 @@ def instrument(p: Phases) -> None:
     p.wrap(stats, "compute", "stats_cpu", cpu=True)
     write = LocalPipeline.write
 
-    def write_then(self: Any, step: int, captured: Any) -> Any:
-        out = write(self, step, captured)
+    def write_then(self: Any, step: int, captured: Any, *rest: Any) -> Any:
+        out = write(self, step, captured, *rest)
         p.add("written_at", time.perf_counter())  # the commit is done
         return out
 
@@ -131,7 +131,8 @@ def one_round(base: Path, state: Any, p: Phases) -> dict[str, dict[str, float]]:
 
         out["full"] = snapshot(2)
         m.step(3, model, opt)
-        with tenth_changed(state.flat):
+        with (tenth_changed(state.flat) if state.trainable is None
+              else changed(state.flat, names=state.trainable)):
             out["incremental"] = snapshot(4)
         m.step(5, model, opt)
         with changed(state.flat, by=2e-3):  # every byte differs from the incremental one's
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--optimizer", choices=["adam", "adamw"], default="adam")
+    ap.add_argument("--state", choices=["module", "lora"], default="module",
+                    help="bench/states.py's module + Adam, or the frozen base with LoRA "
+                         "adapters (its incremental snapshot: the adapters changed)")
     ap.add_argument("--scale", type=int, default=1)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -157,10 +161,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.vary:
         knob, _, listed = a.vary.partition("=")
         kind = type(getattr(knobs.get(), knob))
-        values = [kind(float(x)) if kind is int else kind(x) for x in listed.split(",")]
+        values = [kind(float(x)) if kind in (int, bool) else kind(x)
+                  for x in listed.split(",")]
     base = a.dir or Path(tempfile.mkdtemp(prefix="ciuic-phases-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
-    state = module_state(a.scale, optimizer=a.optimizer)
+    state = build(a.state, a.scale, "cpu", a.optimizer)
     size = nbytes(state.flat)
     p = Phases()
     instrument(p)
@@ -176,13 +181,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.restore()
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    print(f"state: {len(state.flat)} tensors, {size / 2**30:.3f} GiB ({a.optimizer}); "
+    print(f"state {a.state}: {len(state.flat)} tensors, {size / 2**30:.3f} GiB ({a.optimizer}); "
           f"{a.rounds} rounds; machine: {machine()}")
     print(f"direct-write floor of the state's size (4 MiB blocks + fsync): {summary(floors)} s")
     for value, runs in rounds.items():
         _report(runs, size, statistics.median(floors),
                 f"{knob}={value}, " if len(values) > 1 else "")
-    out = {"state_bytes": size, "optimizer": a.optimizer, "floor": floors,
+    out = {"state": a.state, "state_bytes": size, "optimizer": a.optimizer, "floor": floors,
            "rounds": rounds[values[0]] if len(values) == 1 else
            {f"{knob}={v}": r for v, r in rounds.items()}, "machine": machine()}
     if a.json:

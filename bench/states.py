@@ -8,6 +8,9 @@ as the module and optimizer a training job holds (what ciuic snapshots), sharing
   24k-vocabulary transformer plus Adam's two moments, seeded, as one flat dict; ciuic gets a
   module and an Adam optimizer built around those tensors (:func:`training_objects`).
 - ``h200``: PERFORMANCE.md's H200 state (bf16 weights, fp32 master weights, Adam), on a GPU.
+- ``lora``: a frozen 1 GiB base (64 ``Linear(2048, 2048)`` without bias) with rank-10 LoRA
+  adapters on each layer (1 % of the parameters), trained by Adam: between two snapshots only
+  the adapters and their moments change (``BenchState.trainable``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class BenchState:
 
     flat: dict[str, torch.Tensor]
     objects: Objects
+    #: the names of the tensors a training step changes, where not every tensor (LoRA's
+    #: adapters and their moments, not the frozen base); None: all of them
+    trainable: list[str] | None = None
 
 
 def gpt_shapes(d: int, vocab: int, layers: int, extra: dict[str, tuple[int, ...]]
@@ -113,6 +119,48 @@ def module_state(scale: int = 1, seed: int = 0, optimizer: str = "adam",
     return BenchState(flat, (model, opt))
 
 
+class LoRALinear(torch.nn.Module):
+    """A frozen ``Linear`` plus the trainable low-rank update ``B @ A`` (LoRA)."""
+
+    def __init__(self, d: int, rank: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(d, d, bias=False).requires_grad_(False)
+        self.lora_A = torch.nn.Parameter(torch.zeros(rank, d))
+        self.lora_B = torch.nn.Parameter(torch.zeros(d, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T
+
+
+def lora_state(scale: int = 1, seed: int = 0, device: str = "cpu", layers: int = 64
+               ) -> BenchState:
+    """A frozen base of ``layers`` ``Linear(d, d)`` (d = 2048 / ``scale``: 1 GiB at scale 1)
+    with rank-r adapters (r = 10 / ``scale``, at least 1: 2 x 2048 x 10 per layer at scale 1,
+    1.0 % of the parameters), Adam over the adapters after one step; ``trainable``: the
+    adapters and their moments."""
+    g = torch.Generator().manual_seed(seed)
+    d = 2048 // scale
+    rank = max(1, round(10 / scale))
+    model = torch.nn.Sequential(*[LoRALinear(d, rank) for _ in range(layers)]).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(adapters, lr=1e-4)
+    model(torch.randn(4, d, generator=g).to(device)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():  # 64 layers deep, the first layers' gradients underflow: moments
+        for st in opt.state.values():  # as a run's, every one nonzero (reference_state's)
+            st["exp_avg"].copy_(torch.randn(st["exp_avg"].shape, generator=g) * 1e-3)
+            st["exp_avg_sq"].copy_(torch.rand(st["exp_avg_sq"].shape, generator=g) * 1e-6)
+    flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        flat |= {f"optim.{i}.{k}": v for k, v in st.items() if v.dim() > 0}
+    trainable = [k for k in flat if ".lora_" in k or k.startswith("optim.")]
+    return BenchState(flat, (model, opt), trainable)
+
+
 def tenth_changed(flat: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
     """Every tenth tensor (by name) changed in place (x 1.001), as an incremental snapshot's
     state; put back bit for bit after, for what is measured next."""
@@ -120,13 +168,13 @@ def tenth_changed(flat: dict[str, torch.Tensor]) -> contextlib.AbstractContextMa
 
 
 @contextlib.contextmanager
-def changed(flat: dict[str, torch.Tensor], every: int = 1, by: float = 1e-3
-            ) -> Iterator[None]:
-    """Every ``every``-th tensor (by name; 1: all, as after an optimizer step) changed in place,
-    multiplied by ``1 + by``: every nonzero element changes (an added constant would make
-    Adam's tiny second moments one value, whose chunks deduplicate); put back bit for bit
-    after, for what is measured next."""
-    picked = [flat[k] for k in sorted(flat)[::every]]
+def changed(flat: dict[str, torch.Tensor], every: int = 1, by: float = 1e-3,
+            names: list[str] | None = None) -> Iterator[None]:
+    """Every ``every``-th tensor (by name; 1: all, as after an optimizer step), or those
+    ``names``, changed in place, multiplied by ``1 + by``: every nonzero element changes (an
+    added constant would make Adam's tiny second moments one value, whose chunks deduplicate);
+    put back bit for bit after, for what is measured next."""
+    picked = [flat[k] for k in (sorted(names) if names is not None else sorted(flat)[::every])]
     kept = [t.clone() for t in picked]
     with torch.no_grad():
         for t in picked:
@@ -142,10 +190,12 @@ def changed(flat: dict[str, torch.Tensor], every: int = 1, by: float = 1e-3
 
 
 def build(kind: str, scale: int, device: str, optimizer: str = "adam") -> BenchState:
-    """A copy of the state ``kind`` (``module``, ``flat``, ``h200``), seeded: two calls build
-    equal values in separate memory."""
+    """A copy of the state ``kind`` (``module``, ``flat``, ``h200``, ``lora``), seeded: two
+    calls build equal values in separate memory."""
     if kind == "module":
         return module_state(scale, optimizer=optimizer, device=device)
+    if kind == "lora":
+        return lora_state(scale, device=device)
     flat = (h200_state(scale, device=device) if kind == "h200"
             else {k: v.to(device) for k, v in reference_state(scale).items()})
     return BenchState(flat, training_objects(flat))

@@ -56,6 +56,31 @@ def test_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert "ratios of medians" in text
 
 
+def test_the_lora_state_changes_only_its_adapters_and_their_moments() -> None:
+    """bench/states.py's LoRA case (#47): a frozen base, 1 % of the parameters trainable; its
+    incremental snapshot changes those and their Adam moments, nothing of the base."""
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))
+    import torch
+    from states import build, changed
+
+    state = build("lora", 4, "cpu")  # 64 MiB
+    model, opt = state.objects
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0.005 < trainable / params < 0.015  # 1 % at scale 1
+    assert state.trainable is not None
+    assert {k for k in state.flat if "base" in k}.isdisjoint(state.trainable)
+    moments = [k for k in state.trainable if k.startswith("optim.")]
+    assert len(moments) == 2 * sum(1 for k in state.flat if ".lora_" in k)  # exp_avg, _sq
+    before = {k: v.clone() for k, v in state.flat.items()}
+    with changed(state.flat, names=state.trainable):
+        for k, v in state.flat.items():
+            assert torch.equal(v, before[k]) == (k not in state.trainable), k
+    assert all(torch.equal(v, before[k]) for k, v in state.flat.items())  # put back
+
+
 def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/resume.py --quick: every system resumes the saved state bit for bit (the digest of
     the restored model and optimizer is the setup's), continues with the same first step, and
