@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,68 @@ def test_a_cause_never_named_is_said_to_be_unknown_once(
         try:
             prev = repo.catalog.runs("late", "default")[0]
             assert prev.cause is None and prev.end_kind == "exception:RuntimeError"
+        finally:
+            repo.close()
+    finally:
+        holder.close()
+
+
+def test_a_cause_named_while_the_run_closes_is_still_recorded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends a few steps after its restart (here: at once) may end before its
+    ``ciuic run`` has the other node's word: rank 0 waits a little at its close, asking, and
+    records the cause named then (a multi-node test's short job lost it before)."""
+    store = tmp_path / "store"
+    holder = restarted(store, monkeypatch)
+    try:
+        model = torch.nn.Linear(2, 2)
+
+        def named_later() -> None:
+            time.sleep(0.6)
+            assert holder.restart is not None
+            holder.restart = {**holder.restart, "cause": GONE}
+
+        word = threading.Thread(target=named_later)
+        with caplog.at_level(logging.INFO, logger="ciuic"):
+            m = SnapshotManager("late", store=str(store), save_interval=5, asynchronous=False)
+            m.restore(model)
+            m.step(6, model)
+            word.start()
+            t0 = time.monotonic()
+            m.close()
+            waited = time.monotonic() - t0
+        word.join()
+        assert ("The cause of the interruption at step 7, named by ciuic run after this run "
+                f"started: {GONE}") in caplog.text, caplog.text
+        assert waited < supervised.CAUSE_AT_CLOSE_S  # it stopped waiting once named
+        repo = Repository.open(store)
+        try:
+            assert [r.cause for r in repo.catalog.runs("late", "default")] == [GONE, None]
+        finally:
+            repo.close()
+    finally:
+        holder.close()
+
+
+def test_a_cause_not_named_by_the_close_is_said_to_be_unknown(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No word within the wait at the close: the run says so once and records nothing."""
+    store = tmp_path / "store"
+    holder = restarted(store, monkeypatch)
+    monkeypatch.setattr(supervised, "CAUSE_AT_CLOSE_S", 0.5)
+    try:
+        model = torch.nn.Linear(2, 2)
+        with caplog.at_level(logging.INFO, logger="ciuic"), SnapshotManager(
+                "late", store=str(store), save_interval=5, asynchronous=False) as m:
+            m.restore(model)
+            m.step(6, model)
+        said = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("The cause of the interruption")]
+        assert said == ["The cause of the interruption at step 7 is still not known at this "
+                        "run's end (ciuic run's log says what it saw)"], said
+        repo = Repository.open(store)
+        try:
+            assert repo.catalog.runs("late", "default")[0].cause is None
         finally:
             repo.close()
     finally:

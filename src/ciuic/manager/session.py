@@ -37,6 +37,7 @@ from ciuic.distributed.save import check_shared_store
 from ciuic.errors import RankError
 from ciuic.format.manifest import utc_now
 from ciuic.format.records import RunRow
+from ciuic.manager import supervised as asking
 from ciuic.manager.config import ManagerConfig
 from ciuic.manager.report import RunReporter
 from ciuic.manager.supervised import NOT_KNOWN_YET, PendingCause, Restart, Supervised, attach
@@ -455,8 +456,31 @@ class RunSession:
 
     def close(self) -> None:
         if self.supervised is not None:
+            if self._pending is not None and self.coll.coordinator:
+                self._last_ask()
             self.supervised.close()
         self.repo.close()
+
+    def _last_ask(self) -> None:
+        """Rank 0 closes while the cause of its restart is still not named: a run that ends
+        a few steps after a restart may end before its ``ciuic run`` has another node's word
+        (it waits for a hang's timeout, a lost node's keep-alive). Wait a little for it
+        (``CAUSE_AT_CLOSE_S``), asking as ``step()`` does, so that the catalog still
+        records why the previous run ended."""
+        end = time.monotonic() + asking.CAUSE_AT_CLOSE_S
+        while self._pending is not None:
+            self._pending.next_ask = 0.0
+            now = time.monotonic()
+            self._ask_cause(now)
+            if self._pending is None or now >= end:
+                break
+            time.sleep(asking.CAUSE_ASK_CLOSING_EVERY_S)
+        if self._pending is not None:
+            prev = self.previous_run
+            log.info("The cause of the interruption %s is still not known at this run's end "
+                     "(ciuic run's log says what it saw)", runs.stopped_where(
+                         prev.last_step if prev is not None else None, exact=True))
+            self._pending = None
 
 
 # -- uncaught exceptions and interpreter exit end every live session's run --------------------

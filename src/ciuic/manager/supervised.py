@@ -78,6 +78,10 @@ class Restart:
 #: asks it (its wait for another node's word, agent.CAUSE_WAIT_S, and a margin), and how often
 CAUSE_ASK_S = 45.0
 CAUSE_ASK_EVERY_S = 1.0
+#: how long a run that ends while still asking (a short job, or a job's last steps soon after
+#: a restart) waits at its close for the cause, asking every :data:`CAUSE_ASK_CLOSING_EVERY_S`
+CAUSE_AT_CLOSE_S = 3.0
+CAUSE_ASK_CLOSING_EVERY_S = 0.2
 #: how the previous run ended, while ``ciuic run`` has not named the cause yet
 NOT_KNOWN_YET = ("the cause is not known yet: ciuic run names it when another node's word "
                  "arrives, and this run records it then")
