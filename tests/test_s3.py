@@ -40,6 +40,13 @@ def test_large_objects_use_multipart_and_parallel_ranged_reads(s3_url: str,
         assert s.create("big/one", blob) is False
         assert s.create("big/two", blob) is True
         assert s.get("big/two") == blob
+        # a range across parts, from an offset: parallel ranged GETs of that range only
+        c = bytearray(5 << 20)
+        assert s.get_into("big/one", [memoryview(c)], 12345) == len(blob)
+        assert bytes(c) == blob[12345:12345 + len(c)]
+        tail = bytearray(b"\xff" * 100)
+        assert s.get_into("big/one", [memoryview(tail)], len(blob) - 40) == len(blob)
+        assert bytes(tail[:40]) == blob[-40:] and tail[40:] == b"\xff" * 60
 
 
 def test_a_batch_of_small_objects_is_sent_and_asked_about_in_parallel(s3_url: str) -> None:

@@ -227,8 +227,8 @@ def test_every_endpoint_times_every_role_and_a_foreign_project(
     assert checked == len(ROUTES) * 7
 
 
-def _save_through(http: TestClient, key: str, store: str, model: nn.Module) -> str:
-    """Save one snapshot of ``model`` into project p through the in-process app."""
+def _in_process_store(http: TestClient, key: str) -> Any:
+    """An :class:`HttpStore` of project p whose transport is the in-process app."""
     from ciuic.store.http import HttpStore
 
     class Local(HttpStore):  # the same client, its transport the in-process app
@@ -248,8 +248,51 @@ def _save_through(http: TestClient, key: str, store: str, model: nn.Module) -> s
         def close(self) -> None:  # the test owns the client
             self._pools.shutdown()
 
-    with SnapshotManager("p", store=Local(), handle_signals=False) as m:
+    return Local()
+
+
+def _save_through(http: TestClient, key: str, store: str, model: nn.Module) -> str:
+    """Save one snapshot of ``model`` into project p through the in-process app."""
+    with SnapshotManager("p", store=_in_process_store(http, key), handle_signals=False) as m:
         return m.save(1, model).id
+
+
+def test_an_object_is_read_by_byte_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """``Range: bytes=`` answers 206 with those bytes (``Content-Range``), 416 with the size
+    past the end, the whole object for a range it does not serve; a range over the server's
+    per-answer limit comes in several answers, which the HTTP store asks for in turn."""
+    from ciuic.server import app as server_app
+
+    store = tmp_path / "store"
+    key = new_key(store, "p", "writer")
+    data = os.urandom(5000)
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(str(store), layout_keys_only=False)) as http:
+        url = "/v1/projects/p/objects/conformance/range"
+        assert http.put(url, content=data, headers=auth).status_code in (200, 201)
+        r = http.get(url, headers={**auth, "Range": "bytes=100-199"})
+        assert r.status_code == 206 and r.content == data[100:200]
+        assert r.headers["content-range"] == "bytes 100-199/5000"
+        r = http.get(url, headers={**auth, "Range": "bytes=4990-"})
+        assert r.status_code == 206 and r.content == data[4990:]
+        r = http.get(url, headers={**auth, "Range": "bytes=5000-5100"})
+        assert r.status_code == 416 and r.headers["content-range"] == "bytes */5000"
+        assert r.json()["error"]["code"] == "range_past_end"
+        for ignored in ("bytes=-100", "bytes=9-3", "bytes=0-1,5-6", "items=0-4"):
+            r = http.get(url, headers={**auth, "Range": ignored})
+            assert r.status_code == 200 and r.content == data, ignored
+        monkeypatch.setattr(server_app, "RANGE_MAX_BYTES", 1000)
+        r = http.get(url, headers={**auth, "Range": "bytes=0-4999"})
+        assert r.status_code == 206 and r.headers["content-range"] == "bytes 0-999/5000"
+        client = _in_process_store(http, key)
+        try:
+            a, b = bytearray(1500), bytearray(2400)
+            assert client.get_into("conformance/range", [memoryview(a), memoryview(b)],
+                                   600) == 5000
+            assert bytes(a + b) == data[600:4500]
+        finally:
+            client.close()
 
 
 def test_a_batch_of_small_objects_goes_to_the_server_in_parallel(

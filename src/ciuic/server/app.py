@@ -47,6 +47,7 @@ from ciuic.server import inspect, policy, schemas
 from ciuic.server.guard import DEFAULT_JSON_MAX_BYTES, Guard, key_of
 from ciuic.server.observe import install
 from ciuic.server.openapi import install_document
+from ciuic.server.ranges import RANGE_MAX_BYTES, byte_range
 from ciuic.store.base import check_prefix
 from ciuic.version import __version__
 
@@ -444,18 +445,36 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
 
     @app.get("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
              response_class=Response,
-             responses={200: schemas.OCTETS, **schemas.errors(*schemas.PROJECT, 404)})
+             responses={200: schemas.OCTETS, 206: schemas.OCTETS_RANGE,
+                        **schemas.errors(*schemas.PROJECT, 404, 416)})
     def get_object(info: Caller, project: str, key: str, request: Request) -> Response:
-        """An object's bytes (reader)."""
+        """An object's bytes (reader); with ``Range: bytes=FIRST-LAST`` (or ``FIRST-``) only
+        those, 206, at most 64 MiB of them per request (``Content-Range`` says which)."""
         allow(info, project, "reader")
         key = object_key(project, key)
-        data = repo_of(project).store.get(key)
-        metrics.bytes.labels("out").inc(len(data))
+        store = repo_of(project).store
+        span = byte_range(request.headers.get("range"))
         m = layout.parse_manifest(key)
         if m is not None:
             audit(catalog, f"key:{info.id}", project, "snapshot.read",
                   f"{m.job} {m.snapshot_id}", _remote(request))
-        return Response(data, media_type="application/octet-stream")
+        if span is None:
+            data = store.get(key)
+            metrics.bytes.labels("out").inc(len(data))
+            return Response(data, media_type="application/octet-stream")
+        first, last = span
+        buf = bytearray(min(RANGE_MAX_BYTES, (last if last is not None else first
+                                              + RANGE_MAX_BYTES - 1) - first + 1))
+        size = store.get_into(key, [memoryview(buf)], first)
+        if first >= size:
+            answer = _error(416, "range_past_end", f"the range starts at byte {first}, at or "
+                            f"past the end of {key} ({size} bytes)")
+            answer.headers["Content-Range"] = f"bytes */{size}"
+            return answer
+        n = min(len(buf), size - first)
+        metrics.bytes.labels("out").inc(n)
+        return Response(bytes(buf[:n]), status_code=206, media_type="application/octet-stream",
+                        headers={"Content-Range": f"bytes {first}-{first + n - 1}/{size}"})
 
     @app.head("/v1/projects/{project}/objects/{key:path}", tags=["objects"],
               response_class=Response, responses={

@@ -70,6 +70,8 @@ ERRORS: dict[int, str] = {
     404: "no such snapshot, job snapshot or object (`not_found`; an ambiguous ID prefix too)",
     410: "the snapshot was pruned: its tensors are gone (`pruned`)",
     413: "the request's body is over the limit (`too_large`)",
+    416: "the range starts at or past the object's end (`range_past_end`); its "
+         "`Content-Range: bytes */SIZE` gives the object's size",
     422: "the server cannot read it: `encrypted` (only clients with the key can), "
          "`newer_format` (upgrade the server), `damaged` (`ciuic verify --deep`), or a bad "
          "run ID (`invalid_run`)",
@@ -410,5 +412,9 @@ METRICS_TEXT = {"content": {"text/plain": {"schema": {"type": "string"},
                                            "example": "ciuic_requests_total{method=\"GET\","
                                                       "route=\"/health\",status=\"200\"} 3.0\n"}},
                 "description": "Prometheus text format"}
+OCTETS_RANGE = {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                     "format": "binary"}}},
+                "description": "the bytes of the range asked for with `Range: bytes=FIRST-LAST`"
+                               " (at most 64 MiB; `Content-Range` says which came)"}
 HTML = {"content": {"text/html": {"schema": {"type": "string"}}},
         "description": "the dashboard's page"}

@@ -138,14 +138,19 @@ class Store(abc.ABC):
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``. Raises :class:`~ciuic.errors.ObjectNotFound`."""
 
-    def get_into(self, key: str, buffers: list[memoryview]) -> int:
-        """Read ``key`` into ``buffers``, back to back, and return the object's size in bytes.
+    def get_into(self, key: str, buffers: list[memoryview], offset: int = 0) -> int:
+        """Read ``key``'s bytes from ``offset`` on into ``buffers``, back to back, and return
+        the object's size in bytes.
 
         Bytes beyond the buffers' total are not read; a shorter object leaves the tail of the
-        buffers untouched (callers compare the returned size). Raises
-        :class:`~ciuic.errors.ObjectNotFound`. Backends override it to avoid a copy.
+        buffers untouched (callers compare the returned size; an ``offset`` at or past the end
+        reads nothing). Raises :class:`~ciuic.errors.ObjectNotFound`. Backends override it to
+        avoid a copy, and to read only the range asked for (a piece inside a larger object).
         """
-        data = memoryview(self.get(key))
+        if offset < 0:
+            raise ValueError(f"a read starts at an offset of 0 or more, not {offset}")
+        whole = memoryview(self.get(key))
+        data = whole[offset:]
         off = 0
         for buf in buffers:
             n = min(len(buf), len(data) - off)
@@ -153,7 +158,7 @@ class Store(abc.ABC):
                 break
             buf[:n] = data[off:off + n]
             off += n
-        return len(data)
+        return len(whole)
 
     @abc.abstractmethod
     def has(self, key: str) -> bool:

@@ -151,6 +151,27 @@ class StoreConformance:
         with pytest.raises(ObjectNotFound):
             store.get_into("conformance/g/missing", [memoryview(a)])
 
+    def test_get_into_reads_a_range_from_an_offset(self, store: Store) -> None:
+        """A piece inside a larger object (a chunk in a pack) is read alone: from ``offset``,
+        as many bytes as the buffers hold; the object's size is returned whatever the range."""
+        data = bytes(range(256)) * 400  # 102,400 bytes
+        store.put("conformance/r/1", data)
+        a, b = bytearray(10), bytearray(30)
+        assert store.get_into("conformance/r/1", [memoryview(a), memoryview(b)], 1000) == 102400
+        assert bytes(a + b) == data[1000:1040]
+        tail = bytearray(b"\xff" * 64)  # only the last 24 bytes exist past 102,376
+        assert store.get_into("conformance/r/1", [memoryview(tail)], 102376) == 102400
+        assert tail[:24] == data[102376:] and tail[24:] == b"\xff" * 40
+        for past in (102400, 200000):  # at or past the end: nothing read, the size told
+            untouched = bytearray(b"\xee" * 8)
+            assert store.get_into("conformance/r/1", [memoryview(untouched)], past) == 102400
+            assert untouched == b"\xee" * 8
+        assert store.get_into("conformance/r/1", [], 5) == 102400  # no buffers: the size
+        with pytest.raises(ValueError, match="offset"):
+            store.get_into("conformance/r/1", [memoryview(a)], -1)
+        with pytest.raises(ObjectNotFound):
+            store.get_into("conformance/r/missing", [memoryview(a)], 10)
+
     def test_non_durable_puts_are_readable_and_durable_after_sync(self, store: Store) -> None:
         for i in range(20):
             store.put(f"conformance/batch/{i:02d}", f"v{i}".encode(), durable=False)

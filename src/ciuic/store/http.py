@@ -174,7 +174,8 @@ class HttpStore(Store):
                                    f"({r.status_code}): {_message(r)}")
         if r.status_code == 404:
             raise ObjectNotFound(f"{self.url}{path} does not exist")
-        if r.status_code >= 400 and not (r.status_code == 409 and method == "PUT"):
+        if r.status_code >= 400 and not (r.status_code == 409 and method == "PUT") and not (
+                r.status_code == 416 and "content-range" in r.headers):  # a range past the end
             raise StoreError(f"the ciuic server answered {r.status_code} to {method} {path}: "
                              f"{_message(r)}")
         return r
@@ -197,6 +198,29 @@ class HttpStore(Store):
 
     def get(self, key: str) -> bytes:
         return bytes(self._call("GET", self._obj(key)).content)
+
+    def get_into(self, key: str, buffers: builtins.list[memoryview], offset: int = 0) -> int:
+        """One GET of the range the buffers hold (``Range: bytes=``), not the whole object."""
+        if offset < 0:
+            raise ValueError(f"a read starts at an offset of 0 or more, not {offset}")
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        want = sum(len(v) for v in views)
+        while True:  # a server answers at most 64 MiB a request: ask again for the rest
+            r = self._call("GET", self._obj(key),
+                           headers={"Range": f"bytes={offset}-{offset + max(1, want) - 1}"})
+            if r.status_code == 416:  # at or past the end: the size in "bytes */size"
+                return int(r.headers["content-range"].rpartition("/")[2])
+            if r.status_code == 206:
+                total = int(r.headers["content-range"].rpartition("/")[2])
+                data = memoryview(r.content)
+            else:  # a server that ignored the range: the whole object came
+                total = len(r.content)
+                data = memoryview(r.content)[offset:]
+            n = min(len(data), want)
+            _fill(views, data[:n])
+            offset, want = offset + n, want - n
+            if not want or not n or offset >= total or r.status_code != 206:
+                return total
 
     def has(self, key: str) -> bool:
         try:
@@ -270,3 +294,15 @@ def _message(r: Any) -> str:
         return str(r.json()["error"]["message"])
     except Exception:
         return str(r.text[:200])
+
+
+def _fill(views: builtins.list[memoryview], data: memoryview) -> None:
+    """Copy ``data`` into the front of ``views``, dropping the views it fills."""
+    at = 0
+    while views and at < len(data):
+        n = min(len(views[0]), len(data) - at)
+        views[0][:n] = data[at:at + n]
+        at += n
+        views[0] = views[0][n:]
+        if not len(views[0]):
+            views.pop(0)

@@ -413,7 +413,9 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"cannot read {self.location(key)}: {e}") from e
 
-    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+    def get_into(self, key: str, buffers: list[memoryview], offset: int = 0) -> int:
+        if offset < 0:
+            raise ValueError(f"a read starts at an offset of 0 or more, not {offset}")
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -423,16 +425,19 @@ class LocalStore(Store):
             raise StoreError(f"cannot read {self.location(key)}: {e}") from e
         try:
             size = os.fstat(fd).st_size
-            if _WILLNEED is not None and size > _WILLNEED_BYTES:
-                # the whole object at once: the kernel reads it ahead while readv copies the
+            views = [memoryview(b).cast("B") for b in buffers if len(b)]
+            wanted = min(sum(len(v) for v in views), max(0, size - offset))
+            if _WILLNEED is not None and wanted > _WILLNEED_BYTES:
+                # the whole range at once: the kernel reads it ahead while preadv copies the
                 # first pages (a cold 1 GiB restore: 1.13 s against 1.36, medians of 8)
                 with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, _WILLNEED)
-            views = [memoryview(b).cast("B") for b in buffers if len(b)]
+                    os.posix_fadvise(fd, offset, wanted, _WILLNEED)
+            at = offset
             while views:
-                n = os.readv(fd, views)
+                n = os.preadv(fd, views, at)
                 if n == 0:
                     break
+                at += n
                 _advance(views, n)
             return size
         except OSError as e:

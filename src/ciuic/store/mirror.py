@@ -207,11 +207,12 @@ class MirrorStore(Store):
         except ObjectNotFound as missing:
             return self._fallback(key, missing, lambda: self.remote.get(key))
 
-    def get_into(self, key: str, buffers: builtins.list[memoryview]) -> int:
+    def get_into(self, key: str, buffers: builtins.list[memoryview], offset: int = 0) -> int:
         try:
-            return self.fast.get_into(key, buffers)
+            return self.fast.get_into(key, buffers, offset)
         except ObjectNotFound as missing:
-            return self._fallback(key, missing, lambda: self.remote.get_into(key, buffers))
+            return self._fallback(key, missing,
+                                  lambda: self.remote.get_into(key, buffers, offset))
 
     def _fallback(self, key: str, missing: ObjectNotFound, read: Callable[[], T]) -> T:
         """Read from the durable tier what the fast one lacks; in local mode an unreachable

@@ -45,8 +45,8 @@ class PrefixStore(Store):
     def get(self, key: str) -> bytes:
         return self.inner.get(self._k(key))
 
-    def get_into(self, key: str, buffers: builtins.list[memoryview]) -> int:
-        return self.inner.get_into(self._k(key), buffers)
+    def get_into(self, key: str, buffers: builtins.list[memoryview], offset: int = 0) -> int:
+        return self.inner.get_into(self._k(key), buffers, offset)
 
     def has(self, key: str) -> bool:
         return self.inner.has(self._k(key))

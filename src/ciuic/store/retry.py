@@ -108,8 +108,8 @@ class RetryingStore(Store):
     def get(self, key: str) -> bytes:
         return self._call("reading", key, lambda: self.inner.get(key))
 
-    def get_into(self, key: str, buffers: list[memoryview]) -> int:
-        return self._call("reading", key, lambda: self.inner.get_into(key, buffers))
+    def get_into(self, key: str, buffers: list[memoryview], offset: int = 0) -> int:
+        return self._call("reading", key, lambda: self.inner.get_into(key, buffers, offset))
 
     def has(self, key: str) -> bool:
         return self._call("checking", key, lambda: self.inner.has(key))

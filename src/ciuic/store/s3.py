@@ -301,41 +301,54 @@ class S3Store(Store):
         self._call("reading", key, lambda: self._download(key, fill))
         return bytes(out[0])
 
-    def get_into(self, key: str, buffers: list[memoryview]) -> int:
+    def get_into(self, key: str, buffers: list[memoryview], offset: int = 0) -> int:
         check_key(key)
-        return self._call("reading", key, lambda: self._download(key, lambda _n: buffers))
+        if offset < 0:
+            raise ValueError(f"a read starts at an offset of 0 or more, not {offset}")
+        want = sum(len(b) for b in buffers)
+        return self._call("reading", key,
+                          lambda: self._download(key, lambda _n: buffers, offset, want))
 
-    def _download(self, key: str, targets: Callable[[int], list[memoryview]]) -> int:
-        """GET ``key`` into the buffers ``targets(size)`` returns; objects larger than one part
-        come back as parallel ranged GETs. Returns the object's size."""
+    def _download(self, key: str, targets: Callable[[int], list[memoryview]],
+                  offset: int = 0, want: int | None = None) -> int:
+        """GET ``key``'s bytes from ``offset`` (``want`` of them at most; None: to the end)
+        into the buffers ``targets(size)`` returns; more than one part comes back as parallel
+        ranged GETs. Returns the object's size."""
         from botocore.exceptions import ClientError
 
         name = self._key(key)
+        first_len = self._part_bytes if want is None else max(1, min(want, self._part_bytes))
+        skip = 0  # bytes before ``offset`` that came anyway (a server that ignores Range)
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=name,
-                                           Range=f"bytes=0-{self._part_bytes - 1}")
+                                           Range=f"bytes={offset}-{offset + first_len - 1}")
             total = int(str(resp["ContentRange"]).rpartition("/")[2])
         except ClientError as e:
             if s3dialect.code(e) != "InvalidRange":
                 raise
+            if offset:  # at or past the end: nothing to read
+                return int(self._head(key)["ContentLength"])
             resp, total = self._client.get_object(Bucket=self.bucket, Key=name), 0
         except KeyError:  # a server that ignored the Range header: the whole object came
-            total = int(resp["ContentLength"])
+            total, skip = int(resp["ContentLength"]), offset
         views = [v.cast("B") for v in targets(total)]
-        _read_into(resp["Body"], views, 0, int(resp["ContentLength"]))
-        first = int(resp["ContentLength"])
-        if first < total:
+        end = total if want is None else min(total, offset + want)
+        came = int(resp["ContentLength"])
+        _skip(resp["Body"], min(skip, came))
+        _read_into(resp["Body"], views, 0, max(0, came - skip))
+        first = offset + came - skip
+        if first < end:
             etag = resp.get("ETag")
 
             def fetch(start: int) -> None:
-                end = min(start + self._part_bytes, total) - 1
+                last = min(start + self._part_bytes, end) - 1
                 extra = {"IfMatch": etag} if etag else {}
                 part = self._client.get_object(Bucket=self.bucket, Key=name,
-                                               Range=f"bytes={start}-{end}", **extra)
-                _read_into(part["Body"], views, start, end + 1 - start)
+                                               Range=f"bytes={start}-{last}", **extra)
+                _read_into(part["Body"], views, start - offset, last + 1 - start)
 
             # (every fetch done before a failure is raised: none writes into the buffers after)
-            self._pools.each(fetch, range(first, total, self._part_bytes))
+            self._pools.each(fetch, range(first, end, self._part_bytes))
         return total
 
     def _head(self, key: str) -> dict[str, Any]:
@@ -394,6 +407,15 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._pools.shutdown()
+
+
+def _skip(body: Any, n: int) -> None:
+    """Read and drop the first ``n`` bytes of a streaming body."""
+    while n:
+        data = body.read(min(n, 8 << 20))
+        if not data:
+            raise StoreError("the S3 response ended early")
+        n -= len(data)
 
 
 def _read_into(body: Any, views: list[memoryview], offset: int, length: int) -> None:
