@@ -349,7 +349,7 @@ def test_background_threads_run_at_a_lower_cpu_priority(
     put = LocalStore.put
 
     def recording(self: LocalStore, key: str, data: Any, **kw: Any) -> None:
-        if key.startswith("chunks/"):
+        if key.startswith(("chunks/", "packs/")):
             puts.append((threading.current_thread().name.rsplit("_", 1)[0],
                          os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         put(self, key, data, **kw)

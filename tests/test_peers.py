@@ -19,6 +19,7 @@ import pytest
 
 from ciuic.chain.repo import Repository
 from ciuic.format.chunks import frame
+from ciuic.format.descriptor import ChunkRef
 from ciuic.format.digest import digest
 from ciuic.format.layout import chunk_key
 from ciuic.restore.sources import Resident, read_from
@@ -269,7 +270,8 @@ def _restore_on(res: Resident, repo: Repository, pieces: list[bytes]) -> list[by
     """One rank's restore of ``pieces`` (4 reading threads, as boxread's pool)."""
     outs = [bytearray(len(p)) for p in pieces]
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: read_from(repo, res, digest(pieces[i]), len(pieces[i]),
+        list(pool.map(lambda i: read_from(repo, res, ChunkRef(digest(pieces[i]),
+                                                              len(pieces[i])),
                                           memoryview(outs[i])), range(len(pieces))))
     return [bytes(o) for o in outs]
 

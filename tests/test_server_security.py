@@ -378,12 +378,14 @@ def test_the_layout_names_the_kind_of_every_key_ciuic_writes() -> None:
 
     d = "ab" * 32
     assert [layout.kind_of(key) for key in (
-        layout.chunk_key(d), layout.manifest_key("p", "j", d), layout.body_key("p", "j", d),
-        layout.lease_key("p", "j", 7), layout.lease_key("p", "j", 10**12),
-        layout.inflight_key("x.json"), layout.probe_key("r"), layout.PASSPHRASE_SALT,
-        layout.GC_LOCK, layout.GC_EPOCH)] == [
-        "chunk", "manifest", "body", "lease", "lease", "inflight", "probe", "salt", "gc", "gc"]
-    for near_miss in (f"chunks/cd/{d}", "chunks/ab/x", f"jobs/p/j/manifests/{d}",
+        layout.chunk_key(d), layout.pack_key(d), layout.manifest_key("p", "j", d),
+        layout.body_key("p", "j", d), layout.lease_key("p", "j", 7),
+        layout.lease_key("p", "j", 10**12), layout.inflight_key("x.json"),
+        layout.probe_key("r"), layout.PASSPHRASE_SALT, layout.GC_LOCK, layout.GC_EPOCH)] == [
+        "chunk", "pack", "manifest", "body", "lease", "lease", "inflight", "probe", "salt",
+        "gc", "gc"]
+    for near_miss in (f"chunks/cd/{d}", "chunks/ab/x", f"packs/cd/{d}", "packs/ab/x",
+                      f"packs/{d}", f"jobs/p/j/manifests/{d}",
                       "jobs/p/j/leases/7.json", "jobs/p/j/leases/0000000000007.json",
                       "jobs/p/j/commit", "locks/other.json", "keys/other", "probes/a/b.json"):
         assert layout.kind_of(near_miss) is None, near_miss

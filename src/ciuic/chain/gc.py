@@ -272,15 +272,18 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
 
 def _delete(store: Store, refs: References, result: GcResult, dry_run: bool,
             only: set[str] | None) -> None:
-    """Delete (count, with ``dry_run``) the chunks and bodies ``refs`` does not keep (only the
-    chunks of ``only``, where given), then stale temporaries of a local store."""
+    """Delete (count, with ``dry_run``) the chunks, packs and bodies ``refs`` does not keep
+    (only the chunks and packs of ``only``, where given), then stale temporaries of a local
+    store. A pack goes once no snapshot references any piece in it."""
     refresh = _LockRefresher(store, dry_run)
-    for key in sorted(only) if only is not None else list(store.list(layout.CHUNKS)):
+    for key in sorted(only) if only is not None else [
+            *store.list(layout.CHUNKS), *store.list(layout.PACKS)]:
         refresh()
         if key in refs.chunks:
             result.kept_chunks += 1
             continue
-        digest_of_key(key)  # only ever delete well-formed chunk keys
+        if layout.pack_name(key) is None:
+            digest_of_key(key)  # only ever delete well-formed chunk and pack keys
         size = _size(store, key)
         if only is not None and not size:
             continue  # never written

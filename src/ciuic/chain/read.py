@@ -19,7 +19,7 @@ from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import SEALED_OVERHEAD
-from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.descriptor import ChunkRef, TensorDescriptor, parse_chunk
 from ciuic.format.digest import Buffer, digest
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.parts import BodyPart, listed_parts, merge
@@ -168,8 +168,13 @@ class Parts:
         return part
 
 
-def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
-    """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it."""
+def read_chunk(repo: Repository, d: str, n: int, dest: memoryview,
+               ref: ChunkRef | None = None) -> None:
+    """Read chunk ``d`` (plaintext length ``n``) straight into ``dest`` and verify it; where
+    ``ref`` places it inside a pack, only its bytes there (:func:`read_piece`)."""
+    if ref is not None and ref.pack is not None:
+        read_piece(repo, ref, dest)
+        return
     key = layout.chunk_key(d)
     sealed = bool(repo.keyring.keys)  # a store read with keys holds sealed objects
 
@@ -190,6 +195,33 @@ def read_chunk(repo: Repository, d: str, n: int, dest: memoryview) -> None:
     repo.read_verified(key, read)
 
 
+def read_piece(repo: Repository, ref: ChunkRef, dest: memoryview) -> None:
+    """Read the piece ``ref`` places inside a pack (its ``stored`` bytes from ``offset``: one
+    ranged read) into ``dest`` and check it as a chunk object of its own: framed or sealed
+    under its chunk key, its plaintext hashed against its digest. A damaged piece is a
+    :class:`CorruptObject` of its chunk key (what a restore distrusts and verify reports),
+    saying where in which pack it lies."""
+    assert ref.pack is not None
+    pack = layout.pack_key(ref.pack)
+    key = layout.chunk_key(ref.digest)  # what sealed it (associated data) and names it
+
+    def read(store: Store) -> None:
+        blob = bytearray(ref.stored)
+        try:
+            size = store.get_into(pack, [memoryview(blob)], ref.offset)
+        except ObjectNotFound:
+            raise CorruptObject(key, f"its pack {pack} is missing") from None
+        if size < ref.offset + ref.stored:
+            raise CorruptObject(key, f"its pack {pack} holds {size} bytes, not the "
+                                     f"{ref.offset + ref.stored} its place needs (truncated?)")
+        try:
+            check_chunk_blob(repo, key, memoryview(blob), ref.digest, ref.nbytes, dest)
+        except CorruptObject as e:
+            raise CorruptObject(key, f"{e.reason} (at byte {ref.offset} of {pack})") from e
+
+    repo.read_verified(pack, read)
+
+
 _SCRATCH = threading.local()
 
 
@@ -207,7 +239,7 @@ def _read_sealed(repo: Repository, store: Store, key: str, d: str, n: int,
 
 
 def take_chunk(repo: Repository, d: str, n: int, dest: memoryview, src: memoryview | None,
-               name_key: bytes | None) -> bool:
+               name_key: bytes | None, ref: ChunkRef | None = None) -> bool:
     """Chunk ``d`` from memory that should hold it (the host-memory tier): copy ``src`` into
     ``dest`` (unless ``src`` is None: ``dest`` holds it already) and check it against its name;
     when it differs, read the chunk from the store instead. Returns whether memory served it."""
@@ -215,7 +247,7 @@ def take_chunk(repo: Repository, d: str, n: int, dest: memoryview, src: memoryvi
         dest[:] = src
     if digest(dest) == d or (name_key is not None and digest(dest, key=name_key) == d):
         return True
-    read_chunk(repo, d, n, dest)
+    read_chunk(repo, d, n, dest, ref)
     return False
 
 
@@ -242,34 +274,53 @@ def check_chunk_blob(repo: Repository, key: str, blob: bytes | memoryview, d: st
         raise CorruptObject(key, "content hash does not match its name")
 
 
-def get_chunk(repo: Repository, d: str, n: int) -> None:
-    read_chunk(repo, d, n, memoryview(bytearray(n)))
+def get_chunk(repo: Repository, ref: ChunkRef) -> None:
+    read_chunk(repo, ref.digest, ref.nbytes, memoryview(bytearray(ref.nbytes)), ref)
 
 
-def chunk_refs(states: dict[str, Any]) -> dict[str, int]:
-    """digest -> plaintext length of every chunk a body's states reference."""
-    refs: dict[str, int] = {}
+def chunk_refs(states: dict[str, Any]) -> dict[str, ChunkRef]:
+    """digest -> the reference of every chunk a body's states reference (where a digest is
+    referenced at several places, one of them: its bytes are the same)."""
+    refs: dict[str, ChunkRef] = {}
     for _path, _kind, desc in walk_leaves(states):
         for piece in desc.get("shards", [desc]):
-            for d, n in piece.get("chunks", []):
-                refs[str(d)] = int(n)
+            for c in piece.get("chunks", []):
+                ref = parse_chunk(c)
+                refs.setdefault(ref.digest, ref)
     return refs
 
 
-def verify_chunks(repo: Repository, refs: dict[str, int], deep: bool,
-                  pool: ThreadPoolExecutor) -> list[tuple[str, UnreadableObject | None]]:
-    """Problems with chunks, as (key, the error, or None for a missing chunk): existence, or
-    (``deep``) a full re-read and re-hash."""
+def object_of(ref: ChunkRef) -> str:
+    """The store key of the object that holds ``ref``'s bytes: its chunk, or its pack."""
+    return layout.chunk_key(ref.digest) if ref.pack is None else layout.pack_key(ref.pack)
 
-    def check(d: str, n: int) -> tuple[str, UnreadableObject | None] | None:
-        key = layout.chunk_key(d)
+
+def verify_chunks(repo: Repository, refs: dict[str, ChunkRef], deep: bool,
+                  pool: ThreadPoolExecutor) -> list[tuple[str, UnreadableObject | None]]:
+    """Problems with chunks, as (key, the error, or None for a missing chunk): existence (of
+    each chunk object and each pack once), or (``deep``) a full re-read and re-hash of every
+    piece. A missing pack is reported under the chunk key of each piece it held."""
+    packs: dict[str, bool] = {}
+    lock = threading.Lock()
+
+    def present(key: str) -> bool:
+        with lock:
+            known = packs.get(key)
+        if known is None:
+            known = repo.store.has(key)
+            with lock:
+                packs[key] = known
+        return known
+
+    def check(ref: ChunkRef) -> tuple[str, UnreadableObject | None] | None:
+        key = layout.chunk_key(ref.digest)
         try:
             if deep:
-                get_chunk(repo, d, n)
-            elif not repo.store.has(key):
+                get_chunk(repo, ref)
+            elif not (repo.store.has(key) if ref.pack is None else present(object_of(ref))):
                 return key, None
         except UnreadableObject as e:
             return e.key, e
         return None
 
-    return [r for r in pool.map(lambda item: check(*item), refs.items()) if r is not None]
+    return [r for r in pool.map(check, refs.values()) if r is not None]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic.chain.read import body_keys, body_states, chunk_refs
+from ciuic.chain.read import body_keys, body_states, chunk_refs, object_of
 from ciuic.chain.repo import Repository, list_manifests
 from ciuic.errors import (
     CiuicError,
@@ -33,6 +33,7 @@ from ciuic.errors import (
 )
 from ciuic.format import canonical, layout
 from ciuic.format import manifest as mf
+from ciuic.format.descriptor import refs_in
 from ciuic.format.digest import is_digest
 from ciuic.format.layout import chunk_key
 from ciuic.format.parts import BodyPart
@@ -60,6 +61,7 @@ class Damage:
 
 @dataclass
 class References:
+    #: the keys of the chunk objects and of the packs
     chunks: set[str] = field(default_factory=set)
     bodies: set[str] = field(default_factory=set)
     damage: list[Damage] = field(default_factory=list)
@@ -108,7 +110,7 @@ def referenced(repo: Repository, progress: Callable[[str], None] | None = None) 
                 found = Damage(bkey, f"{e.key}: {e.reason}", mk.snapshot_id, True, found.movable)
             refs.damage.append(found)
             continue
-        refs.chunks.update(chunk_key(d) for d in chunk_refs(states))
+        refs.chunks.update(object_of(ref) for ref in chunk_refs(states).values())
     for project, job in sorted(damaged_jobs):
         _keep_unclaimed(repo, project, job, refs)
     return refs
@@ -122,20 +124,22 @@ def _keep_unclaimed(repo: Repository, project: str, job: str, refs: References) 
                 if layout.parse_body(k) is not None and k not in refs.bodies]:
         refs.bodies.add(key)
         try:
-            named = _names(repo, key)
+            named, packs = _names(repo, key)
         except ObjectNotFound:
             continue
         except (CiuicError, ValueError) as e:  # its references cannot be known
             refs.damage.append(_damage(key, e, "", blocks=True))
             continue
         refs.chunks.update(chunk_key(d) for d in named)
+        refs.chunks.update(layout.pack_key(p) for p in packs)
         refs.bodies.update(layout.body_key(project, job, d) for d in named)  # parts
     refs.kept_for_damage += len(refs.chunks) - before
 
 
-def _names(repo: Repository, key: str) -> set[str]:
-    """Every digest a body or body part names anywhere in it, once it is checked against its
-    name and parsed as one (so a format this ciuic does not know is not guessed at)."""
+def _names(repo: Repository, key: str) -> tuple[set[str], set[str]]:
+    """Every digest a body or body part names anywhere in it, and the packs its references
+    name, once it is checked against its name and parsed as one (so a format this ciuic does
+    not know is not guessed at)."""
     body = layout.parse_body(key)
     assert body is not None
     plain, name_key = repo.open_meta(key, repo.store.get(key))
@@ -145,7 +149,8 @@ def _names(repo: Repository, key: str) -> set[str]:
         raise
     except CorruptObject:
         BodyPart.decode(plain, key, body[2], name_key)  # raises where it is not one either
-    return set(_strings(canonical.loads(plain)))
+    tree = canonical.loads(plain)
+    return set(_strings(tree)), {r.pack for r in refs_in(tree).values() if r.pack is not None}
 
 
 def _strings(value: Any) -> Iterator[str]:

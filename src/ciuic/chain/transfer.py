@@ -21,9 +21,16 @@ from dataclasses import dataclass, fields
 
 from ciuic.chain.read import body_keys, body_states, check_chunk_blob, chunk_refs
 from ciuic.chain.repo import Repository, commit_order, list_manifests
-from ciuic.errors import IntegrityError, ObjectNotFound, SnapshotNotFound, UnreadableObject
+from ciuic.errors import (
+    CorruptObject,
+    IntegrityError,
+    ObjectNotFound,
+    SnapshotNotFound,
+    UnreadableObject,
+)
 from ciuic.format import layout
 from ciuic.format import manifest as mf
+from ciuic.format.descriptor import ChunkRef
 from ciuic.store import Store
 
 _THREADS = 8
@@ -80,7 +87,7 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
     have = {k.snapshot_id for k in list_manifests(dst, project, job)}
     order = [sid for sid in commit_order(manifests) if sid not in have]
     stats.present += len(manifests) - len(order)
-    chunks: dict[str, int] = {}
+    chunks: dict[str, ChunkRef] = {}
     bodies: list[str] = []
     for sid in order:
         m = manifests[sid]
@@ -92,16 +99,33 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
         chunks.update(chunk_refs(states))
         bodies.extend(body_keys(m, states))
 
+    packs: dict[str, list[ChunkRef]] = {}  # pack key -> the referenced pieces it holds
+    for ref in chunks.values():
+        if ref.pack is not None:
+            packs.setdefault(layout.pack_key(ref.pack), []).append(ref)
+
     def check_chunk(key: str, blob: bytes) -> None:
+        if key in packs:  # every referenced piece in it, each against its own name
+            view = memoryview(blob)
+            for ref in packs[key]:
+                piece = view[ref.offset:ref.offset + ref.stored]
+                if len(piece) != ref.stored:
+                    raise CorruptObject(layout.chunk_key(ref.digest), f"its pack {key} holds "
+                                        f"{len(blob)} bytes, not the {ref.offset + ref.stored}"
+                                        " its place needs (truncated?)")
+                check_chunk_blob(src, layout.chunk_key(ref.digest), piece, ref.digest,
+                                 ref.nbytes)
+            return
         d = layout.digest_of_key(key)
-        check_chunk_blob(src, key, blob, d, chunks[d])
+        check_chunk_blob(src, key, blob, d, chunks[d].nbytes)
 
     with ThreadPoolExecutor(_THREADS, thread_name_prefix="ciuic-copy") as pool:  # caller's
         extras = ([layout.PASSPHRASE_SALT] if src.store.has(layout.PASSPHRASE_SALT)
                   else [])
         _send(src, dst, extras, None, pool, verify, stats, progress, "keys", create=True)
-        _send(src, dst, [layout.chunk_key(d) for d in chunks], check_chunk, pool, verify, stats,
-              progress, "chunks")
+        plain = [layout.chunk_key(d) for d, ref in chunks.items() if ref.pack is None]
+        _send(src, dst, plain + sorted(packs), check_chunk, pool, verify, stats, progress,
+              "chunks")
         dst.sync()
         _send(src, dst, bodies, None, pool, verify, stats, progress, "bodies")
         dst.sync()

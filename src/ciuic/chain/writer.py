@@ -13,9 +13,9 @@ A crash anywhere before 3 leaves the previous snapshot the latest and this one i
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,12 +23,14 @@ import numpy as np
 import torch
 
 from ciuic import knobs
+from ciuic.chain.chunkwriter import ChunkCache, ChunkWriter, naming_threads
 from ciuic.chain.gc import InflightSave, collect
 from ciuic.chain.health import HealthTracker
 from ciuic.chain.lease import Lease
 from ciuic.chain.lease import check as check_lease
+from ciuic.chain.packs import carried
 from ciuic.chain.repo import Repository
-from ciuic.engine.compression import CompressionPolicy, float_kind, usable_cores
+from ciuic.engine.compression import CompressionPolicy, float_kind
 from ciuic.errors import DiskFull, StoreError
 from ciuic.faults import failpoint
 from ciuic.format import chunks as ck
@@ -42,32 +44,10 @@ from ciuic.format.tree import Leaf, dtype_name
 from ciuic.state.capture import Captured
 from ciuic.words import counted
 
+__all__ = ["BATCH_BYTES", "ChunkCache", "SnapshotContent", "SnapshotWrite", "Written",
+           "commit_snapshot", "remove_unreferenced", "write_leaves", "write_snapshot"]
+
 log = logging.getLogger("ciuic")
-
-
-@dataclass
-class ChunkCache:
-    """Chunk digests known to be in the store, valid for one gc epoch."""
-
-    epoch: int = -2
-    digests: set[str] = field(default_factory=set)
-    #: chunks a restore found damaged in the store: written again, over the damaged copy, by
-    #: the next snapshot that holds their bytes (not skipped as already stored)
-    suspect: set[str] = field(default_factory=set)
-    #: the statistics of the last snapshot's float pieces, by (digest, dtype): a piece whose
-    #: bytes did not change is not reduced again. Replaced by each snapshot's own.
-    stats: dict[tuple[str, str], st.Stats] = field(default_factory=dict)
-
-    def distrust(self, digest: str) -> None:
-        """A chunk a restore found damaged: the next snapshot holding its bytes writes it again
-        (else every later snapshot would reuse the damaged copy as already stored)."""
-        self.suspect.add(digest)
-        self.digests.discard(digest)  # "known to be stored" no longer holds
-
-    def sync(self, epoch: int) -> None:
-        if epoch != self.epoch or epoch < 0:
-            self.digests.clear()
-            self.epoch = epoch
 
 
 def _flat(leaf: Leaf) -> torch.Tensor | np.ndarray:
@@ -90,151 +70,6 @@ def _raw(flat: torch.Tensor | np.ndarray) -> memoryview:
             return memoryview(b"")
         return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
-
-
-class _ChunkWriter:
-    """Names pieces and writes those the store lacks. Identical pieces within a snapshot are
-    written once.
-
-    Naming (BLAKE3, and the float codec where it compresses) runs on the calling threads; the
-    store's writes on the ``io`` threads, at most :data:`WRITES_AHEAD` per I/O thread queued, so
-    that the store always has writes to do while the next pieces are hashed (on the development
-    VM, hashing and writing on the same four threads left the disk idle a quarter of the time).
-    :meth:`drain` waits for the writes and raises the first failure."""
-
-    def __init__(self, repo: Repository, cache: ChunkCache, codec: ObjectCodec,
-                 compression: CompressionPolicy, io: ThreadPoolExecutor, io_threads: int,
-                 created: set[str]) -> None:
-        self.store = repo.store
-        #: the keys of the chunks this snapshot writes that the store lacked (not those it
-        #: writes again over a damaged copy): what a failed snapshot may remove
-        self.created = created
-        self.cache = cache
-        self.codec = codec
-        self.compression = compression
-        self.io = io
-        self.lock = threading.Lock()
-        self.stored_bytes = 0  # what the new chunks take in the store (after compression)
-        self._window = threading.BoundedSemaphore(WRITES_AHEAD * io_threads)
-        self._writes: list[Future[None]] = []
-        self._failed: BaseException | None = None  # the first write's failure
-
-        #: digest of each piece, when hashed ahead (batch mode), and the chunks the store lacks
-        self.named: dict[int, str] = {}
-        self.lacking: set[str] | None = None
-
-    def ask_in_one_batch(self, pieces: list[memoryview], known: list[str | None],
-                         pool: ThreadPoolExecutor) -> None:
-        """Hash every piece now and ask the store once which chunks it lacks (a server: one
-        round trip per snapshot instead of one per chunk)."""
-        digests = list(pool.map(lambda p, d: d or self.codec.name(p), pieces, known))
-        self.named = {id(p): d for p, d in zip(pieces, digests, strict=True)}
-        with self.lock:
-            candidates = sorted({layout.chunk_key(d) for d in digests
-                                 if d not in self.cache.digests})
-        self.lacking = set(self.store.missing(candidates))
-
-    def __call__(self, batch: list[tuple[memoryview, tuple[str, int] | None, str | None]]
-                 ) -> list[tuple[str, int]]:
-        """Name each ``(piece, kind, known)`` of ``batch`` (``known``: its digest, from the last
-        snapshot of the same bytes) and queue the writes of those the store lacks, together.
-        Returns (digest, bytes to write) for each piece.
-
-        A batch is one large piece or several small ones: small chunks are asked about and
-        written in one store call each way, not one per chunk (a model's many small tensors)."""
-        failed = self._failed
-        if failed is not None:  # a write failed: the snapshot fails with its error, at once
-            raise failed
-        digests = [known or self.named.get(id(piece)) or self.codec.name(piece)
-                   for piece, _, known in batch]
-        claimed: list[int] = []  # indexes of the pieces this call writes unless stored
-        replace: set[int] = set()
-        with self.lock:
-            for i, d in enumerate(digests):
-                if d in self.cache.digests:
-                    continue
-                self.cache.digests.add(d)  # claimed: a twin piece in this snapshot skips it
-                claimed.append(i)
-                if d in self.cache.suspect:
-                    replace.add(i)
-        out = [(d, 0) for d in digests]
-        if not claimed:
-            return out
-        items: list[tuple[str, str, memoryview, bytes | None]] = []
-        try:
-            keys = {i: layout.chunk_key(digests[i]) for i in claimed}
-            asked = [keys[i] for i in claimed if i not in replace]
-            if self.lacking is not None:
-                lacking = self.lacking
-            elif len(asked) == 1:
-                lacking = set() if self.store.has(asked[0]) else set(asked)
-            else:
-                lacking = set(self.store.missing(asked)) if asked else set()
-            for i in claimed:
-                if i in replace or keys[i] in lacking:
-                    piece, kind, _ = batch[i]
-                    items.append((digests[i], keys[i], piece,
-                                  self.compression.encode(kind, piece)))
-                    out[i] = (digests[i], len(piece))
-            with self.lock:  # before the write: a write that fails part-way is counted too
-                self.created.update(keys[i] for i in claimed
-                                    if keys[i] in lacking and i not in replace)
-            if items:
-                self._queue(items)
-        except BaseException:  # nothing queued: unclaimed, a later snapshot writes them
-            with self.lock:
-                self.cache.digests.difference_update(digests[i] for i in claimed)
-            raise
-        return out
-
-    def _queue(self, items: list[tuple[str, str, memoryview, bytes | None]]) -> None:
-        self._window.acquire()
-        try:
-            write = self.io.submit(self._put, items)
-        except BaseException:  # acquired, but not handed to a write that releases it
-            self._window.release()
-            raise
-        with self.lock:
-            self._writes.append(write)
-
-    def _put(self, items: list[tuple[str, str, memoryview, bytes | None]]) -> None:
-        try:
-            chunks = []
-            for _, key, piece, encoded in items:
-                failpoint("chunk.put")  # each chunk's write, as the tests count them
-                chunks.append((key, self.codec.chunk(key, piece, encoded)))
-            self.store.put_many(chunks, durable=False)  # made durable by the sync
-            with self.lock:
-                for d, _, piece, encoded in items:
-                    self.stored_bytes += len(piece) if encoded is None else len(encoded)
-                    self.cache.suspect.discard(d)
-        except BaseException as e:
-            with self.lock:
-                self.cache.digests.difference_update(d for d, *_ in items)
-                if self._failed is None:
-                    self._failed = e
-            raise
-        finally:
-            self._window.release()
-
-    def drain(self) -> None:
-        """Wait for every queued write; raise the first failure."""
-        with self.lock:
-            writes, self._writes = self._writes, []
-        for write in writes:
-            write.exception()  # wait for all before raising: none is left running
-        for write in writes:
-            write.result()
-
-
-#: Writes queued per I/O thread while the naming threads run ahead.
-WRITES_AHEAD = 2
-
-
-def naming_threads() -> int:
-    """Threads that hash (and compress) pieces: the writer threads, on at most as many cores as
-    the process may use (more only take turns on the cores)."""
-    return max(1, min(knobs.get().write_threads, usable_cores()))
 
 
 #: Pieces under this size are named and written in batches of up to this many bytes: one
@@ -314,6 +149,8 @@ class _Piece:
     owner: _Described
     #: its elements, when the owner's statistics are reduced piece by piece
     span: torch.Tensor | np.ndarray | None
+    #: written again into a pack of carried pieces, its old pack mostly dead (chain/packs.py)
+    carry: bool = False
 
 
 class _Namer:
@@ -321,7 +158,7 @@ class _Namer:
     thread, and reduces each float piece's statistics, unless the last snapshot already
     reduced the same bytes (same digest, same dtype)."""
 
-    def __init__(self, writer: _ChunkWriter, seen: dict[tuple[str, str], st.Stats]) -> None:
+    def __init__(self, writer: ChunkWriter, seen: dict[tuple[str, str], st.Stats]) -> None:
         self.writer = writer
         self.seen = seen
         self.reduced: dict[tuple[str, str], st.Stats] = {}  # this snapshot's, for the next
@@ -335,9 +172,11 @@ class _Namer:
         if d is None:
             return None
         with self.writer.lock:  # (a suspect chunk is not in digests: distrust() drops it)
-            if d not in self.writer.cache.digests:
-                return None
-        ref = ChunkRef(d, len(piece.data))
+            ref = self.writer.cache.packed.get(d) if self.writer.packed(piece.data) else None
+            if ref is None or ref.nbytes != len(piece.data):
+                if d not in self.writer.cache.digests:
+                    return None
+                ref = ChunkRef(d, len(piece.data))
         if piece.span is None:
             return ref, 0, None
         stats = self._recall((d, str(piece.span.dtype)))
@@ -353,13 +192,12 @@ class _Namer:
 
     def __call__(self, batch: list[_Piece]) -> list[tuple[ChunkRef, int, st.Stats | None]]:
         out: list[tuple[ChunkRef, int, st.Stats | None]] = []
-        named = self.writer([(p.data, p.kind, p.known) for p in batch])
-        for piece, (d, wrote) in zip(batch, named, strict=True):
-            ref = ChunkRef(d, len(piece.data))
+        named = self.writer([(p.data, p.kind, p.known, p.carry) for p in batch])
+        for piece, (ref, wrote) in zip(batch, named, strict=True):
             if piece.span is None:
                 out.append((ref, wrote, None))
                 continue
-            key = (d, str(piece.span.dtype))
+            key = (ref.digest, str(piece.span.dtype))
             got = self._recall(key)
             if got is None:
                 got = self.reduced[key] = st.compute(piece.span)
@@ -400,6 +238,7 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     k = knobs.get()
     compression = compression or CompressionPolicy("off")
     compression.start_snapshot()
+    cache.confirm(repo.store)  # the pieces a restore read from packs, if still stored
     total = new = 0
     chunked: list[_Described] = []
     for leaf in leaves:
@@ -420,12 +259,16 @@ def write_leaves(repo: Repository, leaves: list[Leaf], cache: ChunkCache,
     # writer, normal under a synchronous one (manager/pipeline.py)
     with ThreadPoolExecutor(k.write_threads, thread_name_prefix="ciuic-write") as io, \
             ThreadPoolExecutor(naming_threads(), thread_name_prefix="ciuic-chunk") as pool:
-        writer = _ChunkWriter(repo, cache, codec, compression, io, k.write_threads,
-                              created if created is not None else set())
+        writer = ChunkWriter(repo, cache, codec, compression, io, k.write_threads,
+                              created if created is not None else set(), k.pack_bytes)
         if repo.store.batch_missing and pieces:
             writer.ask_in_one_batch([p.data for p in pieces], [p.known for p in pieces], pool)
         namer = _Namer(writer, cache.stats)
         reused = [namer.reuse(p) for p in pieces]
+        # pieces in packs this snapshot would hardly use: written again (chain/packs.py)
+        for i in carried([None if got is None else got[0] for got in reused], cache.pack_bytes):
+            reused[i] = None
+            pieces[i] = dataclasses.replace(pieces[i], carry=True)
         rest = [p for p, got in zip(pieces, reused, strict=True) if got is None]
         batches = [[rest[i] for i in b] for b in _batches([len(p.data) for p in rest])]
         named = (out for batch, outs in zip(batches, pool.map(namer, batches), strict=True)
@@ -517,7 +360,10 @@ def remove_unreferenced(repo: Repository, created: set[str], cache: ChunkCache) 
     Where it cannot, ``ciuic gc`` removes them later."""
     if not created:
         return
-    cache.digests.difference_update(layout.digest_of_key(k) for k in created)
+    cache.digests.difference_update(d for d in map(layout.chunk_digest, created) if d)
+    gone = {layout.pack_name(k) for k in created} - {None}
+    for d in [d for d, ref in cache.packed.items() if ref.pack in gone]:
+        del cache.packed[d]
     try:
         result = collect(repo, only=created)
     except Exception as e:

@@ -7,7 +7,8 @@ one typed form, with one :meth:`TensorDescriptor.to_json` (the writer's) and one
 
     dtype, shape, nbytes          always
     inline                        the bytes, base64, for a small tensor; or
-    chunks                        [[digest, nbytes], ...] in order; or
+    chunks                        [[digest, nbytes], ...] in order, a piece inside a pack
+                                  [digest, nbytes, pack, offset, stored]; or
     shards                        a multi-rank tensor's boxes: each {offsets, shape, nbytes,
                                   chunks or inline[, stats]}
     stats                         a float tensor's statistics (format/stats.py), when judged
@@ -28,13 +29,25 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of a tensor's bytes: its digest (the object's name) and its length."""
+    """One chunk of a tensor's bytes: its digest (the object's name) and its length; for a
+    piece inside a pack (format.md, "Packs"), the pack's name, where the piece starts in it
+    and how many bytes it takes there (framed or sealed, as a chunk object's are)."""
 
     digest: str
     nbytes: int
+    pack: str | None = None
+    offset: int = 0
+    stored: int = 0
 
     def to_json(self) -> list[Any]:
-        return [self.digest, self.nbytes]
+        if self.pack is None:
+            return [self.digest, self.nbytes]
+        return [self.digest, self.nbytes, self.pack, self.offset, self.stored]
+
+    @property
+    def plain(self) -> ChunkRef:
+        """The same bytes, named without a place (what two refs of equal bytes share)."""
+        return self if self.pack is None else ChunkRef(self.digest, self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -140,8 +153,27 @@ def _maybe(obj: dict[str, Any], name: str, parse: Callable[[Any], _T]) -> _T | N
 
 
 def _chunks(v: Any) -> tuple[ChunkRef, ...]:
-    return tuple(ChunkRef(_text(c[0]), _int(c[1])) if isinstance(c, list) and len(c) == 2
-                 else _bad(f"a chunk is [digest, nbytes], got {c!r}") for c in _list(v))
+    return tuple(_chunk(c) for c in _list(v))
+
+
+def parse_chunk(c: Any, path: str = "a chunk reference") -> ChunkRef:
+    """A chunk reference as JSON holds it; :class:`IntegrityError` where it is malformed."""
+    try:
+        return _chunk(c)
+    except (TypeError, ValueError) as e:
+        raise IntegrityError(f"{path}: {e}") from e
+
+
+def _chunk(c: Any) -> ChunkRef:
+    if isinstance(c, list) and len(c) == 2:
+        return ChunkRef(_text(c[0]), _int(c[1]))
+    if isinstance(c, list) and len(c) == 5:
+        ref = ChunkRef(_text(c[0]), _int(c[1]), _text(c[2]), _int(c[3]), _int(c[4]))
+        if ref.offset < 0 or ref.stored < 0:
+            _bad(f"a piece's offset and stored bytes are 0 or more, got {c!r}")
+        return ref
+    raise TypeError(f"a chunk is [digest, nbytes] or [digest, nbytes, pack, offset, stored], "
+                    f"got {c!r}")
 
 
 def _bad(message: str) -> Any:
@@ -167,3 +199,40 @@ def _ints(v: Any) -> tuple[int, ...]:
 
 def _mapping(v: Any) -> Mapping[str, Any]:
     return v if isinstance(v, dict) else _bad(f"expected an object, got {v!r}")
+
+
+def holds_packed(tree: Any) -> bool:
+    """Whether a state tree (or any JSON holding descriptors) references a piece inside a pack
+    (a chunk reference of five fields): its body takes the packed format (format.md)."""
+    if isinstance(tree, dict):
+        chunks = tree.get("chunks")
+        if isinstance(chunks, list) and any(isinstance(c, list) and len(c) == 5
+                                            for c in chunks):
+            return True
+        return any(holds_packed(v) for v in tree.values() if isinstance(v, dict | list))
+    if isinstance(tree, list):
+        return any(holds_packed(v) for v in tree if isinstance(v, dict | list))
+    return False
+
+
+def refs_in(tree: Any) -> dict[str, ChunkRef]:
+    """Every chunk reference in ``tree`` (a state tree, a body part's shards), by digest."""
+    out: dict[str, ChunkRef] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            chunks = v.get("chunks")
+            if isinstance(chunks, list):
+                for c in chunks:
+                    ref = parse_chunk(c)
+                    out[ref.digest] = ref
+            for w in v.values():
+                if isinstance(w, dict | list):
+                    walk(w)
+        elif isinstance(v, list):
+            for w in v:
+                if isinstance(w, dict | list):
+                    walk(w)
+
+    walk(tree)
+    return out

@@ -29,6 +29,8 @@ from ciuic.errors import ConfigurationError, InvalidKey
 from ciuic.format.digest import is_digest
 
 CHUNKS = "chunks/"
+#: packs: many small pieces (each a chunk, framed or sealed as one) in one object (format.md)
+PACKS = "packs/"
 JOBS = "jobs/"
 INFLIGHT = "inflight/"
 GC_LOCK = "locks/gc.json"
@@ -44,6 +46,7 @@ _HEX = r"[0-9a-f]{64}"
 _MANIFEST = re.compile(rf"^jobs/({_PART})/({_PART})/manifests/({_HEX})\.json$")
 _BODY = re.compile(rf"^jobs/({_PART})/({_PART})/bodies/({_HEX})\.json$")
 _CHUNK = re.compile(rf"^chunks/[0-9a-f]{{2}}/({_HEX})$")
+_PACK = re.compile(rf"^packs/[0-9a-f]{{2}}/({_HEX})$")
 # 12 digits, zero-padded; a token past 10**12 has more (never a leading zero then)
 _TOKEN = r"(?:\d{12}|[1-9]\d{12,17})"
 _LEASE = re.compile(rf"/leases/({_TOKEN})\.json$")
@@ -92,6 +95,19 @@ def chunk_key(d: str) -> str:
     if not is_digest(d):
         raise InvalidKey(f"invalid chunk digest {d!r}: expected 64 lowercase hex characters")
     return f"{CHUNKS}{d[:2]}/{d}"
+
+
+def pack_key(name: str) -> str:
+    """The store key of the pack named ``name`` (64 lowercase hex characters, random)."""
+    if not is_digest(name):
+        raise InvalidKey(f"invalid pack name {name!r}: expected 64 lowercase hex characters")
+    return f"{PACKS}{name[:2]}/{name}"
+
+
+def pack_name(key: str) -> str | None:
+    """The name a pack key holds, or None for any other key."""
+    m = _PACK.match(key)
+    return m[1] if m is not None and key[len(PACKS):len(PACKS) + 2] == m[1][:2] else None
 
 
 def jobs_prefix(project: str | None = None) -> str:
@@ -202,11 +218,13 @@ def newest_lease(keys: Iterable[str]) -> str | None:
 
 
 def kind_of(key: str) -> str | None:
-    """Which of the layout's keys ``key`` is: ``chunk``, ``manifest``, ``body``, ``lease``,
-    ``inflight``, ``probe``, ``salt`` or ``gc`` (the gc lock and epoch); None for any key ciuic
-    never writes (a server refuses those)."""
+    """Which of the layout's keys ``key`` is: ``chunk``, ``pack``, ``manifest``, ``body``,
+    ``lease``, ``inflight``, ``probe``, ``salt`` or ``gc`` (the gc lock and epoch); None for any
+    key ciuic never writes (a server refuses those)."""
     if chunk_digest(key) is not None:
         return "chunk" if key[len(CHUNKS):len(CHUNKS) + 2] == key[-64:-62] else None
+    if key.startswith(PACKS):
+        return "pack" if pack_name(key) is not None else None
     if parse_manifest(key) is not None:
         return "manifest"
     if parse_body(key) is not None:

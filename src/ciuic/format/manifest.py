@@ -21,8 +21,9 @@ from typing import Any
 
 from ciuic.errors import CorruptObject, IntegrityError, UnsupportedFormat
 from ciuic.format import canonical, tree
+from ciuic.format.descriptor import holds_packed
 from ciuic.format.digest import digest, is_digest
-from ciuic.format.parts import SPLIT_BODY_FORMAT
+from ciuic.format.parts import PACKED_BODY_FORMAT, SPLIT_BODY_FORMAT
 
 FORMAT_VERSION = 1
 #: The manifest format that records the snapshot's health (``"health"``; its body's float
@@ -223,11 +224,13 @@ def encode_body(states: dict[str, Any], salt: str | None = None,
     never deletes a body another snapshot with bit-identical state still uses. A multi-rank
     snapshot's body is format 2 (it may hold sharded descriptors, which format-1 readers would
     misread): readers of format 1 only refuse it with "upgrade ciuic". ``split``: the index of a
-    body in parts (format 3, :mod:`ciuic.format.parts`).
+    body in parts (format 3, :mod:`ciuic.format.parts`). A body that references a piece
+    inside a pack is format 4, whatever its shape (older readers refuse it with "upgrade
+    ciuic"; its shape is told by its content, as 1 to 3's are).
     """
     salt = secrets.token_hex(8) if salt is None else salt
-    fmt = (SPLIT_BODY_FORMAT if split else DIST_BODY_FORMAT if distributed
-           else FORMAT_VERSION)
+    fmt = (PACKED_BODY_FORMAT if holds_packed(states) else SPLIT_BODY_FORMAT if split
+           else DIST_BODY_FORMAT if distributed else FORMAT_VERSION)
     return canonical.dumps({"format": fmt, "kind": BODY_KIND, "salt": salt, "states": states})
 
 
@@ -238,7 +241,7 @@ def decode_body(data: bytes, key: str, expected_digest: str,
     if actual != expected_digest:
         raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
     obj = _load(data, key, BODY_KIND, "body",
-                (FORMAT_VERSION, DIST_BODY_FORMAT, SPLIT_BODY_FORMAT))
+                (FORMAT_VERSION, DIST_BODY_FORMAT, SPLIT_BODY_FORMAT, PACKED_BODY_FORMAT))
     states = obj.get("states")
     if not isinstance(states, dict):
         raise CorruptObject(key, "body has no states")

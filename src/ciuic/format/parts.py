@@ -27,10 +27,13 @@ from typing import Any
 
 from ciuic.errors import CorruptObject
 from ciuic.format import canonical
+from ciuic.format.descriptor import holds_packed
 from ciuic.format.digest import digest
 from ciuic.format.tree import walk_leaves
 
 SPLIT_BODY_FORMAT = 3
+#: a body (or part) that references a piece inside a pack (format.md, "Packs")
+PACKED_BODY_FORMAT = 4
 PART_KIND = "ciuic.part"
 
 
@@ -51,7 +54,9 @@ class BodyPart:
     others: dict[str, int] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return canonical.dumps({"format": SPLIT_BODY_FORMAT, "kind": PART_KIND,
+        fmt = PACKED_BODY_FORMAT if holds_packed(self.shards) or holds_packed(
+            self.state) else SPLIT_BODY_FORMAT
+        return canonical.dumps({"format": fmt, "kind": PART_KIND,
                                 "others": self.others, "rank": self.rank,
                                 "reads": list(self.reads), "shards": self.shards,
                                 "state": self.state})
@@ -68,9 +73,9 @@ class BodyPart:
         try:
             if not isinstance(obj, dict) or obj.get("kind") != PART_KIND:
                 raise ValueError("not a ciuic body part")
-            if obj.get("format") != SPLIT_BODY_FORMAT:
+            if obj.get("format") not in (SPLIT_BODY_FORMAT, PACKED_BODY_FORMAT):
                 raise ValueError(f"part format {obj.get('format')!r} is not "
-                                 f"{SPLIT_BODY_FORMAT}")
+                                 f"{SPLIT_BODY_FORMAT} or {PACKED_BODY_FORMAT}")
             shards, state, reads = obj["shards"], obj["state"], obj["reads"]
             if not isinstance(shards, dict) or not all(
                     isinstance(v, list) and all(isinstance(s, dict) for s in v)

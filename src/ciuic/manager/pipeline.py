@@ -41,7 +41,7 @@ from ciuic.errors import (
 from ciuic.format import layout
 from ciuic.format import manifest as mf
 from ciuic.format.crypto import ObjectCodec
-from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.descriptor import ChunkRef, TensorDescriptor
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import Leaf
 from ciuic.manager.config import ManagerConfig
@@ -330,8 +330,8 @@ class Pipeline(abc.ABC, Generic[C]):
         self.session.committed(step, sid)
         return SnapshotInfo.from_manifest(m, sid)
 
-    def check_stored(self, chunks: list[tuple[str, int]]) -> None:
-        """Read the store's copies of ``chunks`` (digest, bytes) on the writer thread, before
+    def check_stored(self, chunks: list[ChunkRef]) -> None:
+        """Read the store's copies of ``chunks`` on the writer thread, before
         any later write: a restore took them from this process's memory, so it did not see
         them, and a damaged copy would be reused by every later snapshot holding its bytes. A
         damaged one is distrusted (the next snapshot holding its bytes writes it again), with
@@ -409,14 +409,14 @@ class Pipeline(abc.ABC, Generic[C]):
         self.staging.release()
 
 
-def _check_stored(repo: Any, cache: ChunkCache, chunks: list[tuple[str, int]]) -> None:
-    scratch = memoryview(bytearray(max(n for _, n in chunks)))
+def _check_stored(repo: Any, cache: ChunkCache, chunks: list[ChunkRef]) -> None:
+    scratch = memoryview(bytearray(max(c.nbytes for c in chunks)))
     damaged = 0
-    for d, n in chunks:
+    for c in chunks:
         try:
-            read_chunk(repo, d, n, scratch[:n])
+            read_chunk(repo, c.digest, c.nbytes, scratch[:c.nbytes], c)
         except (IntegrityError, ObjectNotFound) as e:
-            cache.distrust(d)
+            cache.distrust(c.digest)
             damaged += 1
             log.warning("%s; the restore took its bytes from memory, and the next snapshot that "
                         "holds them writes it again", e)

@@ -34,6 +34,7 @@ from ciuic.errors import (
     StateMismatch,
 )
 from ciuic.format import layout
+from ciuic.format.descriptor import ChunkRef, refs_in
 from ciuic.format.info import SnapshotInfo
 from ciuic.manager.pipeline import Pipeline
 from ciuic.manager.session import RunSession
@@ -72,8 +73,10 @@ class Recovery:
         #: the plan of the multi-rank snapshot being restored, for this rank (joint layouts'
         #: digest, owners of its pieces other ranks wrote), adopted once it is applied
         self._plan: tuple[str, dict[str, int]] | None = None
-        #: (digest, bytes) of the chunks the last restore took from memory
-        self.served: list[tuple[str, int]] = []
+        #: the chunks the last restore took from memory
+        self.served: list[ChunkRef] = []
+        #: the chunks of the snapshot being restored: the writer's, once it is applied
+        self._seeds: dict[str, ChunkRef] = {}
 
     def restore(self, model: Any, optimizer: Any, extras: dict[str, Any],
                 snapshot: str | None) -> Restored | None:
@@ -177,6 +180,7 @@ class Recovery:
                          time.perf_counter() - t0,
                          f" (all {self.coll.world_size} ranks)" if self.coll.enabled else "")
             prepared.apply()
+            self._pipeline.cache.seed(self._seeds)
             self.served = resident.served if resident is not None else []
             if self._plan is not None:
                 self._pipeline.adopt_plan(*self._plan)
@@ -259,6 +263,7 @@ class Recovery:
         multi-rank snapshot); the result's ``apply()`` loads the objects."""
         self._plan = None
         m, trees = read_body(self.repo, info, parts=False)  # a split body's own part later
+        self._seeds = refs_in(trees)
         if is_distributed(trees):
             parts = Parts.of(self.repo, m, trees)
             prepared = prepare(self.repo, trees, model, optimizer, extras, self.coll.rank,
@@ -268,6 +273,7 @@ class Recovery:
                 plan = trees["dist"].get("plan")
                 if isinstance(plan, str) and len(parts) == self.coll.world_size:
                     self._plan = (plan, parts.get(self.coll.rank).others)
+                    self._seeds.update(refs_in(parts.get(self.coll.rank).shards))
             return prepared
 
         def reading_into() -> None:

@@ -119,18 +119,17 @@ def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
     if piece.inline is not None:
         return _Piece(0, inline_bytes(path, piece.inline, nbytes), pshape, ov_off, ov_shape,
                       local)
-    refs = [(c.digest, c.nbytes) for c in piece.chunks or ()]
     needed, pos = [], 0
-    for d, n in refs:
-        if pos < hi and pos + n > lo:
-            needed.append((d, n, pos))
-        pos += n
-    start, end = needed[0][2], needed[-1][2] + needed[-1][1]
+    for ref in piece.chunks or ():
+        if pos < hi and pos + ref.nbytes > lo:
+            needed.append((ref, pos))
+        pos += ref.nbytes
+    start, end = needed[0][1], needed[-1][1] + needed[-1][0].nbytes
     base = start - start % item  # the buffer starts on an element boundary
     size = -(-(end - base) // item) * item
     buf = uninitialized(size)
     view = bytes_view(buf)
-    for d, n, at in needed:
-        futures.append(pool.submit(read_from, repo, resident, d, n,
-                                   view[at - base:at - base + n]))
+    for ref, at in needed:
+        futures.append(pool.submit(read_from, repo, resident, ref,
+                                   view[at - base:at - base + ref.nbytes]))
     return _Piece(base, buf, pshape, ov_off, ov_shape, local)

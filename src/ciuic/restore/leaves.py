@@ -51,7 +51,7 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: TensorDescriptor,
         return inline_bytes(path, desc.inline, nbytes), []
     if desc.chunks is None:
         raise IntegrityError(f"{path}: a sharded tensor where a whole one was expected")
-    refs = [(c.digest, c.nbytes) for c in desc.chunks]
+    refs = desc.chunks
     lent = buffer_for(path, nbytes) if buffer_for is not None else None
     out = lent if lent is not None and lent.numel() == nbytes else uninitialized(nbytes)
     view = bytes_view(out)
@@ -59,12 +59,13 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: TensorDescriptor,
     src_view = None if src is None or src.data_ptr() == out.data_ptr() else bytes_view(src)
     futures = []
     off = 0
-    for d, n in refs:
+    for ref in refs:
+        n = ref.nbytes
         if src is not None and resident is not None:
-            futures.append(pool.submit(resident.take, repo, d, n, view[off:off + n],
+            futures.append(pool.submit(resident.take, repo, ref, view[off:off + n],
                                        None if src_view is None else src_view[off:off + n]))
         else:
-            futures.append(pool.submit(read_from, repo, resident, d, n, view[off:off + n]))
+            futures.append(pool.submit(read_from, repo, resident, ref, view[off:off + n]))
         off += n
     return out, futures
 

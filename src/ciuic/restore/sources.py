@@ -17,6 +17,7 @@ import torch
 
 from ciuic.chain.read import read_chunk, take_chunk
 from ciuic.chain.repo import Repository
+from ciuic.format.descriptor import ChunkRef
 
 if TYPE_CHECKING:  # types only: the readers (ciuic restore --to, diff) need neither at run time
     from ciuic.engine import StagingArea
@@ -65,9 +66,9 @@ class Resident:
         self.from_memory = 0  # bytes
         self.from_peers = 0
         self.from_store = 0
-        #: (digest, bytes) of each chunk this memory served (a rollback's, checked in the store
+        #: the reference of each chunk this memory served (a rollback's, checked in the store
         #: afterwards: memory served it, so the restore did not see the store's copy)
-        self.served: list[tuple[str, int]] = []
+        self.served: list[ChunkRef] = []
         self._lock = threading.Lock()
 
     @property
@@ -111,37 +112,39 @@ class Resident:
             else:
                 self.from_store += n
 
-    def take(self, repo: Repository, d: str, n: int, dest: memoryview,
+    def take(self, repo: Repository, ref: ChunkRef, dest: memoryview,
              src: memoryview | None, source: Source = Source.MEMORY) -> None:
-        """Chunk ``d`` into ``dest``: from ``src`` (memory; None: ``dest`` holds it already)
+        """Chunk ``ref`` into ``dest``: from ``src`` (memory; None: ``dest`` holds it already)
         when it matches its digest, counted as ``source``, else read from the store."""
-        served = take_chunk(repo, d, n, dest, src, self.name_key)
+        n = ref.nbytes
+        served = take_chunk(repo, ref.digest, n, dest, src, self.name_key, ref)
         self.count(n, source if served else Source.STORE)
         if served:
             with self._lock:
-                self.served.append((d, n))
+                self.served.append(ref)
 
 
-def read_from(repo: Repository, resident: Resident | None, d: str, n: int,
+def read_from(repo: Repository, resident: Resident | None, ref: ChunkRef,
               dest: memoryview) -> None:
     """Chunk ``d`` into ``dest``: from the node's memory where ``resident`` holds it, else
     from another node's memory through this node's ``ciuic run`` (which fetches it once for
     all of the node's ranks), checked against its digest either way, else from the store;
     counted by ``resident``. A chunk another rank of the node fetched counts as this node's
     memory: "from other nodes' memory" counts the bytes that crossed the network."""
+    d, n = ref.digest, ref.nbytes
     if resident is None:
-        read_chunk(repo, d, n, dest)
+        read_chunk(repo, d, n, dest, ref)
         return
     src = resident.chunks.get(d)
     if src is not None and len(src) == n:
-        resident.take(repo, d, n, dest, src)
+        resident.take(repo, ref, dest, src)
         return
     came = resident.peers.read(d, dest) if resident.peers is not None else None
     if came is not None:
-        resident.take(repo, d, n, dest, None, Source.PEER if came == "fetched"
+        resident.take(repo, ref, dest, None, Source.PEER if came == "fetched"
                       else Source.MEMORY)
         return
-    read_chunk(repo, d, n, dest)
+    read_chunk(repo, d, n, dest, ref)
     resident.count(n, Source.STORE)
 
 

@@ -412,7 +412,7 @@ def create_app(location: str | None = None, catalog_url: str | None = None, *,
         await run_in_threadpool(failpoint, "server.put")  # tests: a slow store
         m = layout.parse_manifest(key)
         if not create:
-            if kind in ("chunk", "body"):  # named by their content: the first copy stays
+            if kind in ("chunk", "pack", "body"):  # never rewritten: the first copy stays
                 await run_in_threadpool(store.create, key, bytes(body))
             else:
                 await run_in_threadpool(store.put, key, bytes(body))

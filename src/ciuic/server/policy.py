@@ -8,7 +8,8 @@ that fenced a job out for good. The server accepts only the keys ciuic's layout 
 ==========  ==================================  ==========================================
 kind        write (writer)                      delete
 ==========  ==================================  ==========================================
-chunk       first copy stays                    never: only the server's gc (``POST .../gc``)
+chunk,      first copy stays                    never: only the server's gc (``POST .../gc``)
+pack
 body        first copy stays                    an admin, or the key holding the job's lease
 manifest    create only (the commit)            never
 lease       create only, the job's next token   never
@@ -33,7 +34,8 @@ from ciuic.store import Store
 from ciuic.store.base import check_key
 
 _LEASE_MAX_BYTES = 64 * 1024
-_SHAPES = ("chunks/XX/DIGEST, jobs/PROJECT/JOB/manifests/ID.json, jobs/PROJECT/JOB/bodies/"
+_SHAPES = ("chunks/XX/DIGEST, packs/XX/NAME, jobs/PROJECT/JOB/manifests/ID.json, "
+           "jobs/PROJECT/JOB/bodies/"
            "DIGEST.json, jobs/PROJECT/JOB/leases/TOKEN.json, inflight/NAME, probes/RUN.json, "
            "keys/passphrase-salt, locks/gc.json, locks/gc-epoch.json")
 
@@ -106,9 +108,9 @@ def delete_refusal(store: Store, kind: str, key: str, info: KeyInfo) -> str | No
     if kind == "manifest":
         return ("manifests are kept forever (they are the chain); delete a snapshot with "
                 "DELETE /v1/projects/P/snapshots/ID")
-    if kind == "chunk":
-        return ("chunks are deleted only by the server's gc, which keeps every chunk a snapshot "
-                "references: POST /v1/projects/P/gc (`ciuic gc`)")
+    if kind in ("chunk", "pack"):
+        return (f"{kind}s are deleted only by the server's gc, which keeps every {kind} a "
+                "snapshot references: POST /v1/projects/P/gc (`ciuic gc`)")
     if kind in ("lease", "salt", "gc"):
         return f"a {kind} object is never deleted through the API"
     if kind == "body" and not info.allows("admin"):
