@@ -17,6 +17,7 @@ from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key
+from tests.helpers.stored import flip, stored_at
 from tests.models import model_opt
 
 
@@ -81,11 +82,9 @@ def test_verify_finds_flipped_bit_and_names_object(populated: dict[str, object],
     assert isinstance(infos, list)
     repo = Repository.open(store)
     _, states = read_body(repo, infos[0])
-    key = chunk_key(sorted(chunk_refs(states))[0])
-    path = Path(store) / "objects" / key
-    data = bytearray(path.read_bytes())
-    data[100] ^= 0x04
-    path.write_bytes(bytes(data))
+    ref = sorted(chunk_refs(states).values(), key=lambda r: r.digest)[0]
+    key = chunk_key(ref.digest)
+    flip(store, ref, 100)
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "proj/job1")
     assert code == 0  # shallow: the object exists
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "--deep", "proj/job1")
@@ -467,11 +466,15 @@ def test_prune_a_named_snapshot_then_restore_starts_before_it(
     latest = infos[-1]
     with Repository.open(store) as repo:
         _, trees = read_body(repo, latest)
-        mine = set(chunk_refs(trees))
+        refs = chunk_refs(trees)
+        mine = set(refs)
         for other in infos[:-1]:
             mine -= set(chunk_refs(read_body(repo, other)[1]))
-    path = Path(store) / "objects" / chunk_key(sorted(mine)[0])  # a chunk only it holds
-    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    ref = refs[sorted(mine)[0]]  # a chunk only it holds: its last byte zeroed
+    path, first, n = stored_at(store, ref)
+    data = bytearray(path.read_bytes())
+    data[first + n - 1] = 0 if data[first + n - 1] else 1
+    path.write_bytes(bytes(data))
     code, out, _ = ciuic(capsys, monkeypatch, "--store", store, "verify", "--deep")
     text = " ".join(out.split())
     hint = f"ciuic --store {store} prune proj/job1 --snapshot {latest.id[:12]}"

@@ -23,6 +23,7 @@ from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format.crypto import generate_key_text
 from ciuic.store import LocalStore
+from tests.helpers.stored import flip, stored_form
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -40,8 +41,8 @@ def chunk_headers(store_dir: Path) -> dict[str, tuple[int, int, int]]:
     assert info is not None
     _, states = read_body(repo, info)
     out = {}
-    for d in chunk_refs(states):
-        blob = (store_dir / "objects" / layout.chunk_key(d)).read_bytes()
+    for d, ref in chunk_refs(states).items():
+        blob = stored_form(repo.store, ref)
         out[d] = (blob[5], blob[6], len(blob))
     return out
 
@@ -107,7 +108,7 @@ def test_auto_compresses_only_where_the_store_is_slow(tmp_path: Path) -> None:
             info = repo.catalog.latest("p", "default")
             assert info is not None
             _, states = read_body(repo, info)
-            found[name] = [repo.store.get(layout.chunk_key(d))[5] for d in chunk_refs(states)]
+            found[name] = [stored_form(repo.store, r)[5] for r in chunk_refs(states).values()]
             assert m._pipeline.compression.basis["f32"]["compress"] == (name == "slow")
     assert ck.CODEC_FLOAT not in found["fast"]
     assert found["slow"].count(ck.CODEC_FLOAT) == 2
@@ -191,11 +192,13 @@ def test_the_disk_probe_waits_for_the_first_step(tmp_path: Path,
 
 def test_a_damaged_compressed_chunk_is_caught(store_dir: Path) -> None:
     save_and_restore(store_dir, compression="on")
-    d = next(d for d, h in chunk_headers(store_dir).items() if h[0] == ck.CODEC_FLOAT)
-    path = store_dir / "objects" / layout.chunk_key(d)
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x10  # inside the compressed payload
-    path.write_bytes(bytes(blob))
+    d, (_, _, n) = next((d, h) for d, h in chunk_headers(store_dir).items()
+                        if h[0] == ck.CODEC_FLOAT)
+    with Repository.open(store_dir) as repo:
+        info = repo.catalog.latest("p", "default")
+        assert info is not None
+        ref = chunk_refs(read_body(repo, info)[1])[d]
+    flip(store_dir, ref, n // 2, 0x10)  # inside the compressed payload
     report = verify_job(Repository.open(store_dir), "p", "default", deep=True)
     assert not report.ok
     assert layout.chunk_key(d) in str(report.problems)
@@ -227,7 +230,8 @@ def test_auto_follows_what_the_writes_take_when_the_probe_is_wrong(tmp_path: Pat
             info = m.repo.catalog.latest("p", "default")
             assert info is not None
             _, states = read_body(m.repo, info)
-            codecs.append({m.repo.store.get(layout.chunk_key(d))[5] for d in chunk_refs(states)})
+            codecs.append({stored_form(m.repo.store, r)[5]
+                           for r in chunk_refs(states).values()})
             if step == 1:  # the probe's choice, then raw to measure it
                 assert ck.CODEC_FLOAT in codecs[0]
                 assert "measuring raw" in m.stats.compression

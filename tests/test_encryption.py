@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import ConfigurationError, RestoreError, SnapshotManager, cli
+from ciuic import ConfigurationError, RestoreError, SnapshotManager, cli, knobs
 from ciuic.chain.read import chunk_refs, read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.format.crypto import generate_key_text, parse_key_text
-from ciuic.format.layout import chunk_key
 from tests import models
+from tests.helpers.stored import flip, stored_at
 
 
 @pytest.fixture
@@ -146,8 +146,11 @@ def test_rotation_old_key_still_opens(store_dir: Path, key: str,
 
 
 def test_tampering_is_detected(store_dir: Path, key: str) -> None:
+    """Chunk objects moved to another name or flipped (pieces swapped inside a pack:
+    tests/test_packs.py)."""
     model, opt = model_opt()
-    with SnapshotManager("p", job="tam", encryption=True, store=store_dir) as m:
+    with knobs.override(pack_bytes=0), SnapshotManager("p", job="tam", encryption=True,
+                                                       store=store_dir) as m:
         m.save(0, model, opt)
         train(model, opt)
         m.save(1, model, opt)
@@ -239,11 +242,9 @@ def test_sealed_chunks_restore_and_a_tampered_one_falls_back(
         latest = m.save(2, model, opt)
     repo = Repository.open(store_dir)
     older = set(chunk_refs(read_body(repo, first)[1]))
-    victim = next(d for d in chunk_refs(read_body(repo, latest)[1]["model"]) if d not in older)
-    path = store_dir / "objects" / chunk_key(victim)
-    data = bytearray(path.read_bytes())
-    data[60] ^= 1
-    path.write_bytes(bytes(data))
+    refs = chunk_refs(read_body(repo, latest)[1]["model"])
+    victim = next(d for d in refs if d not in older)
+    flip(store_dir, refs[victim], 60, 1)
     for snapshot, step, want in ((None, 1, sealed), ("mix@0", 0, plain)):
         fresh, fresh_opt = model_opt(seed=5)
         with SnapshotManager("p", job="mix", store=store_dir) as m:
@@ -289,10 +290,9 @@ def test_restore_of_a_damaged_snapshot_says_which_earlier_ones_need_a_key(
     with SnapshotManager("p", job="rot", encryption=True, store=store_dir) as m:
         latest = m.save(1, model, opt)
     repo = Repository.open(store_dir)
-    victim = next(iter(chunk_refs(read_body(repo, latest)[1]["model"])))
+    victim = next(iter(chunk_refs(read_body(repo, latest)[1]["model"]).values()))
     repo.close()
-    path = store_dir / "objects" / chunk_key(victim)
-    path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    flip(store_dir, victim, stored_at(store_dir, victim)[2] - 1, 1)
     monkeypatch.delenv("CIUIC_DECRYPTION_KEYS")  # step 0's key is forgotten
     code, out, err = ciuic(capsys, monkeypatch, "--store", str(store_dir), "restore", "rot@1",
                            "--to", str(tmp_path / "out.pt"))

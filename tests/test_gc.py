@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,14 @@ from ciuic.format.layout import GC_LOCK as LOCK_KEY
 from ciuic.store import LocalStore
 from ciuic.words import counted
 from tests.models import model_opt
+
+
+@pytest.fixture(autouse=True)
+def _chunk_objects() -> Iterator[None]:
+    """These tests count and name chunk objects: every piece its own (gc of packs, and a
+    damaged manifest's packs kept: tests/test_packs.py)."""
+    with knobs.override(pack_bytes=0):
+        yield
 
 
 def test_gc_deletes_nothing_while_a_manifest_in_a_newer_format_may_reference_anything(

@@ -13,7 +13,7 @@ from torch import nn
 
 from ciuic import RestoreError, SnapshotManager, StateMismatch
 from ciuic.chain.read import chunk_refs, read_body
-from ciuic.format.layout import chunk_key
+from tests.helpers.stored import flip, stored_at
 
 
 # not tests/models.py's: a ReLU between the layers (keys 0.* and 2.*, as ``other`` below)
@@ -67,10 +67,8 @@ def saved_once(tmp_path: Path) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
 
 def damage_a_chunk_of(m: SnapshotManager, store: Path, info: object) -> None:
     _, states = read_body(m.repo, info)  # type: ignore[arg-type]
-    path = store / "objects" / chunk_key(next(iter(chunk_refs(states["model"]))))
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 1
-    path.write_bytes(bytes(data))
+    ref = next(iter(chunk_refs(states["model"]).values()))
+    flip(store, ref, stored_at(store, ref)[2] - 1, 1)
 
 
 def test_the_bytes_land_in_the_tensors_the_model_and_optimizer_hold(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from ciuic.chain.repo import Repository
 from ciuic.format import layout
 from ciuic.format.layout import chunk_key
 from tests import models
+from tests.helpers.stored import flip, stored_at
 
 model_and_opt = partial(models.model_opt, 32, 64, 8, momentum=0.9)
 
@@ -204,11 +205,9 @@ def test_damaged_latest_falls_back_with_a_warning(store_dir: Path,
         one_step(model, opt)
         bad = m.save(2, model, opt)
         _, states = read_body(m.repo, bad)
-        victim = chunk_key(next(iter(chunk_refs(states))))
-    path = store_dir / "objects" / victim
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 1
-    path.write_bytes(bytes(data))
+        ref = next(iter(chunk_refs(states).values()))
+        victim = chunk_key(ref.digest)
+    flip(store_dir, ref, stored_at(store_dir, ref)[2] - 1, 1)
     model2, opt2 = model_and_opt(seed=3)
     with caplog.at_level(logging.WARNING, logger="ciuic"), SnapshotManager(
             "p", job="d", store=store_dir) as m2:

@@ -189,6 +189,27 @@ def test_gc_keeps_a_pack_while_one_piece_of_it_is_referenced(store_dir: Path) ->
         repo.close()
 
 
+def test_a_damaged_manifest_keeps_the_packs_its_body_names(store_dir: Path) -> None:
+    """gc cannot tell which snapshot a damaged manifest was: it keeps every body no readable
+    manifest names, and the packs those bodies' references name."""
+    live = small_state()
+    with SnapshotManager("p", job="k", store=store_dir, compression="off") as m:
+        m.save(1, state=StateHolder(live))
+        for t in live.values():
+            t.mul_(2.0)
+        second = m.save(2, state=StateHolder(live))
+    packs2 = {r.pack for r in refs_of(store_dir, second.id).values()}
+    (store_dir / "objects" / layout.manifest_key("p", "k", second.id)).write_bytes(b"bad\n")
+    repo = Repository.open(store_dir)
+    try:
+        result = collect(repo)
+        assert result.damaged == [layout.manifest_key("p", "k", second.id)]
+        assert all(repo.store.has(layout.pack_key(p)) for p in packs2 if p is not None)
+        assert result.kept_for_damage >= 1
+    finally:
+        repo.close()
+
+
 def _flip(store: Path, pack: str, at: int) -> None:
     path = store / "objects" / layout.pack_key(pack)
     data = bytearray(path.read_bytes())
