@@ -28,6 +28,7 @@ from ciuic.manager.config import ManagerOptions
 from ciuic.manager.policy import SavePolicy
 from ciuic.manager.stats import ManagerStats
 from tests.conftest import run_train
+from tests.helpers.stored import flip
 from tests.models import model_opt_stepped
 from tests.serverutil import cli, new_key, serve
 
@@ -501,14 +502,13 @@ def test_ciuic_log_shows_a_snapshot_a_restore_skipped_as_damaged_and_why(store_d
     shows that snapshot ``damaged`` (not ``ok``) with the reason, and the note of the snapshot
     the run resumed from says which one it skipped and why."""
     from ciuic.chain.read import read_body
-    from ciuic.format import layout
+    from ciuic.format.descriptor import TensorDescriptor
 
     model, opt, latest = three_snapshots(store_dir, "skip")
     with Repository.open(store_dir) as repo:
         _, trees = read_body(repo, latest)
-    (store_dir / "objects" / layout.chunk_key(
-        trees["model"]["weight"]["$tensor"]["chunks"][0][0])
-     ).write_bytes(b"damaged")
+    flip(store_dir, TensorDescriptor.from_json(trees["model"]["weight"]["$tensor"]).chunks[0],
+         20, 0xFF)
     with SnapshotManager("p", job="skip", store=store_dir, save_interval=1) as m:
         assert m.restore(model, opt) == 1
         run = m.run_id

@@ -20,7 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 from torch import nn
 
-from ciuic import SnapshotManager
+from ciuic import SnapshotManager, knobs
 from ciuic.catalog import Catalog
 from ciuic.catalog.keys import audit_log, create_key, revoke_key
 from ciuic.chain.repo import Repository
@@ -690,7 +690,8 @@ def test_a_reader_verifies_deeply_one_snapshot_at_a_time(
     writer, reader = new_key(store, "p", "writer"), new_key(store, "p", "reader")
     monkeypatch.setenv("CIUIC_FAILPOINTS", "server.verify.deep=sleep:4")  # the server's
     with serve(store, tmp_path / "server.log") as url:
-        with SnapshotManager("p", api_key=writer, endpoint=url, handle_signals=False) as m:
+        with knobs.override(pack_bytes=0), SnapshotManager(  # chunk objects, each damaged
+                "p", api_key=writer, endpoint=url, handle_signals=False) as m:
             sid = m.save(1, {"w": torch.randn(5000), "b": torch.randn(300)}).id
         chunks = [p for p in (store / "objects" / "projects" / "p" / "chunks").rglob("*")
                   if p.is_file()]
@@ -730,7 +731,8 @@ def test_a_snapshot_in_a_newer_format_is_not_called_damaged(tmp_path: Path) -> N
     store = tmp_path / "store"
     writer = new_key(store, "p", "writer")
     with serve(store, tmp_path / "server.log") as url:
-        with SnapshotManager("p", api_key=writer, endpoint=url, handle_signals=False) as m:
+        with knobs.override(pack_bytes=0), SnapshotManager(  # chunk objects, each rewritten
+                "p", api_key=writer, endpoint=url, handle_signals=False) as m:
             first = m.save(1, {"w": torch.randn(5000)}).id
             second = m.save(2, {"w": torch.randn(5000)}).id
         for path in (store / "objects" / "projects" / "p" / "chunks").rglob("*"):

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from ciuic import RestoreError, SnapshotManager
-from ciuic.chain.read import chunk_refs, read_body
+from ciuic.chain.read import chunk_refs, object_of, read_body
 from ciuic.chain.repo import Repository
 from ciuic.chain.verify import verify_job
 from ciuic.errors import IntegrityError, StoreAccessError
 from ciuic.format import layout
-from ciuic.format.layout import chunk_key
 from ciuic.store import MemoryStore, open_store
 from ciuic.store.base import Data
 from ciuic.store.mirror import MirrorStore
@@ -65,7 +64,7 @@ def first_chunk(store: Path | str) -> str:
     info = repo.catalog.latest("proj", "j")
     assert info is not None
     _, states = read_body(repo, info)
-    return chunk_key(sorted(chunk_refs(states))[0])
+    return object_of(sorted(chunk_refs(states).values(), key=lambda r: r.digest)[0])
 
 
 def test_losing_the_local_tier_restores_bit_exact_from_s3(tmp_path: Path, s3_url: str) -> None:
@@ -285,7 +284,8 @@ def test_copy_verifies_on_arrival(chain: tuple[Path, nn.Module], tmp_path: Path)
 
     class Lossy(MemoryStore):
         def put(self, key: str, data: Data, *, durable: bool = True) -> None:
-            super().put(key, b"x" if key.startswith("chunks/") else data, durable=durable)
+            super().put(key, b"x" if key.startswith(("chunks/", "packs/")) else data,
+                        durable=durable)
 
     store, _ = chain
     with pytest.raises(IntegrityError, match="differs from the source"):

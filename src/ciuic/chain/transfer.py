@@ -113,8 +113,12 @@ def copy_job(src: Repository, dst: Store, project: str, job: str, *, verify: boo
                     raise CorruptObject(layout.chunk_key(ref.digest), f"its pack {key} holds "
                                         f"{len(blob)} bytes, not the {ref.offset + ref.stored}"
                                         " its place needs (truncated?)")
-                check_chunk_blob(src, layout.chunk_key(ref.digest), piece, ref.digest,
-                                 ref.nbytes)
+                try:
+                    check_chunk_blob(src, layout.chunk_key(ref.digest), piece, ref.digest,
+                                     ref.nbytes)
+                except CorruptObject as e:  # the object being copied is the pack
+                    raise CorruptObject(key, f"its piece {e.key} at byte {ref.offset}: "
+                                             f"{e.reason}") from e
             return
         d = layout.digest_of_key(key)
         check_chunk_blob(src, key, blob, d, chunks[d].nbytes)
