@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from ciuic import SnapshotManager
+from ciuic import SnapshotManager, knobs
 from tests.test_health import train_with_adam
 from tests.test_server import new_key, serve
 
@@ -79,8 +79,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         # job dash/rot: every chunk of its one snapshot corrupted (its tensors are its own)
         chunks = base / "store" / "objects" / "projects" / "dash" / "chunks"
         before = set(chunks.rglob("*"))
-        with SnapshotManager("dash", job="rot", api_key=writer, endpoint=url,
-                             handle_signals=False) as m:
+        with knobs.override(pack_bytes=0), SnapshotManager(  # chunk objects, each corrupted
+                "dash", job="rot", api_key=writer, endpoint=url, handle_signals=False) as m:
             m.save(1, {"w": torch.randn(3000), "b": torch.randn(70)})
         for path in set(chunks.rglob("*")) - before:
             if path.is_file():

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ciuic import SnapshotManager
+from ciuic import SnapshotManager, knobs
 from ciuic.chain.gc import collect
 from ciuic.chain.read import Parts, body_keys, read_body
 from ciuic.chain.repo import Repository
@@ -194,7 +194,8 @@ def test_a_format_2_body_of_an_earlier_version_still_restores(tmp_path: Path,
     model, opt = sharded()
     train(model, opt)
     store = tmp_path / "s"
-    with SnapshotManager("p", job="j", store=store, handle_signals=False) as m:
+    with knobs.override(pack_bytes=0), SnapshotManager(  # written as before packs (format 2)
+            "p", job="j", store=store, handle_signals=False) as m:
         info = m.save(7, model, opt)
     with Repository.open(store) as repo:
         new, states = read_body(repo, info)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from ciuic import SnapshotManager
+from ciuic import SnapshotManager, knobs
 from ciuic.catalog import Catalog
 from ciuic.catalog.keys import audit, audit_log, create_key
 from ciuic.catalog.models import AuditEvent
@@ -66,7 +66,8 @@ def test_a_writer_cannot_delete_another_jobs_chunks_or_bodies(
     url, store, _ = server
     alice, mallory = new_key(store, "vision", "writer"), new_key(store, "vision", "writer")
     admin = new_key(store, "vision", "admin")
-    with SnapshotManager("vision", job="alice-job", api_key=alice, endpoint=url,
+    with knobs.override(pack_bytes=0), SnapshotManager(  # chunk objects (a pack: the same rule)
+            "vision", job="alice-job", api_key=alice, endpoint=url,
                          handle_signals=False) as m:
         sid = m.save(1, {"w": torch.randn(5000), "b": torch.randn(300)}).id
     root = project_dir(store, "vision")
@@ -111,7 +112,8 @@ def test_retention_over_a_server_prunes_as_the_lease_holder_and_gc_runs_on_the_s
     holds the job's lease) and asks the server's gc to free their chunks."""
     url, store, _ = server
     key = new_key(store, "kept", "writer")
-    with SnapshotManager("kept", job="j", api_key=key, endpoint=url, keep_last=1,
+    with knobs.override(pack_bytes=0), SnapshotManager(  # chunk objects, counted
+            "kept", job="j", api_key=key, endpoint=url, keep_last=1,
                          handle_signals=False) as m:
         for step in range(3):  # a new tensor each time: new chunks
             last = m.save(step, {"w": torch.randn(5000)}).id

@@ -375,7 +375,9 @@ def remove_unreferenced(repo: Repository, created: set[str], cache: ChunkCache) 
                     "them", result.skipped)
     elif result.deleted_chunks:
         log.warning("removed the failed snapshot's %s (%d bytes) from the full store",
-                    counted(result.deleted_chunks, "chunk"), result.deleted_bytes)
+                    counted(result.deleted_chunks, "chunk object" if not any(
+                        layout.pack_name(k) for k in created) else "object"),
+                    result.deleted_bytes)
 
 
 def commit_snapshot(w: SnapshotWrite, content: SnapshotContent) -> tuple[mf.Manifest, str]:
