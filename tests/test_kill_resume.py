@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ciuic import knobs
 from ciuic.chain.repo import Repository
 
 from .conftest import TRAIN, run_train
@@ -25,7 +26,8 @@ def finish(store: Path, *args: str) -> tuple[str | None, int | None]:
 
 @pytest.mark.parametrize("failpoint, resume_at", [
     ("chunk.put=kill@1", 0),         # first chunk of the first save: nothing committed
-    ("chunk.put=kill@12", 1),        # in the middle of the second save (step 5)
+    # in the middle of the second save (step 5): with packs, each save's small pieces are one
+    (f"chunk.put=kill@{2 if knobs.get().pack_bytes else 12}", 1),
     ("chunks.sync=kill@2", 1),       # second save's chunks written, not yet synced
     ("body.put=kill@2", 1),          # all chunks of the second save written, no body
     ("manifest.create=kill@3", 6),   # third save's data written, not committed

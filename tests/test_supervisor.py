@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ciuic import knobs
 from ciuic.chain.repo import Repository
 from ciuic.supervisor.causes import OomWatch, classify, exception_line
 from tests.framework_runs import free_port
@@ -278,7 +279,9 @@ def test_a_killed_supervisor_leaks_no_shared_memory(tmp_path: Path) -> None:
 def test_a_slow_save_with_fast_training_is_no_hang(tmp_path: Path) -> None:
     run = supervise(tmp_path, "--steps", "8", "--every", "4", "--sync",
                     run_args=("--hang-timeout", "1", "--grace", "1"),
-                    env={"CIUIC_FAILPOINTS": "chunk.put=sleep:0.4"})
+                    # each chunk object's write, or the one pack's: past the hang timeout
+                    env={"CIUIC_FAILPOINTS":
+                         f"chunk.put=sleep:{1.1 if knobs.get().pack_bytes else 0.4}"})
     assert run.returncode == 0, run.stderr[-3000:]
     longest = float(re.search(r"longest snapshot: ([\d.]+) s", run.stderr).group(1))  # type: ignore[union-attr]
     assert longest > 1.0  # longer than the hang timeout, inside step()
