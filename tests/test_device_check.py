@@ -35,8 +35,8 @@ def device_check(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_dry_run_passes_every_step_and_writes_one_json(tmp_path: Path) -> None:
-    run = device_check(tmp_path, DEVICE_TESTS="tests/test_cuda.py tests/test_floatcodec.py",
-                       BENCH_ARGS="--device cpu --scale 16")
+    run = device_check(tmp_path, DEVICE_TESTS="tests/test_cuda.py tests/test_descriptor.py",
+                       BENCH_ARGS="--device cpu --scale 32")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.rstrip().endswith("device check: every step passed")
     report = json.loads((tmp_path / "device-check.json").read_text())
