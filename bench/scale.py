@@ -1,7 +1,8 @@
 """Scale benchmark: the multi-rank snapshot at 2 to 32 ranks (issue #32, item 5).
 
     .venv/bin/python bench/scale.py [--ranks 2 4 8 16 32] [--rounds 2] [--params 16]
-        [--kib 2048] [--timeout 600] [--synthetic W ...] [--json FILE]
+        [--kib 2048] [--timeout 600] [--synthetic W ...] [--pack-bytes B ...]
+        [--objects W ...] [--json FILE]
 
 For each world size W, ``torchrun --standalone`` (gloo, CPU, ``OMP_NUM_THREADS=1``) runs
 ``bench/scale_worker.py``: two models of ``--params`` parameter tensors, ``--kib`` KiB of state
@@ -36,16 +37,21 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("scale_worker.py")
+sys.path.insert(0, str(Path(__file__).parent))
+import scale_objects  # noqa: E402  (beside this file, not a package)
 
 
-def one(ranks: int, a: argparse.Namespace) -> dict[str, Any] | str:
-    """Run one world size; its raw result, or why it failed."""
+def one(ranks: int, a: argparse.Namespace, pack_bytes: int | None = None
+        ) -> dict[str, Any] | str:
+    """Run one world size (with packs of ``pack_bytes``; None: the knob's default); its raw
+    result, or why it failed."""
     with tempfile.TemporaryDirectory(prefix="ciuic-scale-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={ranks}", str(WORKER), "--dir", str(Path(tmp) / "data"),
                "--rounds", str(a.rounds), "--params", str(a.params), "--kib", str(a.kib),
-               "--out", str(out)]
+               "--out", str(out)] + ([] if pack_bytes is None else
+                                     ["--pack-bytes", str(pack_bytes)])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -160,6 +166,21 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                     c = calls(r0, snap, what)[0]
                     add(f"{snap}.{what}_s", c["wall"])
                     add(f"{snap}.{what}_cpu_s", c["cpu"])
+            for snap in ("cold", "warm"):  # the store's requests, as S3 would answer them
+                req = [x[snap].get("requests", {}) for x in ranks]
+                add(f"{snap}.objects", sum(n for r in req for kind, n in r.get(
+                    "objects", {}).items() if kind != "inflight"))  # (deleted at the commit)
+                for kind in ("chunk", "pack", "body", "manifest"):
+                    add(f"{snap}.objects.{kind}", sum(r.get("objects", {}).get(kind, 0)
+                                                      for r in req))
+                for method in ("PUT", "GET", "HEAD", "LIST"):
+                    add(f"{snap}.{method}", sum(r.get(method, 0) for r in req))
+                add(f"{snap}.PUT_max_rank", max(r.get("PUT", 0) for r in req))
+            req = [x.get("restore_requests", {}) for x in ranks]
+            for method in ("GET", "HEAD", "LIST"):
+                add(f"restore.{method}", sum(r.get(method, 0) for r in req))
+                add(f"restore.{method}_max_rank", max(r.get(method, 0) for r in req))
+            add("restore.GET_bytes", sum(r.get("GET_bytes", 0) for r in req))
             add("restore_s", max(x["restore"] for x in ranks))
             cpu = [x["cpu_restore"] for x in ranks]
             add("restore.cpu_mean_s", statistics.mean(cpu))
@@ -193,6 +214,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             for part, n in s["body_parts"].items():
                 add(f"body.{part}_bytes", n)
             add("tensors", rnd["tensors"])
+            if mode == "fsdp" and "requests" in r0["cold"]:  # the writer's rule, predicted
+                predicted = [scale_objects.rank_objects(
+                    [(res["rows"] * world, res["cols"])] * res["params"], world, x["rank"],
+                    chunk=res["chunk_bytes"], pack=res.get("pack_bytes", 0), inline=256)
+                    for x in ranks]
+                add("cold.objects.predicted", sum(p["objects"] for p in predicted))
         out[mode] = {k: mmm(v) for k, v in per.items()}
     return out
 
@@ -208,7 +235,7 @@ def table(results: dict[str, Any]) -> None:
           f"{'r0x':>5} {'restore':>20} {'rest. CPU':>9} {'r0x':>5} {'index KB':>8} "
           f"{'parts KB':>8} {'read/rank KB':>12} {'manif B':>7} {'plan rx KB':>10}")
     for w, res in results.items():
-        if w == "synthetic":
+        if w in ("synthetic", "objects"):
             continue
         if isinstance(res, str):
             print(f"{w:>3} failed: {res.splitlines()[0]}")
@@ -221,6 +248,25 @@ def table(results: dict[str, Any]) -> None:
                   f"{s['parts_bytes'][1] / 1e3:8.1f} "
                   f"{s['restore.body_read_bytes_per_rank'][1] / 1e3:12.1f} "
                   f"{s['manifest_bytes'][1]:7.0f} {s['warm.plan_received_bytes'][1] / 1e3:10.1f}")
+    print("\nthe store's requests (as S3 would answer them: a multipart upload or a ranged GET "
+          "past 16 MiB counts each part), medians over rounds: objects written by a full "
+          "snapshot (chunk objects, packs, the body's index and parts, manifest), its PUTs in "
+          "all and on the busiest rank; a restore's GETs in all and on the busiest rank")
+    print(f"{'W':>9} {'model':<5} {'objects':>8} {'chunks':>7} {'packs':>6} {'bodies':>6} "
+          f"{'PUT':>7} {'PUT/rank':>8} {'restore GET':>11} {'GET/rank':>8} {'GET MB':>8} "
+          f"{'rule':>5}")
+    for w, res in results.items():
+        if w in ("synthetic", "objects") or isinstance(res, str):
+            continue
+        for mode, s in res["summary"].items():
+            if "cold.objects" not in s:
+                continue
+            print(f"{w:>9} {mode:<5} {s['cold.objects'][1]:8.0f} "
+                  f"{s['cold.objects.chunk'][1]:7.0f} {s['cold.objects.pack'][1]:6.0f} "
+                  f"{s['cold.objects.body'][1]:6.0f} {s['cold.PUT'][1]:7.0f} "
+                  f"{s['cold.PUT_max_rank'][1]:8.0f} {s['restore.GET'][1]:11.0f} "
+                  f"{s['restore.GET_max_rank'][1]:8.0f} {s['restore.GET_bytes'][1] / 1e6:8.2f} "
+                  f"{s['cold.objects.predicted'][1] if 'cold.objects.predicted' in s else '':>5}")
 
 
 def synthetic(tensors: int, world: int, rows: int = 64, cols: int = 128) -> dict[str, Any]:
@@ -343,23 +389,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also time rank 0's and a rank's per-shard work in one process, for "
                         "--synthetic-tensors sharded tensors over each of these world sizes")
     p.add_argument("--synthetic-tensors", type=int, default=2200)
+    p.add_argument("--pack-bytes", type=int, nargs="+", default=[None], metavar="BYTES",
+                   help="the pack_bytes knob (0: packs off), each world size run with each, "
+                        "interleaved; default: the knob's own")
+    p.add_argument("--objects", type=int, nargs="*", default=[], metavar="W",
+                   help="also the objects and requests of Llama 3 70B's full snapshot and cold "
+                        "restore at these world sizes, from the writer's rule "
+                        "(bench/scale_objects.py), packs off and on")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     results: dict[str, Any] = {}
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "loadavg_before": os.getloadavg()}
-    for n in a.ranks:
-        t0 = time.perf_counter()
-        res = one(n, a)
-        if isinstance(res, str):
-            print(f"{n} ranks failed: {res}", file=sys.stderr)
-            results[str(n)] = res
+    failed = False
+    for j, n in enumerate(a.ranks):
+        # each world size starts with the other setting than the last: interleaved
+        for pb in a.pack_bytes if j % 2 == 0 else a.pack_bytes[::-1]:
+            name = str(n) if pb is None else f"{n} p{pb >> 20}M" if pb >= 1 << 20 \
+                else f"{n} p{pb}"
+            t0 = time.perf_counter()
+            res = one(n, a, pb)
+            if isinstance(res, str):
+                print(f"{name} ranks failed: {res}", file=sys.stderr)
+                results[name] = res
+                failed = True
+                continue
+            res["summary"] = summarize(res)
+            res["loadavg_after"] = os.getloadavg()
+            results[name] = res
+            print(f"{name} ranks: {time.perf_counter() - t0:.0f} s, load average "
+                  f"{res['loadavg_after'][0]:.1f}", file=sys.stderr)
+        if failed:
             break  # a larger world will not do better
-        res["summary"] = summarize(res)
-        res["loadavg_after"] = os.getloadavg()
-        results[str(n)] = res
-        print(f"{n} ranks: {time.perf_counter() - t0:.0f} s, load average "
-              f"{res['loadavg_after'][0]:.1f}", file=sys.stderr)
     table(results)
     if a.synthetic:
         import gc
@@ -378,6 +439,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"a part {x['part_bytes'] / 1e6:.2f} MB): "
             + ", ".join(f"{k} {v / x['shards'] * 1e6:.1f}" for k, v in x.items()
                         if k.endswith("_s")) for x in syn))
+    if a.objects:
+        from ciuic import knobs
+
+        k = knobs.get()
+        results["objects"] = scale_objects.table(a.objects, k.chunk_bytes,
+                                                 [0, k.pack_bytes or 4 * 1024 * 1024])
     if a.json:
         import torch
 

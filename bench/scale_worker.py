@@ -46,8 +46,13 @@ from torch import nn
 PHASE: list[str] = [""]  # "save" or "restore" while one is measured; set by the main thread
 CALLS: list[dict[str, Any]] = []  # every wrapped call inside a phase, in order
 READ = [0, 0]  # chunk bytes and chunks read by read_box during the restore
+#: the store's requests inside a phase, as an S3 store would make them: "PUT", "GET", "HEAD",
+#: "LIST", "DELETE" -> count; "objects" -> {kind of key: objects written}
+REQUESTS: dict[str, Any] = {}
+S3_THRESHOLD, S3_PART = 16 * 1024 * 1024, 8 * 1024 * 1024  # knobs' s3_multipart_*
 GC: list[float] = [0.0, 0.0, 0.0]  # inside a phase: CPU seconds in the collector, collections of
 # the oldest generation, seconds in those (Python's cyclic GC; ~0.2 s each in a torch process)
+KEEP: list[Any] = []
 LOCK = threading.Lock()
 LOCAL = threading.local()
 
@@ -136,13 +141,71 @@ def instrument() -> None:
     wrap(recovery.Recovery, "agree", "restore.agree")
     read_from = getattr(boxread, "read_from")  # noqa: B009
 
-    def counting(repo: Any, resident: Any, d: str, n: int, dest: Any) -> Any:
+    def counting(repo: Any, resident: Any, ref: Any, dest: Any, runs: Any = None) -> Any:
         with LOCK:
-            READ[0] += n
+            READ[0] += ref.nbytes
             READ[1] += 1
-        return read_from(repo, resident, d, n, dest)
+        return read_from(repo, resident, ref, dest, runs)
 
     setattr(boxread, "read_from", counting)  # noqa: B010
+
+
+def _s3_requests(nbytes: int) -> int:
+    """Requests of one PUT or ranged GET of ``nbytes`` on S3: one, or a multipart upload (its
+    start, a part each, its end) and parallel ranged GETs of a part each (store/s3.py)."""
+    if nbytes <= S3_THRESHOLD:
+        return 1
+    parts = -(-nbytes // S3_PART)
+    return parts + 2
+
+
+def _kind(key: str) -> str:
+    from ciuic.format import layout
+
+    return layout.kind_of(key) or "other"  # "body": the index and every rank's part
+
+
+def count_requests() -> None:
+    """Count the local store's calls while a phase is measured, each as the requests S3 would
+    answer: its objects, requests and bytes per snapshot and per restore (issue #45)."""
+    from ciuic.store.local import LocalStore
+
+    def count(name: str, method: str, size: Callable[..., int] | None = None) -> None:
+        fn = getattr(LocalStore, name)
+
+        def counted(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+            out = fn(self, key, *args, **kwargs)
+            if PHASE[0]:
+                n = size(key, *args, out=out) if size is not None else 0
+                with LOCK:
+                    REQUESTS[method] = REQUESTS.get(method, 0) + (
+                        _s3_requests(n) if size is not None else 1)
+                    REQUESTS[f"{method}_bytes"] = REQUESTS.get(f"{method}_bytes", 0) + n
+                    if method == "PUT":
+                        objects = REQUESTS.setdefault("objects", {})
+                        objects[_kind(key)] = objects.get(_kind(key), 0) + 1
+            return out
+
+        setattr(LocalStore, name, counted)
+
+    def put_size(key: str, data: Any, *args: Any, out: Any = None) -> int:
+        return sum(memoryview(b).nbytes for b in data) if isinstance(data, list | tuple) \
+            else memoryview(data).nbytes
+
+    def read_size(key: str, buffers: Any = None, offset: int = 0, *args: Any,
+                  out: Any = None) -> int:
+        if buffers is None:  # get: the whole object
+            return len(out)
+        return max(0, min(sum(len(b) for b in buffers), int(out) - offset))
+
+    count("put", "PUT", put_size)
+    count("create", "PUT", put_size)
+    count("get", "GET", read_size)
+    count("get_into", "GET", read_size)
+    count("has", "HEAD")
+    count("list", "LIST")
+    count("children", "LIST")
+    count("delete", "DELETE")
 
 
 class Params(nn.Module):
@@ -164,8 +227,8 @@ def build(mode: str, n: int, rows: int, cols: int, world: int
     else:
         model = nn.parallel.DistributedDataParallel(Params(n, rows, cols))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():  # Adam's state, without a forward
-        p.grad = torch.full_like(p, 0.01)
+    for p in model.parameters():  # Adam's state, without a forward; random gradients, so
+        p.grad = torch.randn_like(p) * 0.01  # that no two tensors hold equal chunks
     opt.step()
     opt.zero_grad()
     return model, opt
@@ -231,6 +294,7 @@ def measure_save(m: Any, step: int, model: nn.Module, opt: torch.optim.Optimizer
     """One ``save_async()`` on every rank, from a barrier: stall, commit, CPU time, calls."""
     dist.barrier()
     CALLS.clear()
+    REQUESTS.clear()
     GC[:] = [0.0, 0.0, 0.0]
     PHASE[0] = "save"
     c0, t0 = time.process_time(), time.perf_counter()
@@ -241,6 +305,7 @@ def measure_save(m: Any, step: int, model: nn.Module, opt: torch.optim.Optimizer
     cpu = time.process_time() - c0
     PHASE[0] = ""
     return info, {"stall": stall, "commit": commit, "cpu": cpu, "calls": list(CALLS),
+                  "requests": dict(REQUESTS),
                   "gc_s": GC[0], "gc2": GC[1], "gc2_s": GC[2],
                   "stats": {"last_stall_s": m.stats.last_stall_s,
                             "last_save_s": m.stats.last_save_s,
@@ -251,7 +316,7 @@ def measure_save(m: Any, step: int, model: nn.Module, opt: torch.optim.Optimizer
 def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Change every tensor of the state (weights and both moments), as a training step does."""
     for p in model.parameters():
-        p.grad = torch.full_like(p, 0.02)
+        p.grad = torch.randn_like(p) * 0.02
     opt.step()
     opt.zero_grad()
 
@@ -275,6 +340,7 @@ def rounds_of(mode: str, model: nn.Module, opt: torch.optim.Optimizer, store: Pa
                          handle_signals=False)
     dist.barrier()
     CALLS.clear()
+    REQUESTS.clear()
     READ[0] = READ[1] = 0
     GC[:] = [0.0, 0.0, 0.0]
     PHASE[0] = "restore"
@@ -287,6 +353,7 @@ def rounds_of(mode: str, model: nn.Module, opt: torch.optim.Optimizer, store: Pa
     mine = {"rank": rank, "cold": cold, "warm": warm, "restore": restore,
             "cpu_restore": cpu_restore, "read_chunk_bytes": READ[0], "read_chunks": READ[1],
             "restore_parts": list(m2.stats.restore_parts),
+            "restore_requests": dict(REQUESTS),
             "restore_gc_s": GC[0], "restore_gc2": GC[1], "restore_gc2_s": GC[2],
             "restore_calls": list(CALLS)}
     m2.close(final=False)
@@ -303,12 +370,19 @@ def main() -> None:
     p.add_argument("--kib", type=int, default=2048, help="state bytes per rank (KiB)")
     p.add_argument("--modes", nargs="+", default=["fsdp", "ddp"])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pack-bytes", type=int, default=None, help="the knob (default: its own)")
     a = p.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     instrument()
+    count_requests()
+    if a.pack_bytes is not None:
+        from ciuic import knobs
+
+        KEEP.append(knobs.override(pack_bytes=a.pack_bytes))  # for the whole run (kept:
+        KEEP[-1].__enter__()  # a context manager dropped ends, and the knob goes back)
     cols = 128
     rows = max(1, round(a.kib * 1024 / (3 * 4 * a.params * cols)))  # params + 2 moments, fp32
     built = {mode: build(mode, a.params, rows, cols, world) for mode in a.modes}
@@ -330,12 +404,19 @@ def main() -> None:
         a.out.write_text(json.dumps({
             "world": world, "params": a.params, "rows": rows, "cols": cols,
             "state_bytes_per_rank": per_rank, "rounds": rounds, "max_rss_kib": rss,
-            "seconds": time.perf_counter() - t_start, "chunk_bytes": _chunk()}))
+            "seconds": time.perf_counter() - t_start, "chunk_bytes": _chunk(),
+            "pack_bytes": _packs()}))
     dist.destroy_process_group()
 
 
 def _local(model: nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if hasattr(p, "to_local") else p.data for p in model.parameters()]
+
+
+def _packs() -> int:
+    from ciuic import knobs
+
+    return knobs.get().pack_bytes
 
 
 def _chunk() -> int:

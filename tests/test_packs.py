@@ -16,11 +16,12 @@ import torch
 
 from ciuic import SnapshotManager, StateHolder, knobs
 from ciuic.chain.gc import collect
+from ciuic.chain.packreads import PackRuns
 from ciuic.chain.read import body_states, chunk_refs
 from ciuic.chain.repo import Repository
 from ciuic.chain.transfer import copy_job
 from ciuic.chain.verify import verify_job
-from ciuic.errors import IntegrityError, RestoreError
+from ciuic.errors import CorruptObject, IntegrityError, RestoreError
 from ciuic.format import layout
 from ciuic.format.crypto import generate_key_text
 from ciuic.format.descriptor import ChunkRef, TensorDescriptor, holds_packed
@@ -373,3 +374,68 @@ def test_the_reference_of_a_piece_in_a_pack_has_fixed_bytes() -> None:
         with pytest.raises(IntegrityError, match="malformed tensor descriptor"):
             TensorDescriptor.from_json({"dtype": "float32", "shape": [4], "nbytes": 16,
                                         "chunks": bad})
+
+
+def test_a_restore_reads_each_pack_in_one_request_not_one_per_piece(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold restore of 100 pieces in one pack makes one ranged read of it (its run), then
+    checks each piece from those bytes (chain/packreads.py)."""
+    live = small_state()
+    with SnapshotManager("p", job="k", store=store_dir, compression="off") as m:
+        info = m.save(1, state=StateHolder(live))
+    ranged: list[tuple[str, int, int]] = []
+    get_into = LocalStore.get_into
+
+    def counted(self: LocalStore, key: str, buffers: list[memoryview], offset: int = 0) -> int:
+        if key.startswith(layout.PACKS):
+            ranged.append((key, offset, sum(b.nbytes for b in buffers)))
+        return get_into(self, key, buffers, offset)
+
+    monkeypatch.setattr(LocalStore, "get_into", counted)
+    with SnapshotManager("p", job="k2", store=store_dir) as m2:
+        holder = StateHolder({})
+        m2.restore(state=holder, snapshot=info.id)
+        got = holder.state
+    assert all(torch.equal(got[k], live[k]) for k in live)
+    (pack,) = keys(store_dir, "packs/")
+    size = (store_dir / "objects" / pack).stat().st_size
+    assert ranged == [(pack, 0, size)]  # the whole pack: every piece in it is read
+
+
+def test_runs_merge_neighbouring_pieces_up_to_a_gap_and_a_size(repo: Repository) -> None:
+    a, b = "a" * 64, "b" * 64
+
+    def ref(pack: str, offset: int, stored: int) -> ChunkRef:
+        return ChunkRef(f"{offset:064x}", stored - 32, pack, offset, stored)
+
+    refs = [ref(a, 0, 100), ref(a, 100, 100), ref(a, 205, 50),  # 5 apart: one run, but 255 > 250
+            ref(a, 400, 50), ref(a, 400, 50),  # 145 past the last: a run of its own (read twice)
+            ref(b, 1000, 10), ChunkRef("c" * 64, 10)]  # another pack; a chunk object: none
+    runs = PackRuns(repo, refs, gap=10, most=250)
+    assert runs.runs == 4  # [0, 200) [205, 255) [400, 450) of a, [1000, 1010) of b
+
+
+def test_a_truncated_pack_serves_the_pieces_it_holds_and_names_the_rest(
+        store_dir: Path) -> None:
+    live = small_state()
+    with SnapshotManager("p", job="k", store=store_dir, compression="off") as m:
+        info = m.save(1, state=StateHolder(live))
+    refs = sorted((r for r in refs_of(store_dir, info.id).values() if r.pack is not None),
+                  key=lambda r: r.offset)
+    (pack,) = {r.pack for r in refs}
+    assert pack is not None
+    cut = refs[len(refs) // 2]
+    path = store_dir / "objects" / layout.pack_key(pack)
+    path.write_bytes(path.read_bytes()[:cut.offset + 10])  # into the middle piece
+    repo = Repository.open(store_dir)
+    try:
+        runs = PackRuns(repo, refs)
+        assert runs.runs == 1
+        for r in refs[:len(refs) // 2]:  # whole in what is left: served from the one read
+            runs.read(r, memoryview(bytearray(r.nbytes)))
+        assert runs.requests == 1
+        with pytest.raises(CorruptObject, match=f"holds {cut.offset + 10} bytes, not the "
+                                                f"{cut.offset + cut.stored} .*truncated"):
+            runs.read(cut, memoryview(bytearray(cut.nbytes)))
+    finally:
+        repo.close()

@@ -36,7 +36,7 @@ from ciuic.format.tree import (
 )
 from ciuic.restore.match import Prepared, check_loadable, load_object, mismatch_message
 from ciuic.restore.reader import load_trees
-from ciuic.restore.sources import Resident
+from ciuic.restore.sources import Resident, pack_runs
 from ciuic.state.capture import set_rng_state
 from ciuic.words import counted
 
@@ -139,7 +139,7 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
     target holds (a DTensor's local shard, else the whole tensor), as new tensors shaped and
     placed like the target's. ``near``: a split body's parts (its sharded descriptors'
     shards are there)."""
-    from ciuic.restore.boxread import read_box
+    from ciuic.restore.boxread import box_refs, read_box
 
     live: dict[str, torch.Tensor] = {}
     for name, sd in targets.items():
@@ -163,16 +163,16 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
             raise StateMismatch("the snapshot's body is in parts, but none was given to read")
         saved.update(near.shards(split, {p: _box(live[p], p) for p in split}))
     boxes: dict[str, torch.Tensor] = {}
+    descs = {p: TensorDescriptor.from_json(saved[p], p) for p in live}
+    wanted = {p: _wanted(live[p], p) for p in live}  # this rank's box of each; None: whole
+    runs = pack_runs(repo, resident, (ref for p, box in wanted.items() for ref in box_refs(
+        p, descs[p], box and box[0], box and box[1])))
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
             ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors:
         def one(path: str) -> torch.Tensor:
-            t = live[path]
-            shard = dtensor_shard(t, path)  # this rank's box of a DTensor; else the whole
-            desc = TensorDescriptor.from_json(saved[path], path)
-            if shard is None:
-                return read_box(repo, path, desc, None, None, pool, resident)
-            local = list(t.to_local().shape)  # type: ignore[attr-defined]
-            return read_box(repo, path, desc, shard[1], local, pool, resident)
+            box = wanted[path]
+            return read_box(repo, path, descs[path], box and box[0], box and box[1], pool,
+                            resident, runs)
 
         futures = {p: tensors.submit(one, p) for p in sorted(live)}
         for p, fut in futures.items():
@@ -187,12 +187,18 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
     return {name: decode(trees[name], name, load_leaf) for name in targets}
 
 
-def _box(t: torch.Tensor, path: str) -> tuple[list[int], list[int]]:
-    """The box of its global tensor that a live tensor holds (offsets, shape)."""
+def _wanted(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
+    """The box of its global tensor a live DTensor holds (offsets, shape); None for a whole
+    tensor."""
     shard = dtensor_shard(t, path)
     if shard is None:
-        return [0] * t.dim(), list(t.shape)
+        return None
     return list(shard[1]), list(t.to_local().shape)  # type: ignore[attr-defined]
+
+
+def _box(t: torch.Tensor, path: str) -> tuple[list[int], list[int]]:
+    """The box of its global tensor that a live tensor holds (offsets, shape)."""
+    return _wanted(t, path) or ([0] * t.dim(), list(t.shape))
 
 
 class _Near:

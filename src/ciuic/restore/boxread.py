@@ -15,9 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ciuic.chain.packreads import PackRuns
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
-from ciuic.format.descriptor import Shard, TensorDescriptor
+from ciuic.format.descriptor import ChunkRef, Shard, TensorDescriptor
 from ciuic.format.shards import overlap
 from ciuic.restore.leaves import bytes_view, inline_bytes, leaf_layout, uninitialized
 from ciuic.restore.sources import Resident, read_from
@@ -57,10 +58,10 @@ class _Piece:
 
 def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[int] | None,
              box_shape: list[int] | None, pool: ThreadPoolExecutor,
-             resident: Resident | None = None) -> torch.Tensor:
+             resident: Resident | None = None, runs: PackRuns | None = None) -> torch.Tensor:
     """The box (``box_off``, ``box_shape``; None: the whole tensor) of a stored tensor, as a new
     tensor of that shape, every byte read verified (each chunk from ``resident`` memory where it
-    holds it, else from the store)."""
+    holds it, else from the store; pieces in packs from their runs of ``runs``)."""
     dtype, shape = leaf_layout(path, "tensor", desc)
     item = torch.empty((), dtype=dtype).element_size()
     box_off = [0] * len(shape) if box_off is None else box_off
@@ -74,7 +75,7 @@ def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[
     try:
         for piece in pieces_of(desc):
             part = _plan_piece(repo, path, piece, item, box_off, box_shape, pool, futures,
-                               resident)
+                               resident, runs)
             if part is not None:
                 parts.append(part)
                 covered += math.prod(part.ov_shape)
@@ -101,9 +102,27 @@ def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[
     return out
 
 
-def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
-                box_off: list[int], box_shape: list[int], pool: ThreadPoolExecutor,
-                futures: list[Future[None]], resident: Resident | None) -> _Piece | None:
+def box_refs(path: str, desc: TensorDescriptor, box_off: list[int] | None,
+             box_shape: list[int] | None) -> list[ChunkRef]:
+    """The chunks :func:`read_box` reads for this box (what a restore registers with its
+    :class:`PackRuns` before reading)."""
+    dtype, shape = leaf_layout(path, "tensor", desc)
+    item = torch.empty((), dtype=dtype).element_size()
+    box_off = [0] * len(shape) if box_off is None else box_off
+    box_shape = shape if box_shape is None else box_shape
+    out: list[ChunkRef] = []
+    for piece in pieces_of(desc):
+        span = _span(path, piece, item, box_off, box_shape)
+        if span is not None and piece.inline is None:
+            out.extend(ref for ref, _ in _needed(piece, *span[2]))
+    return out
+
+
+def _span(path: str, piece: Shard, item: int, box_off: list[int], box_shape: list[int]
+          ) -> tuple[tuple[list[int], list[int]], list[int], tuple[int, int]] | None:
+    """Where a stored piece meets the box: (the overlap's offsets and shape, the overlap's
+    start in the piece, the piece's byte range from its first to its last element); None
+    where they do not meet."""
     off, pshape, nbytes = list(piece.offsets), list(piece.shape), piece.nbytes
     if (math.prod(pshape) * item != nbytes or len(off) != len(box_off)
             or len(pshape) != len(box_off)):
@@ -112,18 +131,35 @@ def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
     ov = overlap(off, pshape, box_off, box_shape)
     if ov is None:
         return None
-    ov_off, ov_shape = ov
-    local = [o - p for o, p in zip(ov_off, off, strict=True)]
+    local = [o - p for o, p in zip(ov[0], off, strict=True)]
     lo = _flat(local, pshape) * item
-    hi = (_flat([x + n - 1 for x, n in zip(local, ov_shape, strict=True)], pshape) + 1) * item
-    if piece.inline is not None:
-        return _Piece(0, inline_bytes(path, piece.inline, nbytes), pshape, ov_off, ov_shape,
-                      local)
+    hi = (_flat([x + n - 1 for x, n in zip(local, ov[1], strict=True)], pshape) + 1) * item
+    return ov, local, (lo, hi)
+
+
+def _needed(piece: Shard, lo: int, hi: int) -> list[tuple[ChunkRef, int]]:
+    """The chunks of a piece that hold bytes of ``[lo, hi)``, each with where it starts."""
     needed, pos = [], 0
     for ref in piece.chunks or ():
         if pos < hi and pos + ref.nbytes > lo:
             needed.append((ref, pos))
         pos += ref.nbytes
+    return needed
+
+
+def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
+                box_off: list[int], box_shape: list[int], pool: ThreadPoolExecutor,
+                futures: list[Future[None]], resident: Resident | None,
+                runs: PackRuns | None) -> _Piece | None:
+    span = _span(path, piece, item, box_off, box_shape)
+    if span is None:
+        return None
+    (ov_off, ov_shape), local, (lo, hi) = span
+    pshape = list(piece.shape)
+    if piece.inline is not None:
+        return _Piece(0, inline_bytes(path, piece.inline, piece.nbytes), pshape, ov_off,
+                      ov_shape, local)
+    needed = _needed(piece, lo, hi)
     start, end = needed[0][1], needed[-1][1] + needed[-1][0].nbytes
     base = start - start % item  # the buffer starts on an element boundary
     size = -(-(end - base) // item) * item
@@ -131,5 +167,5 @@ def _plan_piece(repo: Repository, path: str, piece: Shard, item: int,
     view = bytes_view(buf)
     for ref, at in needed:
         futures.append(pool.submit(read_from, repo, resident, ref,
-                                   view[at - base:at - base + ref.nbytes]))
+                                   view[at - base:at - base + ref.nbytes], runs))
     return _Piece(base, buf, pshape, ov_off, ov_shape, local)

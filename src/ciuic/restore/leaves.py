@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ciuic.chain.packreads import PackRuns
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
 from ciuic.format.descriptor import TensorDescriptor
@@ -42,9 +43,11 @@ def inline_bytes(path: str, inline: str, nbytes: int) -> torch.Tensor:
 
 def leaf_buffer(repo: Repository, path: str, kind: str, desc: TensorDescriptor,
                  pool: ThreadPoolExecutor, buffer_for: BufferFor | None,
-                 resident: Resident | None = None) -> tuple[torch.Tensor, list[Future[None]]]:
+                 resident: Resident | None = None, runs: PackRuns | None = None
+                 ) -> tuple[torch.Tensor, list[Future[None]]]:
     """A buffer for one leaf (lent by ``buffer_for``, else fresh) and the reads, already
-    submitted, that fill and verify it (from ``resident`` memory where it holds the leaf)."""
+    submitted, that fill and verify it (from ``resident`` memory where it holds the leaf;
+    pieces in packs from their runs of ``runs``)."""
     leaf_layout(path, kind, desc)
     nbytes = desc.nbytes
     if desc.inline is not None:
@@ -65,7 +68,8 @@ def leaf_buffer(repo: Repository, path: str, kind: str, desc: TensorDescriptor,
             futures.append(pool.submit(resident.take, repo, ref, view[off:off + n],
                                        None if src_view is None else src_view[off:off + n]))
         else:
-            futures.append(pool.submit(read_from, repo, resident, ref, view[off:off + n]))
+            futures.append(pool.submit(read_from, repo, resident, ref, view[off:off + n],
+                                       runs))
         off += n
     return out, futures
 

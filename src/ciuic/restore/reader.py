@@ -16,12 +16,12 @@ import torch
 from ciuic.chain.read import READ_THREADS, read_body
 from ciuic.chain.repo import Repository
 from ciuic.format import manifest as mf
-from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.descriptor import ChunkRef, TensorDescriptor
 from ciuic.format.info import SnapshotInfo
 from ciuic.format.tree import decode, walk_leaves
-from ciuic.restore.boxread import read_box
+from ciuic.restore.boxread import box_refs, read_box
 from ciuic.restore.leaves import leaf_buffer, materialize
-from ciuic.restore.sources import BufferFor, Resident
+from ciuic.restore.sources import BufferFor, Resident, pack_runs
 
 
 def load_states(repo: Repository, info: SnapshotInfo, skip: Collection[str] = (),
@@ -60,20 +60,26 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
         lent.add(path)
         return buffer_for(path, nbytes)
 
+    leaves = [(path, kind, raw) for path, kind, raw in walk_leaves(wanted)]
+    for path, _kind, raw in leaves:
+        parsed[id(raw)] = TensorDescriptor.from_json(raw, path)
+    runs = pack_runs(repo, resident, (ref for path, kind, raw in leaves for ref in _refs(
+        path, kind, parsed[id(raw)], resident)))
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool:
         try:
-            for path, kind, raw in walk_leaves(wanted):  # every read in flight at once
-                desc = parsed[id(raw)] = TensorDescriptor.from_json(raw, path)
+            for path, kind, raw in leaves:  # every read in flight at once
+                desc = parsed[id(raw)]
                 if desc.shards is not None and kind == "tensor":
                     sharded.append((path, raw))  # assembled below, while the rest reads
                     continue
                 buffers[id(raw)], submitted = leaf_buffer(repo, path, kind, desc, pool,
-                                                           lend_once, resident)
+                                                           lend_once, resident, runs)
                 reads.extend(submitted)
             if sharded:
                 for path, raw in sharded:
                     buffers[id(raw)] = read_box(repo, path, parsed[id(raw)], None, None,
-                                                pool, resident).reshape(-1).view(torch.uint8)
+                                                pool, resident, runs
+                                                ).reshape(-1).view(torch.uint8)
             for fut in reads:
                 fut.result()
         finally:
@@ -84,3 +90,13 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
         return materialize(path, kind, parsed[id(desc)], buffers[id(desc)])
 
     return {name: decode(tree, name, load_leaf, adapt=adapt) for name, tree in wanted.items()}
+
+
+def _refs(path: str, kind: str, desc: TensorDescriptor, resident: Resident | None
+          ) -> list[ChunkRef]:
+    """The chunks a leaf's restore reads (none where this rank's memory holds the leaf)."""
+    if kind == "tensor" and desc.shards is not None:
+        return box_refs(path, desc, None, None)
+    if resident is not None and resident.get(path, desc.nbytes) is not None:
+        return []
+    return list(desc.chunks or ())

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ciuic.chain.packreads import PackRuns
 from ciuic.chain.read import read_chunk, take_chunk
 from ciuic.chain.repo import Repository
 from ciuic.format.descriptor import ChunkRef
@@ -81,6 +82,11 @@ class Resident:
                     self._chunks = self._load_chunks() if self._load_chunks is not None else {}
         return self._chunks
 
+    def loaded(self) -> dict[str, memoryview]:
+        """The node's published chunks where they are mapped already (else none: asking for
+        :attr:`chunks` maps them)."""
+        return self._chunks or {}
+
     def serving(self, snapshot: str) -> Resident | None:
         """What serves a restore of ``snapshot`` (fresh counts): the leaves by path only when
         they hold it; the chunks by digest whatever it is. None where memory holds nothing."""
@@ -125,27 +131,40 @@ class Resident:
 
 
 def read_from(repo: Repository, resident: Resident | None, ref: ChunkRef,
-              dest: memoryview) -> None:
+              dest: memoryview, runs: PackRuns | None = None) -> None:
     """Chunk ``d`` into ``dest``: from the node's memory where ``resident`` holds it, else
     from another node's memory through this node's ``ciuic run`` (which fetches it once for
-    all of the node's ranks), checked against its digest either way, else from the store;
+    all of the node's ranks), checked against its digest either way, else from the store (a
+    piece in a pack from its run of ``runs``, where the restore registered it there);
     counted by ``resident``. A chunk another rank of the node fetched counts as this node's
     memory: "from other nodes' memory" counts the bytes that crossed the network."""
     d, n = ref.digest, ref.nbytes
-    if resident is None:
+    if resident is not None:
+        src = resident.chunks.get(d)
+        if src is not None and len(src) == n:
+            resident.take(repo, ref, dest, src)
+            return
+        came = resident.peers.read(d, dest) if resident.peers is not None else None
+        if came is not None:
+            resident.take(repo, ref, dest, None, Source.PEER if came == "fetched"
+                          else Source.MEMORY)
+            return
+    if runs is not None and ref.pack is not None:
+        runs.read(ref, dest)
+    else:
         read_chunk(repo, d, n, dest, ref)
-        return
-    src = resident.chunks.get(d)
-    if src is not None and len(src) == n:
-        resident.take(repo, ref, dest, src)
-        return
-    came = resident.peers.read(d, dest) if resident.peers is not None else None
-    if came is not None:
-        resident.take(repo, ref, dest, None, Source.PEER if came == "fetched"
-                      else Source.MEMORY)
-        return
-    read_chunk(repo, d, n, dest, ref)
-    resident.count(n, Source.STORE)
+    if resident is not None:
+        resident.count(n, Source.STORE)
+
+
+def pack_runs(repo: Repository, resident: Resident | None, refs: Iterable[ChunkRef]
+              ) -> PackRuns | None:
+    """The runs of the packed pieces among ``refs`` that a restore reads from the store (those
+    the node's memory holds by digest, where it has them mapped already, are left out); None
+    where no piece is in a pack."""
+    held = resident.loaded() if resident is not None else {}
+    packed = [ref for ref in refs if ref.pack is not None and ref.digest not in held]
+    return PackRuns(repo, packed) if packed else None
 
 
 def host_copy(tier: HostTier | None, name_key: bytes | None,
