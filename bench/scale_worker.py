@@ -227,8 +227,7 @@ def build(mode: str, n: int, rows: int, cols: int, world: int
     else:
         model = nn.parallel.DistributedDataParallel(Params(n, rows, cols))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():  # Adam's state, without a forward; random gradients, so
-        p.grad = torch.randn_like(p) * 0.01  # that no two tensors hold equal chunks
+    gradients(model, 0.01, 1)  # Adam's state, without a forward
     opt.step()
     opt.zero_grad()
     return model, opt
@@ -313,10 +312,21 @@ def measure_save(m: Any, step: int, model: nn.Module, opt: torch.optim.Optimizer
                             "staged": m.stats.last_staged_bytes}}
 
 
+def gradients(model: nn.Module, scale: float, seed: int) -> None:
+    """Random gradients, drawn on each rank for its own shard (a replica's equal on every
+    rank): no two tensors of a rank hold equal chunks, which the writer would store once."""
+    sharded = any(hasattr(p, "to_local") for p in model.parameters())
+    g = torch.Generator().manual_seed(seed * 100_003 + (dist.get_rank() if sharded else 0))
+    for p in model.parameters():
+        grad = torch.empty_like(p)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        local.normal_(0.0, scale, generator=g)
+        p.grad = grad
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Change every tensor of the state (weights and both moments), as a training step does."""
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 0.02
+    gradients(model, 0.02, 2)
     opt.step()
     opt.zero_grad()
 

@@ -103,3 +103,47 @@ def test_resume_benchmark_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         assert 0 < run["phases"]["total"] < 120, system
         assert 0 <= run["phases"]["gc"] < run["phases"]["total"], system
     assert set(out["ratios"]) == {"torch.load", "safetensors"}
+
+
+def _load(name: str) -> Any:
+    path = BENCH.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scale_benchmark_counts_objects_and_requests_with_packs_and_without(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/scale.py at 2 ranks (#45 item 6): the store's objects and requests per snapshot
+    and per restore, packs off and on, and the writer's rule beside the measured count."""
+    scale = _load("scale")
+    out = scale.main(["--ranks", "2", "--rounds", "1", "--kib", "64", "--params", "8",
+                      "--pack-bytes", "0", "4194304", "--objects", "1024"])
+    text = capsys.readouterr().out
+    off, on = out["2 p0"]["summary"]["fsdp"], out["2 p4M"]["summary"]["fsdp"]
+    # 8 parameters x 3 tensors a rank, each its own chunk object; and each rank's RNG states
+    assert off["cold.objects.predicted"][1] == 48
+    assert 48 < off["cold.objects.chunk"][1] <= 48 + 2 * 2
+    assert on["cold.objects.chunk"][1] == 0 and on["cold.objects.pack"][1] == 2
+    assert on["cold.objects.predicted"][1] == 2  # the rule: one pack a rank
+    assert on["cold.objects.body"][1] == off["cold.objects.body"][1] == 3  # index + 2 parts
+    assert on["restore.GET"][1] < off["restore.GET"][1] / 4  # a run per pack, not per piece
+    assert "restore GET" in text and "Llama 3 70B" in text
+    (before, after) = out["objects"]
+    assert before["objects"] > after["bound"] >= after["objects"]
+
+
+def test_the_object_rule_meets_the_issues_bound_at_the_seeds_scale() -> None:
+    """Llama 3 70B at 16,384 ranks (#45 item 1's goal): at most 2 W + S / chunk_bytes + a few
+    objects, and at most 0.25 M, with packs; millions without."""
+    objects = _load("scale_objects")
+    params = objects.llama3_70b()
+    assert len(params) == 723
+    mib = 1 << 20
+    for world in (1024, 16384):
+        on = objects.snapshot_objects(params, world, chunk=4 * mib, pack=4 * mib)
+        off = objects.snapshot_objects(params, world, chunk=4 * mib, pack=0)
+        assert on["objects"] <= on["bound"] and on["objects"] <= 250_000, on
+        assert off["objects"] > 1_500_000, off
