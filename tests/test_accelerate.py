@@ -171,6 +171,7 @@ def test_gradient_accumulation_in_one_process_resumes_bit_exact(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_accelerate_own_resume_is_not_bit_exact_which_docs_integrations_records(
         reference: Path, tmp_path: Path) -> None:
     """The comparison in docs/integrations.md: the same kill, resumed by Accelerate itself
@@ -256,6 +257,7 @@ def test_fsdp2_with_gradient_accumulation_resumes_bit_exact(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_accelerate_own_fsdp2_resume_is_not_bit_exact_which_docs_integrations_records(
         fsdp_reference: Path, tmp_path: Path) -> None:
     """Accelerate's own FSDP2 checkpoint (``save_state`` with ``SHARDED_STATE_DICT``: DCP, a

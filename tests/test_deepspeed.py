@@ -142,6 +142,7 @@ def own_resume(ref: Path, tmp_path: Path, stage: int, *args: str) -> dict[str, f
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_deepspeed_own_resume_is_not_bit_exact_which_docs_integrations_records(
         references: Runs, tmp_path_factory: pytest.TempPathFactory,
         tmp_path: Path) -> None:
@@ -182,6 +183,7 @@ def test_zero_3_restored_into_an_engine_that_has_trained_ends_bit_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_deepspeed_own_zero_3_resume_is_not_bit_exact_which_docs_integrations_records(
         references: Runs, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """The same kill at ZeRO-3, resumed by DeepSpeed itself (docs/integrations.md)."""

@@ -34,6 +34,7 @@ def device_check(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow  # 30 s: the whole script (wheels, tests, the benchmark) on a small state
 def test_the_dry_run_passes_every_step_and_writes_one_json(tmp_path: Path) -> None:
     run = device_check(tmp_path, DEVICE_TESTS="tests/test_cuda.py tests/test_descriptor.py",
                        BENCH_ARGS="--device cpu --scale 32")

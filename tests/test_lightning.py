@@ -147,6 +147,7 @@ def test_other_schedules_and_the_other_package_resume_bit_exact(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_lightning_own_resume_is_not_bit_exact_which_docs_integrations_records(
         tmp_path: Path) -> None:
     """The comparison in docs/integrations.md: the same kill, resumed by Lightning itself."""

@@ -165,6 +165,7 @@ def test_killed_again_inside_a_snapshot_write_it_ends_bit_exact(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 @pytest.mark.timeout(900)
 def test_megatron_own_resume_is_not_bit_exact_which_docs_integrations_records(
         tmp_path: Path) -> None:

@@ -292,7 +292,9 @@ def recovered_from(text: str) -> tuple[str, str, str]:
     return read.group(1), read.group(2), read.group(3)
 
 
-@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("model", [
+    pytest.param("ddp", marks=pytest.mark.long),  # the FSDP2 case runs the same path in CI
+    "fsdp2"])
 def test_a_lost_node_is_restored_from_the_replica_in_its_peers_memory(
         netns_nodes: Callable[[int], Nodes], tmp_path: Path, model: str) -> None:
     """``ciuic run`` on each node: after each commit node 2 sends its ranks' chunks to node 1

@@ -34,7 +34,7 @@ PACK_BYTES = 4 * 1024 * 1024
 
 @pytest.fixture(autouse=True)
 def _packs() -> Iterator[None]:
-    """Packs of 4 MiB (the knob's default is still 0: chain/packs.py)."""
+    """Packs of 4 MiB (the knob's default), whatever the default becomes."""
     with knobs.override(pack_bytes=PACK_BYTES):
         yield
 

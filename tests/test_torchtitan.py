@@ -82,6 +82,7 @@ def test_killed_again_inside_a_snapshot_write_it_ends_bit_exact(reference: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_torchtitan_own_resume_is_not_bit_exact_which_docs_integrations_records(
         reference: Path, tmp_path: Path) -> None:
     """The comparison in docs/integrations.md: the same kill, resumed by torchtitan's own DCP

@@ -159,6 +159,7 @@ def test_other_schedules_resume_bit_exact(tmp_path: Path, variant: list[str],
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the framework's own resume, not ciuic's (docs/integrations.md)
 def test_hf_own_resume_is_not_bit_exact_which_docs_integrations_records(tmp_path: Path) -> None:
     """The comparison in docs/integrations.md: the same kill, resumed by HF itself."""
     finished(job(tmp_path / "a", "--mode", "hf"))

@@ -15,10 +15,11 @@ class Knobs:
     #: Tensors are cut into chunks of this many bytes (the last chunk of a tensor is shorter).
     chunk_bytes: int = 4 * 1024 * 1024
     #: Pieces smaller than a chunk are written into packs of about this many bytes, a few
-    #: objects per snapshot and rank instead of one each (chain/packs.py); 0: each its own
-    #: object. Off by default until the rest of issue #45 lands (the test suite's chunk-object
-    #: tests, the scale benchmark); every reader reads packs whatever it is set to.
-    pack_bytes: int = 0
+    #: objects per snapshot and rank instead of one each (chain/packs.py; docs/multinode.md:
+    #: 0.23 M objects for a 70B model's full snapshot at 16,384 ranks instead of 13.6 M); 0:
+    #: each its own object, in the body formats older readers read. Every reader reads packs
+    #: whatever it is set to.
+    pack_bytes: int = 4 * 1024 * 1024
     #: Threads that hash and write chunks in the background (BLAKE3 and writes release the GIL).
     write_threads: int = 4
     #: The local store writes large objects whose memory lines up with pages (the chunks of
