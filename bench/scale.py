@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale.py [--ranks 2 4 8 16 32] [--rounds 2] [--params 16]
         [--kib 2048] [--timeout 600] [--synthetic W ...] [--pack-bytes B ...]
-        [--objects W ...] [--json FILE]
+        [--objects W ...] [--reshard W:NEW ...] [--json FILE]
 
 For each world size W, ``torchrun --standalone`` (gloo, CPU, ``OMP_NUM_THREADS=1``) runs
 ``bench/scale_worker.py``: two models of ``--params`` parameter tensors, ``--kib`` KiB of state
@@ -235,7 +235,7 @@ def table(results: dict[str, Any]) -> None:
           f"{'r0x':>5} {'restore':>20} {'rest. CPU':>9} {'r0x':>5} {'index KB':>8} "
           f"{'parts KB':>8} {'read/rank KB':>12} {'manif B':>7} {'plan rx KB':>10}")
     for w, res in results.items():
-        if w in ("synthetic", "objects"):
+        if w in ("synthetic", "objects", "reshard"):
             continue
         if isinstance(res, str):
             print(f"{w:>3} failed: {res.splitlines()[0]}")
@@ -256,7 +256,7 @@ def table(results: dict[str, Any]) -> None:
           f"{'PUT':>7} {'PUT/rank':>8} {'restore GET':>11} {'GET/rank':>8} {'GET MB':>8} "
           f"{'rule':>5}")
     for w, res in results.items():
-        if w in ("synthetic", "objects") or isinstance(res, str):
+        if w in ("synthetic", "objects", "reshard") or isinstance(res, str):
             continue
         for mode, s in res["summary"].items():
             if "cold.objects" not in s:
@@ -281,10 +281,11 @@ def synthetic(tensors: int, world: int, rows: int = 64, cols: int = 128) -> dict
 
     from ciuic.distributed.messages import Plan, Report
     from ciuic.format import manifest as mf
+    from ciuic.format.boxes import overlap
     from ciuic.format.descriptor import TensorDescriptor
     from ciuic.format.digest import digest
     from ciuic.format.parts import BodyPart, shards_by_path, with_shards
-    from ciuic.format.shards import assemble, overlap, plan, shard_of
+    from ciuic.format.shards import assemble, plan, shard_of
     from ciuic.format.stats import Stats
     from ciuic.format.tree import Leaf, walk_leaves
 
@@ -396,6 +397,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also the objects and requests of Llama 3 70B's full snapshot and cold "
                         "restore at these world sizes, from the writer's rule "
                         "(bench/scale_objects.py), packs off and on")
+    p.add_argument("--reshard", nargs="*", default=[], metavar="W:NEW",
+                   help="also a restart of Llama 3 70B's FSDP2 state from W ranks onto NEW: "
+                        "the box table's bytes, rank 0's and a restoring rank's CPU, the parts "
+                        "a rank reads (bench/scale_objects.py)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     results: dict[str, Any] = {}
@@ -445,6 +450,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         k = knobs.get()
         results["objects"] = scale_objects.table(a.objects, k.chunk_bytes,
                                                  [0, k.pack_bytes or 4 * 1024 * 1024])
+    if a.reshard:
+        rows = [scale_objects.reshard(int(pair.split(":")[0]), int(pair.split(":")[1]))
+                for pair in a.reshard]
+        results["reshard"] = rows
+        print("\na restart onto another world size (Llama 3 70B, FSDP2), one process: the box "
+              "table, and what a restoring rank reads (the most of four spread ranks)")
+        for r in rows:
+            print(f"{r['world']:>6} -> {r['new_world']:<6} {r['classes']} classes, table "
+                  f"{r['table_bytes'] / 1e6:.2f} MB, rank 0 builds it in "
+                  f"{r['rank0_build_s']:.3f} s CPU, a rank finds its parts in "
+                  f"{r['rank_find_s']:.3f} s and reads {r['parts_read']} parts "
+                  f"(without the table: {r['parts_before']})")
     if a.json:
         import torch
 

@@ -99,7 +99,7 @@ def snapshot_objects(params: list[tuple[int, int]], world: int, *, chunk: int, p
         for k, v in per[r].items():
             total[k] = total.get(k, 0) + v * (upto - r)
     state = sum(rows * cols for rows, cols in params) * 4 * 3
-    bodies = world + 1  # every rank's part, the index (the manifest beside them)
+    bodies = world + 2  # every rank's part, the index, the box table (the manifest beside them)
     objects = total["objects"] + bodies + 1
     put = total["put"] + bodies + 1
     get = total["get"] + 2 * world + world  # each rank: the manifest, the index, its part
@@ -127,3 +127,51 @@ def table(worlds: list[int], chunk: int, packs: list[int]) -> list[dict[str, Any
               f"{r['mean_object_bytes'] / 1e3:>11,.1f} {r['put']:>11,.0f} "
               f"{r['put_usd']:>8.2f} {r['get']:>11,.0f} {r['get_per_rank_max']:>8,}")
     return rows
+
+
+def reshard(world: int, new_world: int, params: list[tuple[int, int]] | None = None
+            ) -> dict[str, Any]:
+    """A restart of Llama 3 70B's FSDP2 state from ``world`` ranks onto ``new_world``, in one
+    process: rank 0's box table (format/boxes.py) built from every rank's report, encoded,
+    then decoded by restoring ranks (four spread over the new world), each finding the parts
+    its boxes need. CPU seconds (``time.process_time``; the most of the four), bytes, and the
+    most parts one of them reads, against every one of them before the table."""
+    import time
+
+    from ciuic.format.boxes import BoxTable
+    from ciuic.format.digest import digest
+
+    params = params or llama3_70b()
+    shapes = sorted(set(params))
+    paths: dict[str, list[str]] = {}
+    for i, shape in enumerate(params):  # a class per shape: FSDP2 cuts every one along rows
+        for t in ("w", "exp_avg", "exp_avg_sq"):
+            paths.setdefault(f"c{shapes.index(shape)}", []).append(f"p{i}/{t}")
+
+    def box(rows: int, cols: int, r: int, w: int) -> tuple[list[int], list[int]]:
+        per = -(-rows // w)
+        lo = min(rows, r * per)
+        return [lo, 0], [max(0, min(per, rows - lo)), cols]
+
+    clock = time.process_time
+    held = [(r, [(f"c{i}", *box(rows, cols, r, world)) for i, (rows, cols) in enumerate(shapes)
+                 if box(rows, cols, r, world)[1][0] > 0]) for r in range(world)]
+    c0 = clock()
+    table = BoxTable.build(paths, held)
+    data = table.encode()
+    name = digest(data)
+    built = clock() - c0
+    found, parts = 0.0, 0
+    for rank in sorted({0, new_world // 3, new_world // 2 + 1, new_world - 1}):
+        c0 = clock()
+        read = BoxTable.decode(data, "table", name)
+        wanted = {p: box(rows, cols, rank, new_world) for i, (rows, cols) in enumerate(params)
+                  for p in (f"p{i}/w", f"p{i}/exp_avg", f"p{i}/exp_avg_sq")
+                  if box(rows, cols, rank, new_world)[1][0] > 0}
+        ranks = read.ranks_for(wanted)
+        found = max(found, clock() - c0)
+        assert ranks is not None
+        parts = max(parts, len(ranks | {0, rank % world}))  # and rank 0's, its own r % W
+    return {"world": world, "new_world": new_world, "classes": len(table.classes),
+            "table_bytes": len(data), "rank0_build_s": built, "rank_find_s": found,
+            "parts_read": parts, "parts_before": world}

@@ -128,7 +128,8 @@ def test_scale_benchmark_counts_objects_and_requests_with_packs_and_without(
     assert 48 < off["cold.objects.chunk"][1] <= 48 + 2 * 2
     assert on["cold.objects.chunk"][1] == 0 and on["cold.objects.pack"][1] == 2
     assert on["cold.objects.predicted"][1] == 2  # the rule: one pack a rank
-    assert on["cold.objects.body"][1] == off["cold.objects.body"][1] == 3  # index + 2 parts
+    # the index, 2 parts, the box table
+    assert on["cold.objects.body"][1] == off["cold.objects.body"][1] == 4
     assert on["restore.GET"][1] < off["restore.GET"][1] / 4  # a run per pack, not per piece
     assert "restore GET" in text and "Llama 3 70B" in text
     (before, after) = out["objects"]
@@ -147,3 +148,12 @@ def test_the_object_rule_meets_the_issues_bound_at_the_seeds_scale() -> None:
         off = objects.snapshot_objects(params, world, chunk=4 * mib, pack=0)
         assert on["objects"] <= on["bound"] and on["objects"] <= 250_000, on
         assert off["objects"] > 1_500_000, off
+
+
+def test_the_box_table_makes_a_reshard_read_a_few_parts_not_all() -> None:
+    """#45 item 2, in one process: Llama 3 70B from 1,024 ranks onto 768 reads a handful of
+    parts per rank through the box table, where it read all 1,024."""
+    objects = _load("scale_objects")
+    r = objects.reshard(1024, 768)
+    assert r["classes"] == 6 and r["parts_before"] == 1024
+    assert 2 <= r["parts_read"] <= 16, r

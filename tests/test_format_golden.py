@@ -133,3 +133,18 @@ def test_golden_body_part_and_split_index() -> None:
         b'"dcp-fqn","parts":[["' + b"ab" * 32 + b'",120]],"world_size":1},"model":{"w":'
         b'{"$tensor":{"dtype":"float32","nbytes":16,"shape":[4],"split":true}}}}}')
     assert mf.decode_body(index, "k", digest(index))["dist"]["world_size"] == 1
+
+
+def test_the_box_table_has_fixed_bytes() -> None:
+    """The format's golden bytes, extended (format.md, "Box table"): one class of two tensors
+    sharded over two ranks."""
+    from ciuic.format.boxes import BoxTable
+    from ciuic.format.digest import digest
+
+    table = BoxTable.build({"k": ["model/w", "optimizer/state/w/exp_avg"]},
+                           [(1, [("k", [2, 0], [2, 16])]), (0, [("k", [0, 0], [2, 16])])])
+    golden = (b'{"classes":[{"boxes":[[[0,0],[2,16],[0]],[[2,0],[2,16],[1]]],'
+              b'"paths":["model/w","optimizer/state/w/exp_avg"]}],"format":1,'
+              b'"kind":"ciuic.boxes"}')
+    assert table.encode() == golden
+    assert BoxTable.decode(golden, "k", digest(golden)) == table

@@ -20,8 +20,10 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.retention import prune
 from ciuic.chain.transfer import copy_job
 from ciuic.chain.verify import verify_job
+from ciuic.distributed.load import _Near
 from ciuic.errors import CorruptObject
 from ciuic.format import layout
+from ciuic.format.boxes import BoxTable
 from ciuic.format.parts import BodyPart, merge
 from ciuic.format.tree import walk_leaves
 from tests.models import linear
@@ -72,8 +74,9 @@ def test_the_index_lists_no_shard_and_the_parts_merge_into_the_whole_body(
         assert len(whole["ranks"]) == 1 and "rng" in whole["ranks"][0]
         for _, _, d in walk_leaves({"model": whole["model"]}):
             assert "split" not in d and len(d["shards"]) == 1
-        keys = body_keys(manifest, index)
-        assert len(keys) == 2 and all(repo.store.has(k) for k in keys)
+        keys = body_keys(manifest, index)  # the index, the part, the box table
+        assert len(keys) == 3 and all(repo.store.has(k) for k in keys)
+        assert keys[2] == layout.body_key("p", "j", index["dist"]["boxes"][0])
     fresh, fresh_opt = sharded()
     with SnapshotManager("p", job="j", store=store, handle_signals=False) as m:
         assert m.restore(fresh, fresh_opt) == 2
@@ -99,14 +102,16 @@ def test_gc_verify_and_copies_keep_a_split_body_whole(tmp_path: Path,
         # the two pruned snapshots' parts went; the latest's index and part stayed
         assert result.deleted_bodies == 2 and not result.damaged
         assert repo.store.has(part_key)
-        assert sum(1 for k in repo.store.list(layout.bodies_prefix("p", "j"))) == 2
+        # the index, the part, and the box table every snapshot of this layout shares
+        table_key = body_keys(manifest, index)[2]
+        assert sum(1 for k in repo.store.list(layout.bodies_prefix("p", "j"))) == 3
         checked = verify_job(repo, "p", "j", deep=True)
         assert checked.problems == [] and checked.snapshots == 1
         # a copy to another store carries the part with the index
         with Repository.open(tmp_path / "copy") as copied:
             stats = copy_job(repo, copied.store, "p", "j")
             assert (stats.snapshots, stats.pruned) == (1, 2)  # the pruned two: manifests only
-            assert copied.store.has(part_key)
+            assert copied.store.has(part_key) and copied.store.has(table_key)
         blob = repo.store.get(part_key)
         repo.store.delete(part_key)
         problems = verify_job(repo, "p", "j").problems
@@ -216,3 +221,58 @@ def test_a_format_2_body_of_an_earlier_version_still_restores(tmp_path: Path,
         assert m.stats.restore_parts == (0, 0)  # one body: no parts
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor()), k
+
+
+def test_a_box_table_names_the_parts_that_hold_a_box_once_per_class() -> None:
+    """format/boxes.py: 4 ranks, a class sharded 4 ways along rows and one HSDP-like class
+    (2 shards, each held by 2 replicas); a path in no class asks for every part."""
+    rows = [(r, [("a", [r * 4, 0], [4, 8]), ("b", [(r // 2) * 8, 0], [8, 8])])
+            for r in range(4)]
+    table = BoxTable.build({"a": ["m/w1", "m/w2"], "b": ["m/v"]}, rows)
+    assert table.ranks_for({"m/w1": ([0, 0], [8, 8])}) == {0, 1}  # rows 0-7: ranks 0, 1
+    assert table.ranks_for({"m/w2": ([6, 0], [4, 8]), "m/v": ([0, 0], [4, 8])}) == {1, 2, 0}
+    assert table.ranks_for({"m/v": ([12, 0], [4, 8])}) == {2, 3}  # either replica's part
+    assert table.ranks_for({"m/other": ([0, 0], [1, 1])}) is None
+    from ciuic.format.digest import digest
+
+    data = table.encode()
+    assert BoxTable.decode(data, "k", digest(data)) == table
+    with pytest.raises(CorruptObject, match="does not match its name"):
+        BoxTable.decode(data + b" ", "k", digest(data))
+    bad = data.replace(b'"format":1', b'"format":9')
+    with pytest.raises(CorruptObject, match="format 9 is not 1: upgrade ciuic"):
+        BoxTable.decode(bad, "k", digest(bad))
+    bad = data.replace(b'"paths":["m/v"]', b'"paths":[1]')
+    with pytest.raises(CorruptObject, match="malformed box table"):
+        BoxTable.decode(bad, "k", digest(bad))
+    assert BoxTable.build({"a": ["m/w1"]}, [(0, [("z", [0], [1])])]).classes == ()
+
+
+def test_on_another_layout_a_damaged_box_table_reads_every_part(
+        tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = sharded()
+    store = tmp_path / "s"
+    with SnapshotManager("p", job="j", store=store, handle_signals=False) as m:
+        train(model, opt)
+        info = m.save(1, model, opt)
+    with Repository.open(store) as repo:
+        manifest, index = read_body(repo, info, parts=False)
+        split = {p: d for p, _, d in walk_leaves(
+            {"model": index["model"]}, "") if d.get("split") is True}
+        boxes = {p: ([0] * len(d["shape"]), list(d["shape"])) for p, d in split.items()}
+        parts = Parts.of(repo, manifest, index)
+        assert parts is not None
+        table = parts.boxes()
+        assert table is not None and table.ranks_for(boxes) == {0}
+        # a rank of a world of two (another layout) reads the part the table names
+        found = _Near(parts, 0, 1, 2).shards(split, boxes)
+        assert all(len(d["shards"]) == 1 for d in found.values())
+        key = body_keys(manifest, index)[2]
+        repo.store.put(key, repo.store.get(key)[:-2] + b"]}")
+        parts = Parts.of(repo, manifest, index)
+        assert parts is not None
+        with caplog.at_level("WARNING", logger="ciuic"):
+            found = _Near(parts, 0, 1, 2).shards(split, boxes)
+        assert all(len(d["shards"]) == 1 for d in found.values())
+        assert "reading every rank's part instead" in caplog.text and key in caplog.text
+        assert [p.key for p in verify_job(repo, "p", "j").problems] == [key]

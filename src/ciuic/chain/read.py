@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +18,7 @@ from ciuic.errors import CorruptObject, IntegrityError, ObjectNotFound, Unreadab
 from ciuic.format import chunks as ck
 from ciuic.format import layout
 from ciuic.format import manifest as mf
+from ciuic.format.boxes import BoxTable, listed_boxes
 from ciuic.format.crypto import SEALED_OVERHEAD
 from ciuic.format.descriptor import ChunkRef, TensorDescriptor, parse_chunk
 from ciuic.format.digest import Buffer, digest
@@ -92,10 +93,20 @@ def checked_leaves(states: dict[str, Any], key: str) -> list[tuple[str, str, dic
 
 def body_keys(m: mf.Manifest, states: dict[str, Any]) -> list[str]:
     """The objects that hold a snapshot's body: the body (a split body's index), then its
-    parts."""
+    parts, then its box table."""
     key = layout.body_key(m.project, m.job, m.body)
-    listed = _listed(states, key) or []
+    listed = list(_listed(states, key) or [])
+    table = _table(states, key)
+    if table is not None:
+        listed.append(table)
     return [key, *(layout.body_key(m.project, m.job, d) for d, _ in listed)]
+
+
+def _table(states: dict[str, Any], key: str) -> tuple[str, int] | None:
+    try:
+        return listed_boxes(states)
+    except CorruptObject as e:
+        raise CorruptObject(key, e.reason) from None
 
 
 def _listed(states: dict[str, Any], key: str) -> list[tuple[str, int]] | None:
@@ -109,17 +120,40 @@ class Parts:
     """A split body's parts (docs/format.md, body format 3), each read and verified once, on
     demand: a rank restoring on the layout it saved reads its own (and those it names)."""
 
-    def __init__(self, repo: Repository, m: mf.Manifest, listed: list[tuple[str, int]]
-                 ) -> None:
+    def __init__(self, repo: Repository, m: mf.Manifest, listed: list[tuple[str, int]],
+                 table: tuple[str, int] | None = None) -> None:
         self.repo, self.m, self.listed = repo, m, listed
+        #: the box table the index names (format/boxes.py), if any
+        self.table = table
         self._read: dict[int, BodyPart] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def of(cls, repo: Repository, m: mf.Manifest, states: dict[str, Any]) -> Parts | None:
         """The parts of a split body's index ``states``; None for a body in one piece."""
-        listed = _listed(states, layout.body_key(m.project, m.job, m.body))
-        return None if listed is None else cls(repo, m, listed)
+        key = layout.body_key(m.project, m.job, m.body)
+        listed = _listed(states, key)
+        return None if listed is None else cls(repo, m, listed, _table(states, key))
+
+    def boxes(self) -> BoxTable | None:
+        """The box table, read and verified; None where the index names none."""
+        if self.table is None:
+            return None
+        d, n = self.table
+        key = layout.body_key(self.m.project, self.m.job, d)
+
+        def read(store: Store) -> BoxTable:
+            try:
+                blob = store.get(key)
+            except ObjectNotFound:
+                raise CorruptObject(key, "missing (the box table of the snapshot at step "
+                                         f"{self.m.step})") from None
+            data, name_key = self.repo.open_meta(key, blob)
+            if len(data) != n:
+                raise CorruptObject(key, f"size {len(data)} differs from the body's {n}")
+            return BoxTable.decode(data, key, d, name_key)
+
+        return self.repo.read_verified(key, read)
 
     def __len__(self) -> int:
         return len(self.listed)
@@ -139,12 +173,20 @@ class Parts:
         return part
 
     def all(self) -> list[BodyPart]:
-        todo = [r for r in range(len(self.listed)) if r not in self._read]
+        return self.some(range(len(self.listed)))
+
+    def some(self, ranks: Iterable[int]) -> list[BodyPart]:
+        """These ranks' parts, in parallel, in the order given."""
+        ranks = list(ranks)
+        if any(not 0 <= r < len(self.listed) for r in ranks):
+            raise CorruptObject(layout.body_key(self.m.project, self.m.job, self.m.body),
+                                f"names a part of rank {max(ranks)} of {len(self.listed)}")
+        todo = [r for r in ranks if r not in self._read]
         if len(todo) > 1:
             with ThreadPoolExecutor(min(READ_THREADS, len(todo)),
                                     thread_name_prefix="ciuic-read") as pool:
                 list(pool.map(self.get, todo))
-        return [self.get(r) for r in range(len(self.listed))]
+        return [self.get(r) for r in ranks]
 
     def _fetch(self, rank: int) -> BodyPart:
         d, n = self.listed[rank]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ciuic.chain.read import (
     READ_THREADS,
+    Parts,
     body_keys,
     body_states,
     check_chunk_blob,
@@ -119,6 +120,12 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
                 problems.append(Problem.of(sid, m.step, bkey, e))
                 continue
             checked_bodies.update(body_keys(m, states))
+            parts = Parts.of(repo, m, states)
+            try:
+                if parts is not None:
+                    parts.boxes()  # the box table, checked against its name
+            except IntegrityError as e:
+                problems.append(Problem.of(sid, m.step, body_keys(m, states)[-1], e))
             refs = chunk_refs(states)
             fresh = {d: size for d, size in refs.items() if d not in cache}
             bad = {layout.name_of(key): Problem("", None, key, "missing") if e is None

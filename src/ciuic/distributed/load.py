@@ -23,10 +23,10 @@ import torch
 from ciuic.chain.read import READ_THREADS, Parts
 from ciuic.chain.repo import Repository
 from ciuic.distributed.plan import both_state_dicts, model_state_dict
-from ciuic.errors import ConfigurationError, StateMismatch
+from ciuic.errors import ConfigurationError, CorruptObject, StateMismatch
+from ciuic.format.boxes import overlap
 from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.parts import BodyPart, shards_by_path, with_shards
-from ciuic.format.shards import overlap
 from ciuic.format.tree import (
     decode,
     dtensor_shard,
@@ -203,8 +203,9 @@ def _box(t: torch.Tensor, path: str) -> tuple[list[int], list[int]]:
 
 class _Near:
     """Where a rank finds the shards of a split body's tensors: on the layout that saved it,
-    in its own part (and the parts it names: boxes another rank wrote once for both), else in
-    every part (another world size, or a box no near part covers)."""
+    in its own part (and the parts it names: boxes another rank wrote once for both); on
+    another layout, in the parts the box table names for its boxes (format/boxes.py); else in
+    every part (a snapshot without a table, or a box those parts do not cover)."""
 
     def __init__(self, parts: Parts, rank: int, saved_world: int, world_size: int) -> None:
         self.parts, self.rank = parts, rank
@@ -225,6 +226,19 @@ class _Near:
                 return out
             log.info("rank %d's part of the body does not hold all its boxes: reading every "
                      "rank's part", self.rank)
+        else:
+            try:
+                table = self.parts.boxes()
+            except CorruptObject as e:  # every part still holds the answer
+                log.warning("%s: reading every rank's part instead", e)
+                table = None
+            ranks = table.ranks_for({p: boxes[p] for p in split}) if table is not None else None
+            if ranks is not None:
+                out = filled(self.parts.some(sorted(ranks)))
+                if all(_covers(out[p]["shards"], *boxes[p]) for p in out):
+                    return out
+                log.warning("the parts the box table names for rank %d's boxes do not hold "
+                            "them all: reading every rank's part", self.rank)
         return filled(self.parts.all())
 
 

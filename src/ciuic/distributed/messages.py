@@ -81,10 +81,14 @@ class Report:
     part: tuple[str, int] = ("", 0)
     #: [path, elements, stats JSON] of each per-rank float tensor
     stats: list[list[Any]] = field(default_factory=list)
+    #: [layout class, offsets, shape] of each box this rank holds, once per class (the box
+    #: table: format/boxes.py)
+    held: list[list[Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"error": self.error, "new": self.new, "tensors": self.tensors,
                 "own_bytes": self.own_bytes, "part": list(self.part), "stats": self.stats,
+                "held": self.held,
                 "written": [{"path": w.path, "offsets": w.offsets, "desc": w.desc.to_json()}
                             for w in self.written]}
 
@@ -96,6 +100,7 @@ class Report:
         return cls(new=int(obj["new"]), tensors=int(obj["tensors"]),
                    own_bytes=int(obj["own_bytes"]), part=(str(d), int(n)),
                    stats=[list(x) for x in obj["stats"]],
+                   held=[list(x) for x in obj.get("held", [])],
                    written=[Written(str(w["path"]),
                                     None if w["offsets"] is None else list(w["offsets"]),
                                     TensorDescriptor.from_json(w["desc"], str(w["path"])))

@@ -37,6 +37,7 @@ from ciuic.errors import CaptureError, ConfigurationError, RankError
 from ciuic.faults import failpoint
 from ciuic.format import canonical, layout
 from ciuic.format import manifest as mf
+from ciuic.format.boxes import BoxTable
 from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.digest import digest
 from ciuic.format.parts import BodyPart
@@ -138,7 +139,8 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
                 new=new, tensors=len(own), own_bytes=sum(leaf.nbytes for leaf in own),
                 written=[Written(leaf.path, None, _described(leaf)) for leaf in owned
                          if leaf.shard is None],
-                part=part, stats=_rank_stats(coll.rank, own))
+                part=part, stats=_rank_stats(coll.rank, own),
+                held=_held(captured.global_leaves))
         except Exception as e:
             report = Report(error=_error(e))
             owned = []
@@ -186,6 +188,34 @@ def _write_part(w: SnapshotWrite, rank: int, captured: DistCaptured, owned: list
     name = w.codec.name(data)
     key = layout.body_key(w.project, w.job, name)
     failpoint("part.put")
+    w.repo.store.put(key, w.codec.meta(key, data))
+    return name, len(data)
+
+
+def _held(leaves: list[Leaf]) -> list[list[Any]]:
+    """[layout class, offsets, shape] of each box this rank holds, once per class."""
+    out: dict[str, list[Any]] = {}
+    for leaf in leaves:
+        if leaf.shard is not None and leaf.sharding is not None and leaf.sharding not in out:
+            out[leaf.sharding] = [leaf.sharding, list(leaf.shard[1]), list(leaf.value.shape)]
+    return [out[k] for k in sorted(out)]
+
+
+def _write_boxes(w: SnapshotWrite, leaves: list[Leaf], reports: list[Report]
+                 ) -> tuple[str, int] | None:
+    """Write the box table (format/boxes.py) of the boxes every rank holds, per layout class
+    of the coordinator's sharded tensors; its digest and bytes (None: no class is known)."""
+    paths: dict[str, list[str]] = {}
+    for leaf in leaves:
+        if leaf.shard is not None and leaf.sharding is not None:
+            paths.setdefault(leaf.sharding, []).append(leaf.path)
+    table = BoxTable.build(paths, ((r, ((str(c), list(o), list(s)) for c, o, s in rep.held))
+                                   for r, rep in enumerate(reports)))
+    if not table.classes:
+        return None
+    data = table.encode()
+    name = w.codec.name(data)
+    key = layout.body_key(w.project, w.job, name)
     w.repo.store.put(key, w.codec.meta(key, data))
     return name, len(data)
 
@@ -251,6 +281,9 @@ def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
         states: dict[str, Any] = {n: captured.states[n] for n in GLOBAL if n in captured.states}
         states["dist"] = {"layout": LAYOUT, "world_size": world_size, "plan": joint,
                           "parts": [list(rep.part) for rep in reports]}
+        boxes = _write_boxes(w, captured.global_leaves, reports)
+        if boxes is not None:
+            states["dist"]["boxes"] = list(boxes)
         total = sum(_described(leaf).nbytes for leaf in captured.global_leaves)
         total += sum(rep.own_bytes for rep in reports)
         tensors = len(captured.global_leaves) + sum(rep.tensors for rep in reports)

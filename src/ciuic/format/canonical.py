@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from ciuic.errors import CaptureError, CorruptObject
+from ciuic.format.digest import digest
 
 #: how deep arrays and objects may nest (``[[1]]`` is 2): a state tree is a few levels deep; a
 #: reader refuses deeper JSON as damaged (every reader of a tree recurses), a writer refuses to
@@ -107,3 +108,16 @@ def _loads(data: bytes, *, floats: bool) -> Any:
     if (found := depth(raw)) > MAX_DEPTH:
         raise ValueError(f"nested {found} levels deep; at most {MAX_DEPTH} are allowed")
     return value
+
+
+def parse_named(data: bytes, key: str, expected_digest: str, name_key: bytes | None,
+                what: str, kind: str) -> dict[str, Any]:
+    """An object named by its digest (a body's part, its box table): checked against the name,
+    parsed, and its ``kind`` checked; :class:`CorruptObject` naming ``key`` otherwise."""
+    actual = digest(data, key=name_key)
+    if actual != expected_digest:
+        raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
+    obj = parse(data, key, f"{what} (canonical JSON)")
+    if not isinstance(obj, dict) or obj.get("kind") != kind:
+        raise CorruptObject(key, f"malformed {what}: not a ciuic {what}")
+    return obj

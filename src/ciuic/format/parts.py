@@ -28,7 +28,6 @@ from typing import Any
 from ciuic.errors import CorruptObject
 from ciuic.format import canonical
 from ciuic.format.descriptor import holds_packed
-from ciuic.format.digest import digest
 from ciuic.format.tree import walk_leaves
 
 SPLIT_BODY_FORMAT = 3
@@ -66,13 +65,8 @@ class BodyPart:
                name_key: bytes | None = None) -> BodyPart:
         """Check a part (plaintext) against its digest and parse it; :class:`CorruptObject`
         naming ``key`` where it is damaged or malformed."""
-        actual = digest(data, key=name_key)
-        if actual != expected_digest:
-            raise CorruptObject(key, f"content hash {actual[:16]}... does not match its name")
-        obj = canonical.parse(data, key, "body part (canonical JSON)")
+        obj = canonical.parse_named(data, key, expected_digest, name_key, "body part", PART_KIND)
         try:
-            if not isinstance(obj, dict) or obj.get("kind") != PART_KIND:
-                raise ValueError("not a ciuic body part")
             if obj.get("format") not in (SPLIT_BODY_FORMAT, PACKED_BODY_FORMAT):
                 raise ValueError(f"part format {obj.get('format')!r} is not "
                                  f"{SPLIT_BODY_FORMAT} or {PACKED_BODY_FORMAT}")

@@ -180,13 +180,3 @@ def check_tiling(path: str, shape: list[int], shards: list[Shard]) -> None:
         volume += math.prod(size)
     if volume != math.prod(shape):
         raise IntegrityError(f"{path}: shards cover {volume} of {math.prod(shape)} elements")
-
-
-def overlap(a_off: list[int], a_shape: list[int], b_off: list[int], b_shape: list[int]
-            ) -> tuple[list[int], list[int]] | None:
-    """The intersection of two boxes as (offsets, shape), or None when they do not meet."""
-    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
-    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape, strict=True)]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return None
-    return lo, [h - low for low, h in zip(lo, hi, strict=True)]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format import adapters
 from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.digest import digest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -94,6 +95,9 @@ class Leaf:
     digests: tuple[int, list[str | None]] | None = None
     #: the typed form of ``descriptor``, once the writer set it
     described: TensorDescriptor | None = None
+    #: For a shard: its layout class (:func:`dtensor_layout`), the same on every rank for
+    #: tensors sharded alike; None where not known.
+    sharding: str | None = None
 
     def describe(self, desc: TensorDescriptor) -> None:
         """Set this leaf's descriptor: the state tree holds the dict, so it is filled in place,
@@ -144,11 +148,13 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         return {"$float": float.__repr__(value)}
     if torch is not None and isinstance(value, torch.Tensor):
         shard = dtensor_shard(value, path)
+        sharding = None
         if shard is not None:
+            sharding = dtensor_layout(value)
             value = value.to_local()
         _check_tensor(value, path)
         desc = {}
-        leaves.append(Leaf(path, value, desc, shard))
+        leaves.append(Leaf(path, value, desc, shard, sharding=sharding))
         return {"$tensor": desc}
     if np is not None and isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.names is not None:
@@ -228,6 +234,25 @@ def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | N
         raise CaptureError(f"{path}: the DTensor's local shard {list(t.to_local().shape)} "  # type: ignore[attr-defined]
                            f"is not the box {list(box.sizes)} it reports")
     return [int(x) for x in t.shape], [int(x) for x in box.offsets]
+
+
+_MESHES: dict[int, tuple[Any, str]] = {}  # id(mesh) -> (the mesh, kept alive; its key)
+
+
+def dtensor_layout(t: Any) -> str | None:
+    """A DTensor's layout class: the digest of its global shape, its placements and its device
+    mesh (the global rank at each position). Tensors of one class hold the same box on every
+    rank (docs/format.md, "Box table"). None where the DTensor does not say."""
+    mesh = getattr(t, "device_mesh", None)
+    placements = getattr(t, "placements", None)
+    if mesh is None or placements is None or not hasattr(mesh, "mesh"):
+        return None
+    known = _MESHES.get(id(mesh))
+    if known is None or known[0] is not mesh:
+        ranks = mesh.mesh.tolist()
+        known = _MESHES[id(mesh)] = (mesh, repr(ranks))
+    text = repr(([int(x) for x in t.shape], [repr(p) for p in placements], known[1]))
+    return digest(text.encode())
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

@@ -18,8 +18,8 @@ import torch
 from ciuic.chain.packreads import PackRuns
 from ciuic.chain.repo import Repository
 from ciuic.errors import IntegrityError
+from ciuic.format.boxes import overlap
 from ciuic.format.descriptor import ChunkRef, Shard, TensorDescriptor
-from ciuic.format.shards import overlap
 from ciuic.restore.leaves import bytes_view, inline_bytes, leaf_layout, uninitialized
 from ciuic.restore.sources import Resident, read_from
 
