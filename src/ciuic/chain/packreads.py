@@ -74,9 +74,8 @@ class PackRuns:
                 run.end = max(run.end, end)
                 run.left += count[pack, offset]
                 self._runs[pack, offset] = run
-        #: ranged reads made, and bytes they read (the restore's request count)
+        #: ranged reads made (the restore's request count)
         self.requests = 0
-        self.bytes_read = 0
         self._lock = threading.Lock()
 
     @property
@@ -122,8 +121,6 @@ class PackRuns:
             size = self.repo.store.get_into(run.key, [memoryview(buf)], run.start)
         except (StoreError, IntegrityError):
             return None  # missing or unreachable: each piece says so when read alone
-        got = max(0, min(size - run.start, len(buf)))
         with self._lock:
             self.requests += 1
-            self.bytes_read += got
-        return memoryview(buf)[:got]
+        return memoryview(buf)[:max(0, min(size - run.start, len(buf)))]

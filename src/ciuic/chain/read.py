@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from ciuic.chain.repo import Repository
 from ciuic.errors import CorruptObject, IntegrityError, ObjectNotFound, UnreadableObject
@@ -31,6 +31,8 @@ from ciuic.store import Store
 #: a core count (a cold 1 GiB restore on the 2-core VM: 1.06 s with 16 against 1.16 s with 4,
 #: medians of 4, interleaved; BLAKE3 and the reads release the GIL).
 READ_THREADS = 16
+
+T = TypeVar("T")
 
 
 def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True
@@ -139,19 +141,24 @@ class Parts:
         """The box table, read and verified; None where the index names none."""
         if self.table is None:
             return None
-        d, n = self.table
+        return self._named(*self.table, "the box table", BoxTable.decode)
+
+    def _named(self, d: str, n: int, what: str,
+               decode: Callable[[bytes, str, str, bytes | None], T]) -> T:
+        """The body's object ``d`` of ``n`` bytes (``what`` it is), opened, checked against
+        its name and decoded, from the nearest intact copy."""
         key = layout.body_key(self.m.project, self.m.job, d)
 
-        def read(store: Store) -> BoxTable:
+        def read(store: Store) -> T:
             try:
                 blob = store.get(key)
             except ObjectNotFound:
-                raise CorruptObject(key, "missing (the box table of the snapshot at step "
-                                         f"{self.m.step})") from None
+                raise CorruptObject(key, f"missing ({what} of the body of the snapshot at "
+                                         f"step {self.m.step})") from None
             data, name_key = self.repo.open_meta(key, blob)
             if len(data) != n:
                 raise CorruptObject(key, f"size {len(data)} differs from the body's {n}")
-            return BoxTable.decode(data, key, d, name_key)
+            return decode(data, key, d, name_key)
 
         return self.repo.read_verified(key, read)
 
@@ -190,20 +197,8 @@ class Parts:
 
     def _fetch(self, rank: int) -> BodyPart:
         d, n = self.listed[rank]
+        part = self._named(d, n, f"rank {rank}'s part", BodyPart.decode)
         key = layout.body_key(self.m.project, self.m.job, d)
-
-        def read(store: Store) -> BodyPart:
-            try:
-                blob = store.get(key)
-            except ObjectNotFound:
-                raise CorruptObject(key, f"missing (rank {rank}'s part of the body of the "
-                                         f"snapshot at step {self.m.step})") from None
-            data, name_key = self.repo.open_meta(key, blob)
-            if len(data) != n:
-                raise CorruptObject(key, f"size {len(data)} differs from the body's {n}")
-            return BodyPart.decode(data, key, d, name_key)
-
-        part = self.repo.read_verified(key, read)
         if part.rank != rank:
             raise CorruptObject(key, f"rank {rank}'s part of the body says it is rank "
                                      f"{part.rank}'s")

@@ -91,6 +91,7 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
     targets = [only] if only is not None else list(manifests)
     cache = _chunk_cache if _chunk_cache is not None else {}
     checked_bodies: set[str] = set()  # the bodies and their parts read whole
+    tables: dict[str, IntegrityError | None] = {}  # box tables read: their error, if any
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-verify") as pool:
         for n, sid in enumerate(targets):
             if progress:
@@ -119,13 +120,19 @@ def verify_job(repo: Repository, project: str, job: str, *, deep: bool = False,
             except IntegrityError as e:
                 problems.append(Problem.of(sid, m.step, bkey, e))
                 continue
-            checked_bodies.update(body_keys(m, states))
+            keys = body_keys(m, states)
             parts = Parts.of(repo, m, states)
-            try:
-                if parts is not None:
-                    parts.boxes()  # the box table, checked against its name
-            except IntegrityError as e:
-                problems.append(Problem.of(sid, m.step, body_keys(m, states)[-1], e))
+            if parts is not None and parts.table is not None:
+                if keys[-1] not in tables:  # read once: the snapshots of a layout share it
+                    try:
+                        parts.boxes()  # checked against its name
+                        tables[keys[-1]] = None
+                    except IntegrityError as damaged:
+                        tables[keys[-1]] = damaged
+                found = tables[keys[-1]]
+                if found is not None:
+                    problems.append(Problem.of(sid, m.step, keys[-1], found))
+            checked_bodies.update(keys)
             refs = chunk_refs(states)
             fresh = {d: size for d, size in refs.items() if d not in cache}
             bad = {layout.name_of(key): Problem("", None, key, "missing") if e is None
