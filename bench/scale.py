@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/scale.py [--ranks 2 4 8 16 32] [--rounds 2] [--params 16]
         [--kib 2048] [--timeout 600] [--synthetic W ...] [--pack-bytes B ...]
-        [--objects W ...] [--reshard W:NEW ...] [--json FILE]
+        [--objects W ...] [--reshard W:NEW ...] [--chain W W ... [--chain-modes fsdp tp]]
+        [--json FILE]
 
 For each world size W, ``torchrun --standalone`` (gloo, CPU, ``OMP_NUM_THREADS=1``) runs
 ``bench/scale_worker.py``: two models of ``--params`` parameter tensors, ``--kib`` KiB of state
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("scale_worker.py")
+RESHARD = Path(__file__).with_name("reshard_worker.py")
 sys.path.insert(0, str(Path(__file__).parent))
 import scale_objects  # noqa: E402  (beside this file, not a package)
 
@@ -75,6 +77,44 @@ def one(ranks: int, a: argparse.Namespace, pack_bytes: int | None = None
         return res
 
 
+def chain(worlds: list[int], mode: str, timeout: int) -> dict[str, Any]:
+    """A job restarted on one world size after another (``bench/reshard_worker.py``, #45 item
+    2): each run restores what the previous one saved (on another world size), rank 0 checks
+    every tensor against the previous run's whole state, then every rank takes a step and
+    snapshots it. Per run: each rank's restore and save times, the parts it read, the plans
+    it made (and how many from every rank's metas), its peak RSS."""
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ciuic-reshard-bench-") as tmp:
+        for i, world in enumerate(worlds):
+            out = Path(tmp) / f"run{i}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={world}", str(RESHARD), "--store", str(Path(tmp) / "store"),
+                   "--out", str(out), "--mode", mode, "--step", str(i + 1)]
+            if i:
+                cmd += ["--restore", "--expect", str(Path(tmp) / f"run{i - 1}" / "full.pt")]
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, timeout=timeout,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if not (out / "result.json").exists():
+                return {"mode": mode, "worlds": worlds, "runs": runs,
+                        "error": f"{world} ranks: exit {proc.returncode}:\n{proc.stderr[-4000:]}"}
+            res = json.loads((out / "result.json").read_text())
+            ranks = res["ranks"]
+            row: dict[str, Any] = {
+                "world": world, "save_s": mmm([r["save_s"][0] for r in ranks]),
+                "save_cpu_s": mmm([r["save_s"][1] for r in ranks]),
+                "plans": [sum(r["plans"][0] for r in ranks), sum(r["plans"][1] for r in ranks)],
+                "max_rss_mb": max(r["max_rss_kib"] for r in ranks) / 1024}
+            if i:
+                row |= {"restore_s": mmm([r["restore_s"][0] for r in ranks]),
+                        "restore_cpu_s": mmm([r["restore_s"][1] for r in ranks]),
+                        "parts": mmm([r["parts"][0] for r in ranks]), "of": ranks[0]["parts"][1],
+                        "restored": ranks[0]["restored"], "compared": ranks[0]["compared"],
+                        "differ": ranks[0]["differ"]}
+            runs.append(row)
+    return {"mode": mode, "worlds": worlds, "runs": runs}
+
+
 def compact(records: list[dict[str, Any]]) -> dict[str, list[float]]:
     """A rank's wrapped calls of one phase summed by name: ``{name: [calls, bytes sent, wall
     s, CPU s]}`` (each name is called once per phase but the restore's collectives)."""
@@ -95,6 +135,10 @@ def rounded(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [rounded(v) for v in x]
     return x
+
+
+def fmt(xs: list[float], digits: int = 2) -> str:
+    return " / ".join(f"{x:.{digits}f}" for x in xs)
 
 
 def mmm(xs: list[float]) -> list[float]:
@@ -401,6 +445,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also a restart of Llama 3 70B's FSDP2 state from W ranks onto NEW: "
                         "the box table's bytes, rank 0's and a restoring rank's CPU, the parts "
                         "a rank reads (bench/scale_objects.py)")
+    p.add_argument("--chain", type=int, nargs="*", default=[], metavar="W",
+                   help="a job restarted on each of these world sizes in turn, FSDP2 and "
+                        "FSDP2 + TP (even sizes), every tensor checked (bench/reshard_worker.py)")
+    p.add_argument("--chain-modes", nargs="+", default=["fsdp", "tp"], choices=["fsdp", "tp"])
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     results: dict[str, Any] = {}
@@ -461,7 +509,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{r['table_bytes'] / 1e6:.2f} MB, rank 0 builds it in "
                   f"{r['rank0_build_s']:.3f} s CPU, a rank finds its parts in "
                   f"{r['rank_find_s']:.3f} s and reads {r['parts_read']} parts "
-                  f"(without the table: {r['parts_before']})")
+                  f"(without the table: {r['parts_before']}); its first save plans by rule "
+                  f"in {r['rank_plan_s']:.3f} s CPU ({r['plan_bytes'] / 1e6:.2f} MB received; "
+                  f"every rank's metas: {r['plan_bytes_before'] / 1e9:.1f} GB); the plan's peak "
+                  f"memory {r['rank_peak_bytes'] / 1e6:.0f} MB")
+    if a.chain:
+        results["chain"] = [chain(a.chain, mode, a.timeout) for mode in a.chain_modes]
+        print("\na job restarted on another world size each run (FSDP2 / FSDP2 + TP, gloo): "
+              "min / median / max over ranks")
+        for c in results["chain"]:
+            if "error" in c:
+                print(f"{c['mode']}: FAILED: {c['error']}")
+            for r in c["runs"]:
+                restored = "" if "restore_s" not in r else (
+                    f"restore {fmt(r['restore_s'])} s (CPU {fmt(r['restore_cpu_s'])}), parts "
+                    f"{fmt(r['parts'], 0)} of {r['of']}, {r['compared']} tensors checked, "
+                    f"{len(r['differ'])} differ; ")
+                print(f"{c['mode']:>5} {r['world']:>3} ranks: {restored}save {fmt(r['save_s'])} "
+                      f"s (CPU {fmt(r['save_cpu_s'])}), plans by rule "
+                      f"{r['plans'][0] - r['plans'][1]} / {r['plans'][0]}, peak RSS "
+                      f"{r['max_rss_mb']:.0f} MB")
     if a.json:
         import torch
 

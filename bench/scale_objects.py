@@ -137,7 +137,9 @@ def reshard(world: int, new_world: int, params: list[tuple[int, int]] | None = N
     its boxes need. CPU seconds (``time.process_time``; the most of the four), bytes, and the
     most parts one of them reads, against every one of them before the table."""
     import time
+    import tracemalloc
 
+    from ciuic.distributed.plan import ruled_plan
     from ciuic.format.boxes import BoxTable
     from ciuic.format.digest import digest
 
@@ -172,6 +174,56 @@ def reshard(world: int, new_world: int, params: list[tuple[int, int]] | None = N
         found = max(found, clock() - c0)
         assert ranks is not None
         parts = max(parts, len(ranks | {0, rank % world}))  # and rank 0's, its own r % W
+    # the memory of a restoring rank's plan: the table decoded and searched, its captured
+    # leaves and their owners by rule (Python's heap, traced apart from the timings above)
+    tracemalloc.start()
+    read = BoxTable.decode(data, "table", name)
+    wanted = {p: box(rows, cols, 1, new_world) for i, (rows, cols) in enumerate(params)
+              for p in (f"p{i}/w", f"p{i}/exp_avg", f"p{i}/exp_avg_sq")}
+    read.ranks_for(wanted)
+    ruled_plan(_captured(params, shapes, 1, new_world, box), 1, new_world)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del read
+    planned, owners = 0.0, 0
+    for rank in sorted({0, new_world // 2 + 1, new_world - 1}):
+        captured = _captured(params, shapes, rank, new_world, box)
+        c0 = clock()
+        ruled = ruled_plan(captured, rank, new_world)
+        planned = max(planned, clock() - c0)
+        assert ruled is not None
+        owners = max(owners, sum(o == rank for o in ruled[1].values()))
+    tensors = len(captured.global_leaves)
     return {"world": world, "new_world": new_world, "classes": len(table.classes),
             "table_bytes": len(data), "rank0_build_s": built, "rank_find_s": found,
-            "parts_read": parts, "parts_before": world}
+            "parts_read": parts, "parts_before": world,
+            # the first save on the new layout: owners by rule (a 64-hex-digit vote from each
+            # rank) against every rank's metas (128 B a global tensor, docs/multinode.md)
+            "rank_plan_s": planned, "rank_peak_bytes": peak, "rank_writes": owners,
+            "plan_bytes": 66 * new_world, "plan_bytes_before": META_BYTES * tensors * new_world}
+
+
+#: what one global tensor's meta costs in the plan exchange (docs/multinode.md, "The model")
+META_BYTES = 128
+
+
+def _captured(params: list[tuple[int, int]], shapes: list[tuple[int, int]], rank: int,
+              world: int, box: Any) -> Any:
+    """A restoring rank's capture on the new layout, as capture_dist makes it: its FSDP2 box of
+    each sharded tensor (weights, Adam's moments; a layout class per shape, the only holder of
+    its box) and each parameter's replicated Adam step, on the meta device (no bytes)."""
+    import torch
+
+    from ciuic.distributed.plan import DistCaptured
+    from ciuic.format.tree import Leaf
+
+    leaves = []
+    for i, (rows, cols) in enumerate(params):
+        offsets, local = box(rows, cols, rank, world)
+        for t in ("w", "exp_avg", "exp_avg_sq"):
+            leaves.append(Leaf(f"p{i}/{t}", torch.empty(local, device="meta"), {},
+                               ([rows, cols], offsets),
+                               sharding=f"c{shapes.index((rows, cols))}", holders=(rank,)))
+        leaves.append(Leaf(f"p{i}/step", torch.empty((), device="meta"), {}))
+    return DistCaptured(states={}, leaves=leaves, global_leaves=leaves,
+                        spread={leaf.path for leaf in leaves})

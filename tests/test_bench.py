@@ -157,3 +157,25 @@ def test_the_box_table_makes_a_reshard_read_a_few_parts_not_all() -> None:
     r = objects.reshard(1024, 768)
     assert r["classes"] == 6 and r["parts_before"] == 1024
     assert 2 <= r["parts_read"] <= 16, r
+    # the first save on the new layout: each piece's owner by rule, this rank's boxes its own
+    assert r["rank_writes"] > 0 and r["plan_bytes"] < r["plan_bytes_before"] / 1000, r
+
+
+@pytest.mark.slow  # three torchrun runs of 2 to 6 ranks: 25 s
+def test_a_job_restarted_on_other_world_sizes_restores_every_tensor(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/scale.py --chain (#45 item 2), FSDP2 over tensor parallel pairs: 4 -> 2 -> 6 ranks,
+    each run restoring what the last saved on another world size, every tensor of the whole
+    state equal, every rank's first save there planned by rule (no metas exchanged)."""
+    scale = _load("scale")
+    out = scale.main(["--ranks", "--chain", "4", "2", "6", "--chain-modes", "tp"])
+    (tp,) = out["chain"]
+    assert "error" not in tp, tp.get("error")
+    assert [r["world"] for r in tp["runs"]] == [4, 2, 6]
+    for r in tp["runs"]:
+        assert r["plans"] == [r["world"], 0], r  # one plan a rank, none from exchanged metas
+    for r in tp["runs"][1:]:
+        assert r["compared"] == 32 and r["differ"] == [], r
+        assert r["restored"] == tp["runs"].index(r)  # the previous run's step
+    assert tp["runs"][2]["parts"][2] <= 2  # 6 ranks read the 2 parts there are, at most
+    assert "0 differ" in capsys.readouterr().out

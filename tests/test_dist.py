@@ -259,6 +259,29 @@ def test_fsdp2_snapshot_restores_onto_another_world_size(tmp_path: Path, before:
         assert (stats.lo, stats.hi) == (float(want.min()), float(want.max())), path
 
 
+@pytest.mark.parametrize("mode,before,after", [
+    ("fsdp", 2, 4), pytest.param("hsdp", 4, 2, marks=pytest.mark.slow)])  # (15 s, 25 s)
+def test_the_first_snapshot_on_a_new_layout_plans_by_rule_without_exchanging_metas(
+        tmp_path: Path, mode: str, before: int, after: int) -> None:
+    """Restored onto another world size, the ranks' first snapshot assigns every piece alone
+    (owners by rule: a box's holders from its mesh and placements, HSDP's replicated boxes
+    spread over their holders), exchanging one digest a rank, not every rank's metas; the
+    snapshot restores on the first layout to the state that wrote it."""
+    store = tmp_path / "store"
+    ok(torchrun(before, store, tmp_path / "a", "--mode", mode, "--steps", "9"))
+    ok(torchrun(after, store, tmp_path / "b", "--mode", mode, "--steps", "10",
+                "--save-every", "1"))
+    saved = [report(tmp_path / "b", r) for r in range(after)]
+    assert [(r["restored_step"], r["snapshots"], r["failures"]) for r in saved] == [
+        (8, 1, 0)] * after, saved
+    assert [(r["plans_made"], r["plans_exchanged"]) for r in saved] == [(1, 0)] * after
+    snap = latest(store)
+    assert snap.step == 9 and snap.world_size == after
+    ok(torchrun(before, store, tmp_path / "c", "--mode", mode, "--steps", "10"))
+    back = report(tmp_path / "c")
+    assert back["restored_step"] == 9 and back["digest"] == saved[0]["digest"]
+
+
 @pytest.mark.slow  # three 4-rank runs: 49 s
 def test_hsdp_ranks_restore_from_their_own_parts_of_the_body(tmp_path: Path) -> None:
     """On the layout that saved it, a rank reads the body's index, its own part and the parts
@@ -279,7 +302,8 @@ def test_hsdp_ranks_restore_from_their_own_parts_of_the_body(tmp_path: Path) -> 
     # the snapshots after the restart reuse the restored snapshot's plan: no rank exchanged
     # every rank's metas again (the uninterrupted run made its plan once)
     assert [r["plans_made"] for r in reports] == [0] * 4
-    assert report(tmp_path / "r")["plans_made"] == 1
+    assert [report(tmp_path / "r", r)["plans_made"] for r in range(4)] == [1] * 4
+    assert [report(tmp_path / "r", r)["plans_exchanged"] for r in range(4)] == [0] * 4
     with Repository.open(store) as repo:
         info = repo.resolve(f"tests/dist@{restored}")
         m, index = read_body(repo, info, parts=False)

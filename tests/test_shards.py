@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from ciuic.chain.repo import Repository
 from ciuic.chain.writer import ChunkCache, write_leaves
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format.crypto import ObjectCodec
-from ciuic.format.shards import Written, assemble, meta_of, plan
-from ciuic.format.tree import Leaf
+from ciuic.format.shards import Written, assemble, balanced, meta_of, plan, ruled
+from ciuic.format.tree import Leaf, holders
 from ciuic.restore.boxread import read_box
 
 
@@ -116,6 +117,47 @@ def test_replicas_that_may_differ_between_ranks_are_written_by_the_lowest_rank()
     assert all(owners[f"model/bn{i}.running_mean"] == 0 for i in range(5))
 
 
+@pytest.mark.parametrize("world", [1, 3, 8, 64])
+def test_the_plan_of_replicas_is_computed_alone_as_the_exchange_makes_it(world: int) -> None:
+    """After a layout change every rank assigns the replicas every rank holds by itself
+    (shards.balanced): the same owners plan() gives from world-size equal metas, pinned buffers
+    included, ties and equal sizes included."""
+    gen = torch.Generator().manual_seed(world)
+    sizes = [(f"optimizer/state/l{i}.step" if i % 3 else f"model/l{i}.w",
+              int(torch.randint(1, 5, (1,), generator=gen)) * 4, bool(i % 7 == 0))
+             for i in range(200)]
+    metas = [{"path": k, "dtype": "float32", "shape": [n // 4], "offsets": None,
+              "local": [n // 4], "nbytes": n, "spread": not pinned} for k, n, pinned in sizes]
+    assert balanced(sizes, world) == plan([metas] * world)
+
+
+def test_a_box_several_ranks_hold_is_written_by_one_holder_every_holder_names() -> None:
+    """The owner of a box HSDP replicates is a holder, the same whoever computes it, and
+    spread over the holders across tensors; a pinned one (a buffer) is the lowest holder's."""
+    group = (1, 5, 9)
+    owners = [ruled(f"model/l{i}.w@{i * 4},0", group, False) for i in range(60)]
+    assert set(owners) == set(group)  # each holder writes some
+    assert owners == [ruled(f"model/l{i}.w@{i * 4},0", group, False) for i in range(60)]
+    assert {ruled(f"model/l{i}.w@0", group, True) for i in range(10)} == {1}
+    assert ruled("model/w@0", (7,), False) == 7
+
+
+def test_holders_of_a_box_are_the_mesh_positions_along_replicated_dimensions() -> None:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = torch.arange(8).reshape(2, 4)  # HSDP: 2 replicas x 4 shards
+    assert holders(mesh, [1, 2], [Replicate(), Shard(0)]) == (2, 6)
+    assert holders(mesh, [1, 2], [Shard(0), Shard(1)]) == (6,)  # FSDP2 + TP: alone
+    strided = _StridedShard(0, split_factor=4)  # FSDP2 over TP's rows: sharded too
+    assert holders(mesh, [1, 2], [strided, Shard(0)]) == (6,)
+    assert holders(mesh, [1, 2], [strided, Replicate()]) == (4, 5, 6, 7)
+    assert holders(mesh, [0, 3], [Replicate(), Replicate()]) == tuple(range(8))
+    assert holders(torch.tensor([4, 2, 0]), [1], [Shard(0)]) == (2,)  # global ranks
+    assert holders(mesh, [0, 1], [Replicate(), Partial()]) is None  # a partial sum: unknown
+    assert holders(mesh, None, [Shard(0), Shard(0)]) is None  # this rank is not in the mesh
+
+
 def test_plan_refuses_ranks_that_disagree_about_a_tensor() -> None:
     a = [meta_of(Leaf("model/w", torch.zeros(4), {}))]
     b = [meta_of(Leaf("model/w", torch.zeros(5), {}))]
@@ -123,7 +165,8 @@ def test_plan_refuses_ranks_that_disagree_about_a_tensor() -> None:
         plan([a, b])
 
 
-def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) -> None:
+def test_an_fsdp2_model_in_one_process_snapshots_and_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A world of one with DTensor parameters takes the multi-rank layout without any peer."""
     import os
 
@@ -133,6 +176,8 @@ def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) ->
     from torch.distributed.fsdp import fully_shard
 
     from ciuic import SnapshotManager
+    from ciuic.chain.gc import collect
+    from ciuic.distributed import save
     from tests.models import linear
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -147,14 +192,28 @@ def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) ->
         model, opt = build()
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
+        tables: list[tuple[str, int] | None] = []
+        write_boxes = save._write_boxes
+
+        def counting(*args: Any) -> tuple[str, int] | None:
+            tables.append(write_boxes(*args))
+            return tables[-1]
+
+        monkeypatch.setattr(save, "_write_boxes", counting)
         with SnapshotManager("p", job="fsdp1", store=tmp_path / "s",
                              handle_signals=False) as m:
-            info = m.save(1, model, opt)
+            for step in (1, 2, 3):  # the box table: the same bytes, written once
+                info = m.save(step, model, opt)
+            assert len(tables) == 1 and tables[0] is not None
+            with Repository.open(tmp_path / "s") as repo:
+                collect(repo)  # a gc may delete what no snapshot names: written again
+            info = m.save(4, model, opt)
+            assert len(tables) == 2 and tables[1] == tables[0]
         assert info.world_size == 1
         fresh, fresh_opt = build()
         with SnapshotManager("p", job="fsdp1", store=tmp_path / "s",
                              handle_signals=False) as m:
-            assert m.restore(fresh, fresh_opt) == 1
+            assert m.restore(fresh, fresh_opt) == 4
         for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(),
                              strict=True):
             assert torch.equal(a.full_tensor(), b.full_tensor()), k
@@ -163,10 +222,10 @@ def test_an_fsdp2_model_in_one_process_snapshots_and_restores(tmp_path: Path) ->
 
 
 def test_the_plan_is_remade_only_when_a_layout_changes(tmp_path: Path) -> None:
-    """The plan exchange carries every rank's metas (each rank receives tensors x ranks of
-    them) only when a rank's layout changed or a rank has no plan of these layouts; otherwise
-    digests, and the cached owners (a world of one here: what travels is the same)."""
-    from typing import Any
+    """The plan exchange carries digests, and the cached owners serve while every rank's
+    layout holds; when a rank's layout changed or a rank has no plan of these layouts, every
+    rank makes it alone, by rule, after one more digest (a world of one here: what travels is
+    the same)."""
 
     from ciuic.chain.writer import SnapshotWrite
     from ciuic.distributed.collective import Collective
@@ -196,7 +255,9 @@ def test_the_plan_is_remade_only_when_a_layout_changes(tmp_path: Path) -> None:
 
     try:
         snapshot(0)
-        assert plans.made == 1 and len(coll.sent) == 2 and coll.sent[1]  # digests, then metas
+        # digests, then the rule's digest a rank (the ranks agree: no metas exchanged)
+        assert plans.made == 1 and plans.exchanged == 0 and len(coll.sent) == 2
+        assert isinstance(coll.sent[1], str)
         with torch.no_grad():
             model[0].weight.add_(1.0)  # new values, the same layout
         snapshot(1)
@@ -204,7 +265,7 @@ def test_the_plan_is_remade_only_when_a_layout_changes(tmp_path: Path) -> None:
         assert coll.sent[2]["metas"] == [] and coll.sent[2]["known"] == plans.joint
         model.append(torch.nn.Linear(2, 2))  # a new tensor: a new layout
         snapshot(2)
-        assert plans.made == 2 and len(coll.sent) == 5
+        assert plans.made == 2 and plans.exchanged == 0 and len(coll.sent) == 5
         # the new plan covers the new tensor; a world of one writes everything itself
         assert plans.owners == {f"model/{k}": 0 for k in model.state_dict()}
         assert repo.catalog.latest("p", "j") is not None

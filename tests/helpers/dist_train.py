@@ -166,6 +166,8 @@ def main() -> int:
                    "restore_parts": list(s.restore_parts),
                    # plans made from every rank's metas (a restored plan is adopted)
                    "plans_made": manager._pipeline.plans().made,
+                   # of them, from every rank's metas (not by rule)
+                   "plans_exchanged": manager._pipeline.plans().exchanged,
                    # what a snapshot copies of this rank's own state (RNG, sampler)
                    "own_bytes": sum(leaf.nbytes for leaf in capture(
                        None, None, {"sampler": sampler, "loss": 0.0}).leaves),

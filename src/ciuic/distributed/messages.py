@@ -52,7 +52,11 @@ class Plans:
 
     joint: str = ""
     owners: dict[str, int] = field(default_factory=dict)
-    made: int = 0  # plans made (metas exchanged), for the tests and the benchmark"
+    made: int = 0  # plans made, for the tests and the benchmark
+    exchanged: int = 0  # of them, plans made from every rank's metas (not by rule)
+    #: the coordinator's last box table: (the layouts' digest, the store's gc epoch, its
+    #: name and bytes or None): the same while neither changes, so it is written once
+    table: tuple[str, int, tuple[str, int] | None] | None = None
     #: the owner of a piece ``owners`` does not list (a plan adopted from a restored
     #: snapshot lists only the pieces of this rank's that other ranks wrote); None: all listed
     default: int | None = None

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from ciuic.errors import ConfigurationError
+from ciuic.format import canonical
 from ciuic.format.descriptor import TensorDescriptor
-from ciuic.format.shards import Meta, meta_of, piece_key, plan
+from ciuic.format.digest import digest
+from ciuic.format.shards import Meta, balanced, meta_of, piece_key, ruled
 from ciuic.format.tree import (
     Leaf,
     encode,
@@ -80,9 +82,12 @@ def leaf_key(leaf: Leaf) -> str:
 
 
 def plan_metas(captured: DistCaptured) -> list[Meta]:
-    """What this rank tells the plan about its global leaves (computed once per capture)."""
+    """What this rank tells the plan about its global leaves (computed once per capture); a
+    shard's layout class too, so that the layouts' digest changes with a mesh or placements
+    (the box table is written anew when it does)."""
     if captured.metas is None:
         captured.metas = [meta_of(leaf) | {"spread": leaf.path in captured.spread}
+                          | ({"sharding": leaf.sharding} if leaf.sharding else {})
                           for leaf in captured.global_leaves]
     return captured.metas
 
@@ -96,14 +101,47 @@ def layout_signature(captured: DistCaptured, world_size: int) -> tuple[int, list
 
 
 def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[str] | None:
-    """The pieces this rank will write, predicted without asking the others, when every global
-    leaf is a plain tensor (DDP, replicated modules): every rank then holds the same layout
-    (the plan refuses anything else), so the plan is this rank's metas times the world size.
-    None for sharded layouts (which rank holds which box is not known locally)."""
-    if any(leaf.shard is not None for leaf in captured.global_leaves):
+    """The pieces this rank will write, predicted without asking the others: the owners by rule
+    (:func:`ruled_plan`), which the ranks adopt when every rank's tensors agree. None where the
+    rule does not apply (a box whose holders its DTensor does not say)."""
+    found = ruled_plan(captured, rank, world_size)
+    if found is None:
         return None
-    owners = plan([plan_metas(captured)] * world_size)
-    return {key for key, owner in owners.items() if owner == rank}
+    return {key for key, owner in found[1].items() if owner == rank}
+
+
+def ruled_plan(captured: DistCaptured, rank: int, world_size: int
+               ) -> tuple[str, dict[str, int]] | None:
+    """The owner of each of this rank's global pieces by rule, computed alone (no rank's metas
+    exchanged), and the digest of what every rank must agree on for the rule to hold: each
+    global tensor's path, dtype, global shape, layout class (a shard's mesh and placements; none
+    for a plain tensor) and whether it is pinned. Equal digests on every rank mean every rank
+    holds the same plain tensors and shards alike, so that:
+
+    - a plain tensor (a replica on every rank: DDP, or a module left unsharded) is assigned as
+      :func:`~ciuic.format.shards.plan` assigns it from ``world_size`` equal metas (largest
+      first, to the rank with the fewest bytes; a pinned buffer to rank 0);
+    - a shard's box is written by one of the ranks holding it (:attr:`Leaf.holders`, from its
+      mesh and placements), chosen by :func:`~ciuic.format.shards.ruled`.
+
+    None where a shard's holders are not known (or do not include this rank): the plan is then
+    made from every rank's metas."""
+    agreed: list[list[Any]] = []
+    plain: list[tuple[str, int, bool]] = []
+    owners: dict[str, int] = {}
+    for leaf, meta in zip(captured.global_leaves, plan_metas(captured), strict=True):
+        pinned = not meta["spread"]
+        agreed.append([leaf.path, meta["dtype"], meta["shape"], leaf.sharding, pinned])
+        if leaf.shard is None:
+            plain.append((leaf.path, leaf.nbytes, pinned))
+        elif leaf.holders is None or rank not in leaf.holders or leaf.sharding is None:
+            return None
+        else:
+            key = leaf_key(leaf)
+            owners[key] = ruled(key, leaf.holders, pinned)
+    owners |= balanced(plain, world_size)
+    agreed.sort(key=lambda x: x[0])
+    return digest(canonical.dumps([world_size, agreed])), owners
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -2,8 +2,10 @@
 
 Every rank, on its background thread and ciuic's own ``data`` gloo group:
 
-1. *plan*: every rank sends the metas of its global tensors; every rank computes the same owners
-   (:mod:`ciuic.distributed.plan`: replicas written once, the writing spread across ranks);
+1. *plan*: every rank sends the digest of its global tensors' layout; where a layout changed,
+   every rank computes the same owners alone, by rule, or where the ranks' tensors disagree
+   from every rank's metas (:mod:`ciuic.distributed.plan`: replicas written once, the writing
+   spread across ranks);
 2. *write*: every rank writes the chunks of the pieces it owns and of its per-rank states, and
    its *part* of the body (the descriptors of its shards, its per-rank states:
    :mod:`ciuic.format.parts`), syncs them (durable), and sends the coordinator (rank 0) its
@@ -32,7 +34,14 @@ from ciuic.chain.gc import InflightSave
 from ciuic.chain.writer import SnapshotContent, SnapshotWrite, commit_snapshot, write_leaves
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.messages import Outcome, Plan, Plans, Report
-from ciuic.distributed.plan import GLOBAL, LAYOUT, DistCaptured, leaf_key, plan_metas
+from ciuic.distributed.plan import (
+    GLOBAL,
+    LAYOUT,
+    DistCaptured,
+    leaf_key,
+    plan_metas,
+    ruled_plan,
+)
 from ciuic.errors import CaptureError, ConfigurationError, RankError
 from ciuic.faults import failpoint
 from ciuic.format import canonical, layout
@@ -98,11 +107,8 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
             "extra")
     joint = digest(canonical.dumps([x.layout for x in everyone]))
     if any(x.known != joint for x in everyone):  # (the same answer on every rank)
-        # a layout changed, or a rank has no plan of these layouts: made anew, from metas
-        gathered = coll.all_gather(metas, data=True)
-        # every piece's owner: an adopted plan's default owner no longer applies
-        plans.joint, plans.owners, plans.default = joint, plan(list(gathered)), None
-        plans.made += 1
+        # a layout changed, or a rank has no plan of these layouts: made anew
+        _replan(coll, captured, plans, joint, metas)
 
     store = repo.store
     inflight = InflightSave(store)  # gc keeps our chunks until the commit is decided
@@ -150,7 +156,7 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
         decided: dict[str, Any] | None = None
         if reports is not None:
             decided = _commit(w, captured, [Report.from_json(r) for r in reports],
-                              coll.world_size, whole, plans.joint).to_json()
+                              coll.world_size, whole, plans, inflight.epoch).to_json()
         outcome = Outcome.from_json(coll.broadcast(decided, data=True))
     finally:
         if entered:
@@ -159,6 +165,24 @@ def write_dist(coll: Collective, w: SnapshotWrite, captured: DistCaptured, seq: 
         raise RankError(what, outcome.failures)
     m = mf.Manifest.decode(outcome.manifest.encode())
     return m, outcome.sid, new
+
+
+def _replan(coll: Collective, captured: DistCaptured, plans: Plans, joint: str,
+            metas: list[Any]) -> None:
+    """Make the plan anew (every rank, together): by rule where every rank's tensors agree
+    (:func:`~ciuic.distributed.plan.ruled_plan`: one digest a rank exchanged, O(world size)
+    bytes), else from every rank's metas (O(tensors x world size) bytes: the plan then says
+    where the ranks disagree)."""
+    mine = ruled_plan(captured, coll.rank, coll.world_size)
+    votes = coll.all_gather(None if mine is None else mine[0], data=True)
+    if mine is not None and all(v == votes[0] for v in votes):
+        owners = mine[1]
+    else:
+        owners = plan(list(coll.all_gather(metas, data=True)))
+        plans.exchanged += 1
+    # every piece's owner: an adopted plan's default owner no longer applies
+    plans.joint, plans.owners, plans.default = joint, owners, None
+    plans.made += 1
 
 
 def _described(leaf: Leaf) -> TensorDescriptor:
@@ -270,8 +294,8 @@ def _whole(coll: Collective, leaves: list[Leaf], owned: list[Leaf]
 
 
 def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
-            world_size: int, whole: dict[str, tuple[int, Stats | None]], joint: str
-            ) -> Outcome:
+            world_size: int, whole: dict[str, tuple[int, Stats | None]], plans: Plans,
+            epoch: int) -> Outcome:
     failures = {r: rep.error for r, rep in enumerate(reports) if rep.error}
     if failures:
         return Outcome(failures)
@@ -279,9 +303,15 @@ def _commit(w: SnapshotWrite, captured: DistCaptured, reports: list[Report],
         assemble(captured.global_leaves, [piece for rep in reports for piece in rep.written],
                  whole)
         states: dict[str, Any] = {n: captured.states[n] for n in GLOBAL if n in captured.states}
-        states["dist"] = {"layout": LAYOUT, "world_size": world_size, "plan": joint,
+        states["dist"] = {"layout": LAYOUT, "world_size": world_size, "plan": plans.joint,
                           "parts": [list(rep.part) for rep in reports]}
-        boxes = _write_boxes(w, captured.global_leaves, reports)
+        # the table is the same bytes while every rank's layout is (the layouts' digest
+        # covers each shard's box and class): written once, unless a gc ran since
+        if plans.table is not None and plans.table[:2] == (plans.joint, epoch):
+            boxes = plans.table[2]
+        else:
+            boxes = _write_boxes(w, captured.global_leaves, reports)
+            plans.table = (plans.joint, epoch, boxes)
         if boxes is not None:
             states["dist"]["boxes"] = list(boxes)
         total = sum(_described(leaf).nbytes for leaf in captured.global_leaves)

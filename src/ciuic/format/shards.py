@@ -22,6 +22,7 @@ global tensor exactly.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 
 from ciuic.errors import CaptureError, IntegrityError
 from ciuic.format.descriptor import Shard, TensorDescriptor
+from ciuic.format.digest import digest
 from ciuic.format.stats import Stats, of_descriptor
 from ciuic.format.tree import Leaf, dtype_name, torch_dtype
 
@@ -90,6 +92,37 @@ def plan(metas: list[list[Meta]]) -> dict[str, int]:
         owners[key] = rank
         load[rank] += sizes[key]
     return owners
+
+
+def balanced(sizes: list[tuple[str, int, bool]], world_size: int) -> dict[str, int]:
+    """piece key -> owner for pieces that every one of ``world_size`` ranks holds (``sizes``:
+    key, bytes, pinned), as :func:`plan` assigns them from ``world_size`` equal metas, in
+    O(pieces x log(world_size)) rather than O(pieces x world_size): largest first, each to the
+    rank with the fewest bytes so far (the lowest rank on a tie); a pinned piece to rank 0."""
+    load = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]  # (load, rank), stale entries skipped
+    owners: dict[str, int] = {}
+    for key, size, pinned in sorted(sizes, key=lambda x: (-x[1], x[0])):
+        if pinned:
+            rank = 0
+        else:
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            rank = heapq.heappop(heap)[1]
+        owners[key] = rank
+        load[rank] += size
+        heapq.heappush(heap, (load[rank], rank))
+    return owners
+
+
+def ruled(key: str, holders: tuple[int, ...], pinned: bool) -> int:
+    """The owner of a box that ``holders`` hold (sorted global ranks), by rule: every holder,
+    and every later reader, computes it alone. A pinned box (a buffer replicas may hold
+    differently) is the lowest holder's; any other a holder chosen by the key's digest, which
+    spreads the writing over the replicas."""
+    if len(holders) == 1 or pinned:
+        return holders[0]
+    return holders[int(digest(key.encode())[:16], 16) % len(holders)]
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ class Leaf:
     #: For a shard: its layout class (:func:`dtensor_layout`), the same on every rank for
     #: tensors sharded alike; None where not known.
     sharding: str | None = None
+    #: For a shard: the global ranks that hold this same box (its mesh's positions that differ
+    #: from this rank's only along replicated dimensions), sorted; None where not known.
+    holders: tuple[int, ...] | None = None
 
     def describe(self, desc: TensorDescriptor) -> None:
         """Set this leaf's descriptor: the state tree holds the dict, so it is filled in place,
@@ -148,13 +151,14 @@ def encode(value: Any, path: str, leaves: list[Leaf]) -> Json:
         return {"$float": float.__repr__(value)}
     if torch is not None and isinstance(value, torch.Tensor):
         shard = dtensor_shard(value, path)
-        sharding = None
+        sharding: _Class | None = None
         if shard is not None:
-            sharding = dtensor_layout(value)
+            sharding = dtensor_class(value)
             value = value.to_local()
         _check_tensor(value, path)
         desc = {}
-        leaves.append(Leaf(path, value, desc, shard, sharding=sharding))
+        leaves.append(Leaf(path, value, desc, shard, sharding=sharding and sharding[0],
+                           holders=sharding and sharding[1]))
         return {"$tensor": desc}
     if np is not None and isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.names is not None:
@@ -236,16 +240,24 @@ def dtensor_shard(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | N
     return [int(x) for x in t.shape], [int(x) for x in box.offsets]
 
 
-#: id(mesh) -> (the mesh, kept alive so that its id is not reused; its ranks' text; the class
-#: of each (global shape, placements) on it: a snapshot's capture asks once per tensor, and
-#: the digest alone costs tens of microseconds)
-_MESHES: dict[int, tuple[Any, str, dict[tuple[Any, ...], str]]] = {}
+#: id(mesh) -> (the mesh, kept alive so that its id is not reused; its ranks' text; this rank's
+#: coordinate in it; the class and holders of each (global shape, placements) on it: a
+#: snapshot's capture asks once per tensor, and the digest alone costs tens of microseconds)
+_Class = tuple[str, tuple[int, ...] | None]  # a layout class and its holders
+_MESHES: dict[int, tuple[Any, str, Any, dict[tuple[Any, ...], _Class]]] = {}
 
 
 def dtensor_layout(t: Any) -> str | None:
     """A DTensor's layout class: the digest of its global shape, its placements and its device
     mesh (the global rank at each position). Tensors of one class hold the same box on every
     rank (docs/format.md, "Box table"). None where the DTensor does not say."""
+    found = dtensor_class(t)
+    return None if found is None else found[0]
+
+
+def dtensor_class(t: Any) -> _Class | None:
+    """A DTensor's layout class (:func:`dtensor_layout`) and the global ranks that hold the
+    same box as this rank (:func:`holders`); None where the DTensor does not say."""
     mesh = getattr(t, "device_mesh", None)
     placements = getattr(t, "placements", None)
     if mesh is None or placements is None:
@@ -255,13 +267,33 @@ def dtensor_layout(t: Any) -> str | None:
         ranks = getattr(mesh, "mesh", None)
         if ranks is None:
             return None
-        known = _MESHES[id(mesh)] = (mesh, repr(ranks.tolist()), {})
+        coordinate = getattr(mesh, "get_coordinate", lambda: None)()
+        known = _MESHES[id(mesh)] = (mesh, repr(ranks.tolist()), coordinate, {})
     key = (tuple(t.shape), tuple(placements))
-    found = known[2].get(key)
+    found = known[3].get(key)
     if found is None:
         text = repr(([int(x) for x in t.shape], [repr(p) for p in placements], known[1]))
-        found = known[2][key] = digest(text.encode())
+        found = known[3][key] = (digest(text.encode()),
+                                 holders(mesh.mesh, known[2], placements))
     return found
+
+
+def holders(ranks: Any, coordinate: Any, placements: Any) -> tuple[int, ...] | None:
+    """The global ranks of a device mesh (``ranks``: its tensor of global ranks) that hold the
+    box the rank at ``coordinate`` holds under ``placements``: the positions that differ from
+    it only along replicated mesh dimensions. None where a placement is neither sharded nor
+    replicated (a partial sum), or the rank is not in the mesh."""
+    if coordinate is None or len(coordinate) != len(placements):
+        return None
+    index: list[Any] = []
+    for c, p in zip(coordinate, placements, strict=True):
+        if p.is_shard() or "StridedShard" in type(p).__name__:  # (FSDP2 over TP's rows)
+            index.append(int(c))
+        elif p.is_replicate():
+            index.append(slice(None))
+        else:
+            return None
+    return tuple(sorted(int(r) for r in ranks[tuple(index)].flatten().tolist()))
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

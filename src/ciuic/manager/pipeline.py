@@ -25,6 +25,7 @@ from ciuic.chain.health import HealthTracker
 from ciuic.chain.read import read_chunk
 from ciuic.chain.writer import ChunkCache, SnapshotWrite, write_snapshot
 from ciuic.distributed.collective import Collective
+from ciuic.distributed.messages import Plans
 from ciuic.distributed.plan import DistCaptured, capture_dist
 from ciuic.distributed.save import write_dist
 from ciuic.engine import StagingArea
@@ -465,6 +466,9 @@ class LocalPipeline(Pipeline[Captured]):
     """A process that snapshots alone. A model holding DTensors (FSDP2 on a world of one) takes
     the sharded layout, written as a world of one."""
 
+    #: the last plan of a sharded layout (its box table is then written once)
+    _plans: Plans | None = None
+
     def capture(self, model: Any, optimizer: Any, extras: dict[str, Any]) -> Captured:
         if sharded(model):
             return capture_dist(model, optimizer, extras)
@@ -478,7 +482,9 @@ class LocalPipeline(Pipeline[Captured]):
 
     def write(self, step: int, captured: Captured) -> tuple[mf.Manifest, str, int]:
         if isinstance(captured, DistCaptured):
-            return write_dist(self.coll, self.snapshot_write(step), captured)
+            if self._plans is None:
+                self._plans = Plans()
+            return write_dist(self.coll, self.snapshot_write(step), captured, plans=self._plans)
         m, sid = write_snapshot(self.snapshot_write(step), captured)
         return m, sid, m.new_bytes
 
