@@ -78,10 +78,11 @@ def test_split_between_ranks_it_yields_what_a_distributed_sampler_yields(
             assert set(shares) == set(range(length)) and len(shares) == -(-length // 3) * 3
 
 
-def test_a_split_sampler_resumes_mid_epoch_on_as_many_or_on_more_ranks() -> None:
-    """The position is each rank's; on another world size it is converted through the
-    samples the epoch handed out over all the ranks: nothing skipped, nothing repeated when
-    they divide evenly."""
+def test_a_split_sampler_resumes_mid_epoch_on_as_many_on_more_or_on_fewer_ranks() -> None:
+    """The position is each rank's; on another world size the new ranks split what the epoch
+    had not handed out over all the old ranks: nothing skipped, nothing repeated (but the
+    padding that gives every rank as many), whether or not the counts divide; the next epoch
+    is split as usual."""
     def ranks(n: int, epoch: int = 1) -> list[ResumableSampler]:
         out = [ResumableSampler(40, seed=2, num_replicas=n, rank=r) for r in range(n)]
         for s in out:
@@ -99,10 +100,26 @@ def test_a_split_sampler_resumes_mid_epoch_on_as_many_or_on_more_ranks() -> None
             assert s.epoch == 1
         rest = [i for s in resumed for i in s]
         assert sorted(rest) == sorted(full[12:]), n
-    resumed_odd = ranks(5, epoch=0)
-    for r, s in enumerate(resumed_odd):
+    for n in (3, 5):  # 28 left: 10 a rank (2 padded) on 3 ranks, 6 (2 padded) on 5
+        resumed = ranks(n, epoch=0)
+        for r, s in enumerate(resumed):
+            s.load_state_dict(saved[r % 2].state_dict())
+        shares = [list(s) for s in resumed]
+        assert len({len(x) for x in shares}) == 1, n  # every rank as many
+        rest = [i for x in shares for i in x]
+        assert set(rest) == set(full[12:]) and len(rest) == -(-28 // n) * n, n
+        # saved again mid-way and resumed on yet another number of ranks: still exact
+    three = ranks(3, epoch=0)
+    for r, s in enumerate(three):
         s.load_state_dict(saved[r % 2].state_dict())
-    assert [s.position for s in resumed_odd] == [2] * 5  # 12 handed out: 10 kept, 2 again
+    taken = [[next(it) for _ in range(4)] for it in map(iter, three)]  # 12 more of the 28
+    two = ranks(2, epoch=0)
+    for r, s in enumerate(two):
+        s.load_state_dict(three[r].state_dict())
+    rest = [i for s in two for i in s]
+    assert sorted(handed[0] + handed[1] + [i for x in taken for i in x] + rest) == sorted(full)
+    assert all(s.epoch == 2 and s.offset == 0 for s in two)  # the next epoch: split as usual
+    assert [len(list(s)) for s in two] == [20, 20]
     with pytest.raises(ValueError, match="both num_replicas and rank"):
         ResumableSampler(10, num_replicas=2)
     with pytest.raises(ValueError, match="rank 2 of num_replicas 2"):

@@ -10,8 +10,10 @@ as torch's ``DistributedSampler`` does (the same permutation, padding and ``drop
 ``r`` taking every ``num_replicas``-th index from ``r``; ``set_epoch`` too), so it replaces a
 ``DistributedSampler`` without changing what any rank sees, and resumes mid-epoch, which a
 ``DistributedSampler`` cannot (it keeps no position; ciuic refuses it as an extra and says so).
-Every rank gives the same ``seed``. A snapshot taken on N ranks resumes on M: each rank's position
-is converted through the number of samples the epoch has handed out over all the ranks.
+Every rank gives the same ``seed``. A snapshot taken on N ranks resumes on M mid-epoch exactly:
+the indices the N ranks handed out together are the epoch order's first ones, and the M ranks
+split the rest of the epoch between them (nothing skipped, nothing seen twice but the padding
+``DistributedSampler`` would add to give every rank as many); the next epoch is split as usual.
 
 Its position counts the indices it has *handed out*. With ``DataLoader(num_workers>0)`` the loader
 asks for indices ahead of the batches the loop has consumed, so for worker-based loading use
@@ -68,13 +70,18 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # indices of the current epoch already handed out (this rank's)
+        #: where in the epoch's order this split of it starts: 0, or after a restore onto
+        #: another number of ranks mid-epoch, the indices every rank together had handed out
+        self.offset = 0
 
     @property
     def num_samples(self) -> int:
-        """This rank's indices per epoch (``DistributedSampler.num_samples``)."""
+        """This rank's indices per epoch (``DistributedSampler.num_samples``); of what is left
+        of it in an epoch resumed on another number of ranks."""
+        left = max(0, self.length - self.offset)
         if self.drop_last:
-            return self.length // self.num_replicas
-        return math.ceil(self.length / self.num_replicas)
+            return left // self.num_replicas
+        return math.ceil(left / self.num_replicas)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -82,7 +89,7 @@ class ResumableSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; the current epoch keeps its position."""
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self.offset = epoch, 0, 0
 
     def _order(self) -> list[int]:
         if self.shuffle:
@@ -91,6 +98,7 @@ class ResumableSampler(Sampler[int]):
             order: list[int] = torch.randperm(self.length, generator=g).tolist()
         else:
             order = list(range(self.length))
+        order = order[self.offset:]  # (all of it, but in an epoch resumed on other ranks)
         total = self.num_samples * self.num_replicas
         if total > len(order) and order:  # padded with the epoch's first indices
             order += (order * math.ceil(total / len(order)))[:total - len(order)]
@@ -103,7 +111,7 @@ class ResumableSampler(Sampler[int]):
             self.position += 1
             yield i
         self.epoch += 1
-        self.position = 0
+        self.position = self.offset = 0
 
     def consumed(self, n: int) -> None:
         """Set the position to ``n`` samples consumed in the current epoch (prefetch-aware use)."""
@@ -112,7 +120,8 @@ class ResumableSampler(Sampler[int]):
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "shuffle": self.shuffle, "length": self.length,
-                "num_replicas": self.num_replicas, "drop_last": self.drop_last}
+                "num_replicas": self.num_replicas, "drop_last": self.drop_last,
+                "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["length"] != self.length:
@@ -123,15 +132,17 @@ class ResumableSampler(Sampler[int]):
         self.shuffle = bool(state["shuffle"])
         self.drop_last = bool(state.get("drop_last", self.drop_last))
         position, saved = int(state["position"]), int(state.get("num_replicas", 1))
+        offset = int(state.get("offset", 0))
         if saved == self.num_replicas:
-            self.position = position
+            self.position, self.offset = position, offset
             return
-        # the ranks handed out the first ``position * saved`` indices of the epoch's order
-        handed = position * saved
-        self.position = min(handed // self.num_replicas, self.num_samples)
-        if handed % self.num_replicas:
-            log.warning("the sampler's epoch %d was split between %d ranks, now %d: %d samples "
-                        "handed out do not divide between %d ranks; each rank resumes after %d, "
-                        "and %d samples are seen again", self.epoch, saved, self.num_replicas,
-                        handed, self.num_replicas, self.position,
-                        handed - self.position * self.num_replicas)
+        # the ranks together handed out the first ``offset + position * saved`` indices of
+        # the epoch's order (every rank as many: they step together); the new ranks split the
+        # rest between them as DistributedSampler splits an epoch (padded with the rest's
+        # first indices, or its tail dropped, so that every rank gets as many)
+        self.offset = min(self.length, offset + position * saved)
+        self.position = 0
+        log.info("the sampler's epoch %d was split between %d ranks, now %d: the %d indices "
+                 "handed out are skipped, the %d left are split between the %d ranks",
+                 self.epoch, saved, self.num_replicas, self.offset, self.length - self.offset,
+                 self.num_replicas)
