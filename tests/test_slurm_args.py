@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic.cli.run import with_keep_alive, with_slurm
+from ciuic.cli.run import elastic_note, with_keep_alive, with_slurm
 from ciuic.errors import ConfigurationError
 from ciuic.supervisor import slurm
 
@@ -100,3 +100,18 @@ def test_the_requeue_is_asked_by_task_0_and_its_failure_says_why(
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     ok, said = slurm.requeue(task0)
     assert not ok and "presently disabled" in said and "sbatch --requeue" in said
+
+
+def test_an_elastic_torchrun_is_told_what_a_lost_node_with_no_replacement_costs() -> None:
+    """--nnodes MIN:MAX: ciuic run says the others go on without a lost node, and after how
+    long (the last call the user set, or torch's default and how to set it)."""
+    base = ["torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400"]
+    said = elastic_note([*base, "--nnodes", "2:10", "train.py"])
+    assert said is not None and said.startswith("the job runs on 2 to 10 nodes")
+    assert "torch's 30 s; --rdzv-conf last_call_timeout=SECONDS" in said
+    given = elastic_note([*base, "--nnodes=9:10", "--rdzv-conf", "is_host=1,last_call_timeout=5",
+                          "train.py"])
+    assert given is not None and "its last call (5 s, --rdzv-conf last_call_timeout)" in given
+    for fixed in ("3", "3:3", "10:9"):  # as many nodes as asked, or an odd range: nothing
+        assert elastic_note([*base, "--nnodes", fixed, "train.py"]) is None
+    assert elastic_note(["torchrun", "--nnodes", "2:3", "--standalone", "train.py"]) is None

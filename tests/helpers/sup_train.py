@@ -12,11 +12,14 @@ rank 0 writes every model and optimizer tensor to ``OUT/final-ciuic.safetensors`
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from finalstate import write_final
 
-from ciuic import SnapshotManager
+from ciuic import ResumableSampler, SnapshotManager
 
 
 def fault(spec: str | None, step: int, rank: int) -> bool:
@@ -51,6 +54,23 @@ def once(spec: str | None, step: int, rank: int) -> bool:
     return True
 
 
+def dump(model: nn.Module, opt: torch.optim.Optimizer, rank: int, to: Path) -> None:
+    """An FSDP2 job's whole model and optimizer state, gathered (every rank calls it), to
+    ``to`` (rank 0 writes it)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    if rank == 0:
+        tensors = {f"model/{k}": v.contiguous() for k, v in msd.items()}
+        for fqn, st in osd["state"].items():
+            for k, v in st.items():
+                tensors[f"optimizer/{fqn}/{k}"] = v.contiguous().reshape(-1)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(to))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--store", required=True)
@@ -72,6 +92,13 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--model", choices=["ddp", "fsdp2"], default="ddp",
                    help="under torchrun: DDP replicas, or FSDP2 shards (fully_shard)")
+    p.add_argument("--data", type=int, default=0, metavar="N",
+                   help="batches of 4 from a data set of N samples, split between the ranks "
+                        "(ResumableSampler); each rank writes the indices it trained on at "
+                        "each step to OUT/seen-w<ranks>-<start>-<rank>.json")
+    p.add_argument("--dump", action="store_true",
+                   help="FSDP2: the whole state to OUT/at-<step>-w<ranks>.safetensors at each "
+                        "snapshot, and to OUT/restored-<step>-w<ranks>.safetensors after a restore")
     a = p.parse_args()
     if a.fail_start:
         raise RuntimeError("the data set is not mounted (injected start-up failure)")
@@ -100,12 +127,34 @@ def main() -> None:
     manager = SnapshotManager("sup", store=None if a.endpoint else a.store,
                               endpoint=a.endpoint, save_interval=a.every,
                               asynchronous=not a.sync)
-    last = manager.restore(model, opt)
+    extras: dict[str, Any] = {}
+    if a.data:
+        a.out.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(7)
+        samples = torch.randn(a.data, 64, generator=g), torch.randint(0, 4, (a.data,), generator=g)
+        sampler = ResumableSampler(a.data, seed=3, num_replicas=world, rank=rank)
+        extras["sampler"] = sampler
+        indices = (i for _ in itertools.count() for i in sampler)  # epoch after epoch
+        batches = ([next(indices) for _ in range(4)] for _ in itertools.count())
+    last = manager.restore(model, opt, **extras)
     start = 0 if last is None else last + 1
+    if a.dump and last is not None:
+        dump(model, opt, rank, a.out / f"restored-{last}-w{world}.safetensors")
+    seen: dict[int, list[int]] = {}
+    # this start of the workers: ciuic run's restarts, torchrun's own
+    started = "-".join(os.environ.get(v, "0") for v in ("CIUIC_RUN_RESTART",
+                                                         "TORCHELASTIC_RESTART_COUNT"))
     longest = 0.0
     for step in range(start, a.steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
+        if a.data:
+            index = next(batches)
+            seen[step] = index
+            x, y = samples[0][index], samples[1][index]
+            (a.out / f"seen-w{world}-{started}-{rank}.json").write_text(
+                json.dumps({"world": world, "seen": seen}))
+        else:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -124,24 +173,14 @@ def main() -> None:
             time.sleep(3600)
         if a.step_sleep:
             time.sleep(a.step_sleep)
-        if manager.step(step, model, opt):
+        if manager.step(step, model, opt, **extras):
             longest = max(longest, manager.stats.last_save_s)
+            if a.dump:
+                dump(model, opt, rank, a.out / f"at-{step}-w{world}.safetensors")
     manager.close()
     print(f"longest snapshot: {longest:.2f} s", file=sys.stderr)
     if a.model == "fsdp2" and world > 1:  # every rank takes part in gathering the shards
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                       cpu_offload=True))
-        if rank == 0:
-            from safetensors.torch import save_file
-
-            tensors = {f"model/{k}": v.contiguous() for k, v in msd.items()}
-            for fqn, st in osd["state"].items():
-                for k, v in st.items():
-                    tensors[f"optimizer/{fqn}/{k}"] = v.contiguous().reshape(-1)
-            a.out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(a.out / "final-ciuic.safetensors"))
+        dump(model, opt, rank, a.out / "final-ciuic.safetensors")
     elif rank == 0:
         a.out.mkdir(parents=True, exist_ok=True)
         write_final(model.module if world > 1 else model, opt, a.out / "final-ciuic.safetensors")

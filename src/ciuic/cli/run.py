@@ -126,6 +126,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     command, added = with_keep_alive(command)
     if added:
         log.info("ciuic run: %s", added)
+    elastic = elastic_note(command)
+    if elastic:
+        log.info("ciuic run: %s", elastic)
     env, said = torchrun_env(command, os.environ)
     if said:
         (log.info if env else log.warning)("ciuic run: %s", said)
@@ -259,6 +262,30 @@ def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
             f"freed after {lapse} s without its keep-alive instead of torch's 15 s (set either "
             "in --rdzv-conf to choose)")
     return with_rdzv_conf(command, KEEP_ALIVE), said
+
+
+def elastic_note(command: list[str]) -> str | None:
+    """What a torchrun of ``--nnodes MIN:MAX`` (MIN < MAX, the c10d rendezvous) does when a
+    node is lost with none to replace it, and how long the others wait; None otherwise."""
+    found = _c10d_nodes(command)
+    if found is None:
+        return None
+    nnodes = (_option(found[1], "--nnodes") or (0, ""))[1].split(":")
+    if len(nnodes) != 2 or not all(n.isdigit() for n in nnodes) or int(nnodes[0]) >= int(
+            nnodes[1]):
+        return None
+    conf = _option(found[1], "--rdzv-conf")
+    given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
+                                         if "=" in kv)
+    last_call = given.get("last_call_timeout")
+    waits = (f"its last call ({last_call} s, --rdzv-conf last_call_timeout)" if last_call else
+             "its last call (torch's 30 s; --rdzv-conf last_call_timeout=SECONDS to choose)")
+    return (f"the job runs on {nnodes[0]} to {nnodes[1]} nodes: a node lost with none to "
+            "replace it, the others go on without it once torchrun's rendezvous has dropped "
+            f"it (its keep-alive lapsed) and {waits} has passed; each rank then restores the "
+            "last snapshot resharded onto the ranks left, from memory where the nodes hold "
+            "it (the lost node's from its replica on another node), and a split "
+            "ResumableSampler shares out the rest of the epoch")
 
 
 def with_slurm(command: list[str], environ: Mapping[str, str]) -> tuple[list[str], str | None]:

@@ -327,7 +327,12 @@ class SnapshotManager:
         self.restored, self.restored_values = info, done.values
         self._policy.taken(info.step)
         self._session.event("restore", info.step, info.id)
-        log.info("Resuming training at step %d", info.step + 1)
+        world = self.coll.world_size if self.coll.enabled else 1
+        if info.world_size > 1 and world != info.world_size:
+            log.info("Resuming training at step %d on %d ranks (the snapshot's %d: resharded)",
+                     info.step + 1, world, info.world_size)
+        else:
+            log.info("Resuming training at step %d", info.step + 1)
         return info.step
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
