@@ -1,0 +1,203 @@
+"""One rank of the cold restart on the Ceph cluster (``bench/cluster_ranks.py``; torchrun,
+gloo, CPU): FSDP2 over every rank, a state of ``--mib`` MiB in all (weights and AdamW's two
+moments, fp32).
+
+    torchrun --nproc-per-node W bench/cluster_ranks_worker.py --phase save|restore \
+        --endpoint URL --ciuic BUCKET ... --boto3 BUCKET ... --mib 256 --out DIR
+
+Per round (one bucket per system and round; the systems' order alternates by round), every
+rank waits at a barrier, then:
+
+- ``save``: ciuic's synchronous ``save()`` (committed: every object acknowledged by radosgw),
+  and, as DCP writes a checkpoint, one object per rank with boto3 (``upload_fileobj``,
+  ``TransferConfig``'s defaults: multipart above 8 MiB, 10 threads) of the rank's bytes: its
+  local shards, concatenated;
+- ``restore`` (a new torchrun: cold processes, no host memory): ciuic's ``restore()`` into the
+  model and optimizer, and boto3's ``download_fileobj`` of the rank's object into memory, then
+  copied into the local shards. Both are checked against the saving rank's digest.
+
+Each rank's wall time (the call, barrier to barrier: the slowest rank's is the job's) and the
+S3 requests it made (botocore's operations, counted where they are sent) go to
+``OUT/<phase>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+import torch.distributed as dist
+from torch import nn
+
+REQUESTS: dict[str, int] = {}
+LOCK = threading.Lock()
+
+
+def count_requests() -> None:
+    """Count every request botocore sends, by operation (PutObject, UploadPart, GetObject...),
+    in this process (ciuic's S3 store and boto3's transfers alike)."""
+    from botocore.endpoint import Endpoint
+
+    send = Endpoint.make_request
+
+    def counted(self: Any, operation_model: Any, request_dict: Any) -> Any:
+        with LOCK:
+            REQUESTS[operation_model.name] = REQUESTS.get(operation_model.name, 0) + 1
+        return send(self, operation_model, request_dict)
+
+    Endpoint.make_request = counted
+
+
+def build(mib: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    cols, layers = 1024, 16
+    rows = max(world, mib * 2**20 // (3 * 4 * cols * layers))  # weights + 2 moments, fp32
+    model = nn.Sequential(*(nn.Linear(cols, rows if i % 2 == 0 else cols, bias=False)
+                            if i % 2 == 0 else nn.Linear(rows, cols, bias=False)
+                            for i in range(layers)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, cols)).sum().backward()
+    opt.step()  # the optimizer's moments exist
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def local_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's shards of every tensor of the state, in a fixed order."""
+    out = []
+    for p in model.parameters():
+        out.append(p.to_local().detach())  # type: ignore[attr-defined]
+        for k in ("exp_avg", "exp_avg_sq"):
+            out.append(opt.state[p][k].to_local().detach())
+    return out
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = blake3.blake3()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["save", "restore"], required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--ciuic", nargs="+", required=True, help="a bucket per round")
+    p.add_argument("--boto3", nargs="+", required=True, help="a bucket per round")
+    p.add_argument("--mib", type=int, default=256)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    from ciuic import SnapshotManager
+
+    count_requests()
+    model, opt = build(a.mib, world)
+    client = boto3.client("s3", endpoint_url=a.endpoint, region_name="us-east-1")
+    key = f"rank{rank}.bin"
+    times: dict[str, list[float]] = {"ciuic": [], "boto3": []}
+    requests: dict[str, dict[str, int]] = {"ciuic": {}, "boto3": {}}
+    expect = None if a.phase == "save" else json.loads(
+        (a.out / f"save-rank{rank}.json").read_text())["digest"]
+
+    def ciuic(bucket: str) -> None:
+        url = f"s3://{bucket}/bench?endpoint={a.endpoint}"
+        os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp()  # nothing cached from a round before
+        m = SnapshotManager("bench", job="cold", store=url, asynchronous=False,
+                            handle_signals=False)
+        if a.phase == "save":
+            times["ciuic"].append(timed(lambda: m.save(1, model, opt)))
+        else:
+            for t in local_tensors(model, opt):
+                t.zero_()
+            if os.environ.get("BENCH_PROFILE") and rank == 0:  # where a restore's time goes
+                import cProfile
+
+                prof = cProfile.Profile()
+                times["ciuic"].append(timed(lambda: prof.runcall(m.restore, model, opt)))
+                prof.dump_stats(str(a.out / f"restore-{bucket}.prof"))
+            else:
+                times["ciuic"].append(timed(lambda: m.restore(model, opt)))
+            # (the optimizer's state may be new tensors: DCP's set_state_dict)
+            assert digest(local_tensors(model, opt)) == expect, \
+                f"rank {rank}: ciuic's restore differs"
+        m.close()
+
+    def plain(bucket: str) -> None:
+        mine = local_tensors(model, opt)
+        if a.phase == "save":
+            def up() -> None:
+                payload = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                   for t in mine)
+                client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=TransferConfig())
+            times["boto3"].append(timed(up))
+        else:
+            def down() -> None:
+                buf = io.BytesIO()
+                client.download_fileobj(bucket, key, buf, Config=TransferConfig())
+                data = memoryview(buf.getbuffer())
+                at = 0
+                for t in mine:
+                    n = t.numel() * t.element_size()
+                    t.view(-1).view(torch.uint8).copy_(torch.frombuffer(data[at:at + n],
+                                                                        dtype=torch.uint8))
+                    at += n
+            for t in mine:
+                t.zero_()
+            times["boto3"].append(timed(down))
+            assert digest(mine) == expect, f"rank {rank}: boto3's restore differs"
+
+    for r, (cb, bb) in enumerate(zip(a.ciuic, a.boto3, strict=True)):
+        for system in (("ciuic", "boto3") if r % 2 == 0 else ("boto3", "ciuic")):
+            before = dict(REQUESTS)
+            if system == "ciuic":
+                ciuic(cb)
+            else:
+                plain(bb)
+            if r == 0:
+                requests[system] = {k: v - before.get(k, 0) for k, v in REQUESTS.items()
+                                    if v - before.get(k, 0)}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{a.phase}-rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "world": world, "times": times, "requests": requests,
+        "bytes": sum(t.numel() * t.element_size() for t in local_tensors(model, opt)),
+        "digest": digest(local_tensors(model, opt))}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()  # leave without the interpreter's teardown (bench/scale_worker.py)
+    sys.stderr.flush()
+    os._exit(0)
