@@ -327,12 +327,7 @@ class SnapshotManager:
         self.restored, self.restored_values = info, done.values
         self._policy.taken(info.step)
         self._session.event("restore", info.step, info.id)
-        world = self.coll.world_size if self.coll.enabled else 1
-        if info.world_size > 1 and world != info.world_size:
-            log.info("Resuming training at step %d on %d ranks (the snapshot's %d: resharded)",
-                     info.step + 1, world, info.world_size)
-        else:
-            log.info("Resuming training at step %d", info.step + 1)
+        log.info("%s", resuming(info, self.coll.world_size if self.coll.enabled else 1))
         return info.step
 
     # -- start-up checks, signals, lifecycle -------------------------------------------------
@@ -432,3 +427,12 @@ def _said_last(step: int, emergency: bool, *, saved: str = "", error: BaseExcept
 
 if SnapshotManager.__doc__ is not None:  # None under python -OO
     SnapshotManager.__doc__ += "\n" + options_doc()
+
+
+def resuming(info: SnapshotInfo, world: int) -> str:
+    """The line that says where training resumes, and on how many ranks where the snapshot
+    was taken on another number of them."""
+    if info.world_size > 1 and world != info.world_size:
+        return (f"Resuming training at step {info.step + 1} on {world} ranks (the snapshot's "
+                f"{info.world_size}: resharded)")
+    return f"Resuming training at step {info.step + 1}"
