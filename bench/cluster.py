@@ -1,7 +1,7 @@
 """The 1 GiB reference state to a real Ceph cluster and back (issue 34, item 4): ciuic against
 boto3's own transfer of the same bytes as one object, and an incremental snapshot.
 
-    .venv/bin/python bench/cluster.py [--rounds 3] [--scale 1] [--json FILE]
+    .venv/bin/python bench/cluster.py [--rounds 3] [--scale 1] [--chunk-bytes B] [--json FILE]
 
 Starts the test cluster of tests/cluster.py (1 monitor, 1 manager, 3 BlueStore OSDs on sparse
 files, radosgw; pools of 3 replicas, min_size 2; Debian's Ceph, scripts/services.sh) on
@@ -23,6 +23,7 @@ share its cores) is printed beside them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.run import nbytes, reference_state  # noqa: E402
 from tests import cluster  # noqa: E402
 
-from ciuic import SnapshotManager, StateHolder  # noqa: E402
+from ciuic import SnapshotManager, StateHolder, knobs  # noqa: E402
 
 
 def summary(xs: list[float]) -> dict[str, float]:
@@ -128,9 +129,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scale", type=int, default=1, help="1 = the 1 GiB reference state")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="ciuic's chunk size (the knob; default its own): 4190208 keeps a "
+                        "chunk object with its frame within radosgw's 4 MiB head")
     p.add_argument("--compression", nargs="+", default=["auto", "off"],
                    help="ciuic's compression modes to measure (auto compresses on S3)")
     a = p.parse_args(argv)
+    with (knobs.override(chunk_bytes=a.chunk_bytes) if a.chunk_bytes is not None
+          else contextlib.nullcontext()):
+        return measure(a)
+
+
+def measure(a: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("ciuic").setLevel(logging.ERROR)
     state = reference_state(a.scale)
     size = nbytes(state)
@@ -157,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{platform.machine()} {os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'':44} {'min / median / max':24} {'MB/s':>6}  CPU s: client, cluster (medians)")
     out: dict[str, Any] = {"state_bytes": size, "tensors": len(state), "rounds": a.rounds,
+                           "chunk_bytes": knobs.get().chunk_bytes,
                            "cluster_start_s": started, "cluster_rss_bytes": memory,
                            "load_1min": loads, "incremental_bytes": inc_bytes, "systems": {}}
     for name, xs in m.wall.items():

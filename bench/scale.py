@@ -3,7 +3,7 @@
     .venv/bin/python bench/scale.py [--ranks 2 4 8 16 32] [--rounds 2] [--params 16]
         [--kib 2048] [--timeout 600] [--synthetic W ...] [--pack-bytes B ...]
         [--objects W ...] [--reshard W:NEW ...] [--chain W W ... [--chain-modes fsdp tp]]
-        [--json FILE]
+        [--cold-ceph W] [--json FILE]
 
 For each world size W, ``torchrun --standalone`` (gloo, CPU, ``OMP_NUM_THREADS=1``) runs
 ``bench/scale_worker.py``: two models of ``--params`` parameter tensors, ``--kib`` KiB of state
@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="a job restarted on each of these world sizes in turn, FSDP2 and "
                         "FSDP2 + TP (even sizes), every tensor checked (bench/reshard_worker.py)")
     p.add_argument("--chain-modes", nargs="+", default=["fsdp", "tp"], choices=["fsdp", "tp"])
+    p.add_argument("--cold-ceph", type=int, default=0, metavar="W",
+                   help="also a cold restart of W ranks from the Ceph cluster against boto3, "
+                        "an object per rank (bench/cluster_ranks.py, 256 MiB, 3 rounds)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     results: dict[str, Any] = {}
@@ -529,6 +532,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"s (CPU {fmt(r['save_cpu_s'])}), plans by rule "
                       f"{r['plans'][0] - r['plans'][1]} / {r['plans'][0]}, peak RSS "
                       f"{r['max_rss_mb']:.0f} MB")
+    if a.cold_ceph:
+        import cluster_ranks  # beside this file
+
+        print("\na cold restart of every rank from the Ceph cluster (bench/cluster_ranks.py)")
+        results["cold_ceph"] = cluster_ranks.main(["--ranks", str(a.cold_ceph)])
     if a.json:
         import torch
 

@@ -304,6 +304,8 @@ def test_hsdp_ranks_restore_from_their_own_parts_of_the_body(tmp_path: Path) -> 
     # the snapshots after the restart reuse the restored snapshot's plan: no rank exchanged
     # every rank's metas again (the uninterrupted run made its plan once)
     assert [r["plans_made"] for r in reports] == [0] * 4
+    # each rank copied what the restored plan has it write, and no snapshot failed for it
+    assert [r["failures"] for r in reports] == [0] * 4, [r["last_error"] for r in reports]
     assert [report(tmp_path / "r", r)["plans_made"] for r in range(4)] == [1] * 4
     assert [report(tmp_path / "r", r)["plans_exchanged"] for r in range(4)] == [0] * 4
     with Repository.open(store) as repo:
