@@ -62,8 +62,9 @@ def prepare(repo: Repository, trees: dict[str, Any], model: Any, optimizer: Any,
     if listed != saved_world:
         raise StateMismatch(f"the snapshot lists {listed} rank parts for a world of "
                             f"{saved_world}")
-    if parts is not None:
-        part, first = parts.get(rank % saved_world).state, parts.get(0).state
+    if parts is not None:  # (both at once: on an object store each is a round trip)
+        mine, zero = parts.some([rank % saved_world, 0])
+        part, first = mine.state, zero.state
     else:
         part, first = trees["ranks"][rank % saved_world], trees["ranks"][0]
     if saved_world != world_size and rank == 0:
