@@ -100,7 +100,7 @@ def test_a_lost_node_with_no_replacement_the_job_goes_on_with_the_nodes_left(
     assert committed_step(store) == 5
     killed = time.monotonic()
     nodes[3].kill_all()
-    resumed = r"Resuming training at step 6 on 4 ranks \(the snapshot's 6: resharded\)"
+    resumed = r"Resuming training at step 6 on 4 ranks \(the snapshot was taken on 6\)"
     back = wait_for(lambda: count(tmp_path / "n1.log", resumed) + count(tmp_path / "n2.log",
                                                                         resumed), 240,
                     "the job to resume on 4 ranks")

@@ -271,3 +271,32 @@ def test_the_plan_is_remade_only_when_a_layout_changes(tmp_path: Path) -> None:
         assert repo.catalog.latest("p", "j") is not None
     finally:
         repo.close()
+
+
+def test_a_box_on_a_sub_mesh_has_no_holders_the_rank_can_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DTensor on a part of the job's ranks (DDP over TP groups: the same box on ranks 0 and
+    2, each in its own sub-mesh) has holders this rank cannot name: None, so the plan is made
+    from every rank's metas, not by rule, and nothing is predicted."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ciuic.format import tree
+
+    class Mesh:
+        def __init__(self, ranks: list[int], coordinate: list[int]) -> None:
+            self.mesh, self._coordinate = torch.tensor(ranks), coordinate
+
+        def get_coordinate(self) -> list[int]:
+            return self._coordinate
+
+    class Fake:
+        def __init__(self, mesh: Mesh) -> None:
+            self.device_mesh, self.placements, self.shape = mesh, (Shard(0),), (8, 4)
+
+    monkeypatch.setattr(tree, "_world_size", lambda: 4)
+    assert tree.dtensor_class(Fake(Mesh([0, 1], [0]))) is not None
+    assert tree.dtensor_class(Fake(Mesh([0, 1], [0])))[1] is None  # type: ignore[index]
+    whole = Fake(Mesh([0, 1, 2, 3], [2]))
+    assert tree.dtensor_class(whole)[1] == (2,)  # type: ignore[index]
+    whole.placements = (Replicate(),)
+    assert tree.dtensor_class(whole)[1] == (0, 1, 2, 3)  # type: ignore[index]

@@ -103,7 +103,8 @@ def layout_signature(captured: DistCaptured, world_size: int) -> tuple[int, list
 def predicted_owned(captured: DistCaptured, rank: int, world_size: int) -> set[str] | None:
     """The pieces this rank will write, predicted without asking the others: the owners by rule
     (:func:`ruled_plan`), which the ranks adopt when every rank's tensors agree. None where the
-    rule does not apply (a box whose holders its DTensor does not say)."""
+    rule does not apply (a box whose holders its DTensor does not say, such as one on a
+    sub-mesh): the ranks then exchange their metas, and that plan balances otherwise."""
     found = ruled_plan(captured, rank, world_size)
     if found is None:
         return None

@@ -257,7 +257,9 @@ def dtensor_layout(t: Any) -> str | None:
 
 def dtensor_class(t: Any) -> _Class | None:
     """A DTensor's layout class (:func:`dtensor_layout`) and the global ranks that hold the
-    same box as this rank (:func:`holders`); None where the DTensor does not say."""
+    same box as this rank (:func:`holders`; None where its mesh is a part of the job's ranks:
+    the ranks of another sub-mesh may hold the same box, and this rank cannot name them); None
+    where the DTensor does not say."""
     mesh = getattr(t, "device_mesh", None)
     placements = getattr(t, "placements", None)
     if mesh is None or placements is None:
@@ -268,6 +270,8 @@ def dtensor_class(t: Any) -> _Class | None:
         if ranks is None:
             return None
         coordinate = getattr(mesh, "get_coordinate", lambda: None)()
+        if ranks.numel() != _world_size():  # a sub-mesh: its holders are not all known here
+            coordinate = None
         known = _MESHES[id(mesh)] = (mesh, repr(ranks.tolist()), coordinate, {})
     key = (tuple(t.shape), tuple(placements))
     found = known[3].get(key)
@@ -276,6 +280,13 @@ def dtensor_class(t: Any) -> _Class | None:
         found = known[3][key] = (digest(text.encode()),
                                  holders(mesh.mesh, known[2], placements))
     return found
+
+
+def _world_size() -> int:
+    """The job's number of ranks (1 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def holders(ranks: Any, coordinate: Any, placements: Any) -> tuple[int, ...] | None:

@@ -432,7 +432,7 @@ if SnapshotManager.__doc__ is not None:  # None under python -OO
 def resuming(info: SnapshotInfo, world: int) -> str:
     """The line that says where training resumes, and on how many ranks where the snapshot
     was taken on another number of them."""
-    if info.world_size > 1 and world != info.world_size:
-        return (f"Resuming training at step {info.step + 1} on {world} ranks (the snapshot's "
-                f"{info.world_size}: resharded)")
+    if world != info.world_size:
+        return (f"Resuming training at step {info.step + 1} on {world} ranks (the snapshot was "
+                f"taken on {info.world_size})")
     return f"Resuming training at step {info.step + 1}"

@@ -62,14 +62,15 @@ class RankedPipeline(Pipeline[DistCaptured]):
         captured.signature = layout_signature(captured, world)
         if self._owned is not None and self._owned[0] == captured.signature:
             owned: set[str] | None = self._owned[1]
-        elif self._predict and self._plans is not None and self._plans.default is not None:
-            # the first snapshot after a restore on the same world size: the restored plan's
-            # owners (made by an older ciuic, they may not be the rule's), which the commit
-            # keeps while the layout is the one they were made for
-            owned = {key for leaf in captured.global_leaves
-                     if self._plans.owner(key := leaf_key(leaf)) == self.coll.rank}
         elif self._predict:  # the first snapshot, or a new layout: the owners by rule
             owned = predicted_owned(captured, self.coll.rank, world)
+            plans = self._plans
+            if owned is not None and plans is not None and plans.default is not None:
+                # after a restore on the same world size the commit keeps the restored plan
+                # while the layout is the one it was made for (an older ciuic's may not be
+                # the rule's), and plans by rule otherwise: what either has this rank write
+                owned |= {key for leaf in captured.global_leaves
+                          if plans.owner(key := leaf_key(leaf)) == self.coll.rank}
         else:
             owned = None
         if owned is None:
