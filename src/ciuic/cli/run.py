@@ -244,6 +244,13 @@ def with_rdzv_conf(command: list[str], pairs: dict[str, str]) -> list[str]:
     return [*command[:at + 1], *args]
 
 
+def _rdzv_conf(args: list[str]) -> dict[str, str]:
+    """The ``key=value`` pairs of torchrun's ``--rdzv-conf`` in its arguments ``args``."""
+    conf = _option(args, "--rdzv-conf")
+    return {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
+                                        if "=" in kv)
+
+
 def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
     """``command`` with :data:`KEEP_ALIVE` added to its ``--rdzv-conf`` where it runs torchrun
     on several nodes with the c10d rendezvous and sets neither of the two itself (a value the
@@ -251,10 +258,7 @@ def with_keep_alive(command: list[str]) -> tuple[list[str], str | None]:
     found = _c10d_nodes(command)
     if found is None:
         return command, None
-    conf = _option(found[1], "--rdzv-conf")
-    given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
-                                         if "=" in kv)
-    if set(KEEP_ALIVE) & set(given):
+    if set(KEEP_ALIVE) & set(_rdzv_conf(found[1])):
         return command, None
     added = ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items())
     lapse = int(KEEP_ALIVE["keep_alive_interval"]) * int(KEEP_ALIVE["keep_alive_max_attempt"])
@@ -274,10 +278,7 @@ def elastic_note(command: list[str]) -> str | None:
     if len(nnodes) != 2 or not all(n.isdigit() for n in nnodes) or int(nnodes[0]) >= int(
             nnodes[1]):
         return None
-    conf = _option(found[1], "--rdzv-conf")
-    given = {} if conf is None else dict(kv.split("=", 1) for kv in conf[1].split(",")
-                                         if "=" in kv)
-    last_call = given.get("last_call_timeout")
+    last_call = _rdzv_conf(found[1]).get("last_call_timeout")
     waits = (f"its last call ({last_call} s, --rdzv-conf last_call_timeout)" if last_call else
              "its last call (torch's 30 s; --rdzv-conf last_call_timeout=SECONDS to choose)")
     return (f"the job runs on {nnodes[0]} to {nnodes[1]} nodes: a node lost with none to "
