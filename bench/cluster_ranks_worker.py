@@ -39,6 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.leave import leave  # how a torchrun job script ends
+
 REQUESTS: dict[str, int] = {}
 LOCK = threading.Lock()
 
@@ -188,16 +191,14 @@ def main() -> None:
                 requests[system] = {k: v - before.get(k, 0) for k, v in REQUESTS.items()
                                     if v - before.get(k, 0)}
     a.out.mkdir(parents=True, exist_ok=True)
+    last = local_tensors(model, opt)
     (a.out / f"{a.phase}-rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world": world, "times": times, "requests": requests,
-        "bytes": sum(t.numel() * t.element_size() for t in local_tensors(model, opt)),
-        "digest": digest(local_tensors(model, opt))}))
+        "bytes": sum(t.numel() * t.element_size() for t in last), "digest": digest(last)}))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()  # leave without the interpreter's teardown (bench/scale_worker.py)
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # not a return to the interpreter: see tests/helpers/leave.py

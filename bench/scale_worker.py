@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import resource
 import shutil
 import sys
@@ -42,6 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.leave import leave  # how a torchrun job script ends
 
 PHASE: list[str] = [""]  # "save" or "restore" while one is measured; set by the main thread
 CALLS: list[dict[str, Any]] = []  # every wrapped call inside a phase, in order
@@ -437,8 +439,4 @@ def _chunk() -> int:
 
 if __name__ == "__main__":
     main()
-    # leave without the interpreter's teardown, where torch's gloo objects sometimes abort the
-    # process ("terminate called without an active exception"; tests/helpers/dist_train.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # not a return to the interpreter: see tests/helpers/leave.py
