@@ -59,6 +59,8 @@ class DistCaptured(Captured):
     metas: list[Meta] | None = None
     #: the layout of this rank's global leaves (:func:`layout_signature`)
     signature: tuple[int, list[Meta]] | None = None
+    #: :func:`ruled_plan`'s answer, once asked (the staging's prediction, then the plan)
+    ruled: tuple[tuple[str, dict[str, int]] | None] | None = None
     #: piece keys of global leaves left unstaged (their values are the live tensors): the
     #: previous snapshot with the same layout on this rank had other ranks write them
     unstaged: set[str] = field(default_factory=set)
@@ -126,7 +128,14 @@ def ruled_plan(captured: DistCaptured, rank: int, world_size: int
       mesh and placements), chosen by :func:`~ciuic.format.shards.ruled`.
 
     None where a shard's holders are not known (or do not include this rank): the plan is then
-    made from every rank's metas."""
+    made from every rank's metas. Computed once per capture."""
+    if captured.ruled is None:
+        captured.ruled = (_ruled(captured, rank, world_size),)
+    return captured.ruled[0]
+
+
+def _ruled(captured: DistCaptured, rank: int, world_size: int
+           ) -> tuple[str, dict[str, int]] | None:
     agreed: list[list[Any]] = []
     plain: list[tuple[str, int, bool]] = []
     owners: dict[str, int] = {}
