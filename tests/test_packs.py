@@ -440,19 +440,3 @@ def test_a_truncated_pack_serves_the_pieces_it_holds_and_names_the_rest(
     finally:
         repo.close()
 
-
-def test_a_pack_never_passes_its_target() -> None:
-    """A pack is handed on before a piece that would take it past pack_bytes: on Ceph an object
-    just past 4 MiB is stored as a 4 MiB head and a tiny tail (two RADOS objects). A piece
-    larger than the target is a pack of its own."""
-    from ciuic.chain.packs import PackBuilder
-
-    packs: list[tuple[list[str], int]] = []
-    builder = PackBuilder(100, lambda key, parts, digests, size: packs.append((digests, size)))
-    refs = [builder.place(f"d{i}", n, [bytes(n)]) for i, n in enumerate([30, 30, 30, 30, 70,
-                                                                          100, 150, 5])]
-    builder.flush()
-    assert [size for _, size in packs] == [90, 100, 100, 150, 5]
-    assert [d for d, _ in packs] == [["d0", "d1", "d2"], ["d3", "d4"], ["d5"], ["d6"], ["d7"]]
-    assert [r.offset for r in refs] == [0, 30, 60, 0, 30, 0, 0, 0]
-    assert len({r.pack for r in refs}) == 5

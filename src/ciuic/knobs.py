@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 class Knobs:
     #: Tensors are cut into chunks of this many bytes (the last chunk of a tensor is shorter).
     chunk_bytes: int = 4 * 1024 * 1024
-    #: Pieces smaller than a chunk are written into packs of at most this many bytes, a few
+    #: Pieces smaller than a chunk are written into packs of about this many bytes, a few
     #: objects per snapshot and rank instead of one each (chain/packs.py; docs/multinode.md:
     #: 0.23 M objects for a 70B model's full snapshot at 16,384 ranks instead of 13.6 M); 0:
     #: each its own object, in the body formats older readers read. Every reader reads packs

@@ -6,7 +6,7 @@ an object of its own: thousands per rank, each a file to create and fsync or a P
 (on the development VM a new file and its first write cost 0.75 ms, an append 0.025 ms; on S3 a
 request each). The writer places such pieces, each framed or sealed exactly as its chunk object
 would be (under its chunk key, so a sealed piece cannot be moved to another digest), one after
-another into a pack of at most ``pack_bytes``, and the chunk reference records where: the pack's
+another into a pack of about ``pack_bytes``, and the chunk reference records where: the pack's
 name, the piece's offset in it and the bytes it takes there. A reader reads those bytes alone
 (a ranged read) and checks them as it would the chunk object.
 
@@ -42,10 +42,7 @@ PutPack = Callable[[str, list[Buffer], list[str], int], None]
 
 class PackBuilder:
     """Places pieces one after another into the open pack; hands each pack to ``put`` once it
-    holds ``target`` bytes, or before a piece that would take it past them (and the last one at
-    :meth:`flush`): a pack is at most ``target`` bytes (or one piece, where a piece is larger).
-    On Ceph an S3 object is stored as a head of up to 4 MiB and tails of 4 MiB: a pack just
-    past 4 MiB took a second, tiny RADOS object (docs/multinode.md). Thread-safe: the naming
+    holds ``target`` bytes or more (and the last one at :meth:`flush`). Thread-safe: the naming
     threads place their pieces under one lock (a copy of a few buffer references), so that a
     snapshot makes one partly filled pack, not one per thread."""
 
@@ -63,9 +60,6 @@ class PackBuilder:
         frame header and payload, or its sealed parts); returns its reference."""
         stored = sum(memoryview(b).nbytes for b in framed)
         with self._lock:
-            # the open pack is handed on before a piece that would take it past the target
-            before = (self._take() if self._name is not None
-                      and self._size + stored > self.target else None)
             if self._name is None:
                 self._name = secrets.token_hex(32)
             ref = ChunkRef(d, nbytes, self._name, self._size, stored)
@@ -73,9 +67,8 @@ class PackBuilder:
             self._digests.append(d)
             self._size += stored
             full = self._take() if self._size >= self.target else None
-        for done in (before, full):
-            if done is not None:
-                self._put(*done)
+        if full is not None:
+            self._put(*full)
         return ref
 
     def flush(self) -> None:
