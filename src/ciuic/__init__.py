@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ciuic.chain.health import HealthPolicy
     from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
+    from ciuic.inprocess import recoverable
     from ciuic.manager import SnapshotManager
     from ciuic.manager.interval import AutoInterval
     from ciuic.state.data import ResumableSampler
@@ -45,6 +46,7 @@ _LAZY = {
     "SnapshotManager": "ciuic.manager",
     "ResumableSampler": "ciuic.state.data",
     "StateHolder": "ciuic.state.holder",
+    "recoverable": "ciuic.inprocess",
 }
 
 
@@ -81,5 +83,6 @@ __all__ = [
     "StateMismatch",
     "StoreError",
     "__version__",
+    "recoverable",
     "register_adapter",
 ]

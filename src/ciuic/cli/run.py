@@ -12,6 +12,7 @@ import click
 from ciuic.cli.app import app, size_text
 from ciuic.errors import ConfigurationError
 from ciuic.supervisor import slurm
+from ciuic.words import counted
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -66,10 +67,17 @@ def host_memory_budget(text: str) -> int | None:
               help="A job of several nodes: when another node's ciuic run does not answer for "
                    "this long (a network fault), stop this node's workers so that torchrun "
                    "restarts them instead of waiting in their collectives.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Start N ranks of the command here, in place of torchrun, and recover from "
+                   "a rank's fault in the other ranks' processes: a function wrapped in "
+                   "ciuic.recoverable is called again (docs/recovery.md).")
+@click.option("--spares", type=click.IntRange(min=0), default=0, metavar="K",
+              help="With --nproc-per-node: keep K warm spares (the command started, its "
+                   "imports done) to take a lost rank's place.")
 @click.pass_context
 def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_timeout: float,
         grace: float, max_stalls: int, backoff: float, host_memory: str, replicas: int,
-        peer_timeout: float) -> None:
+        peer_timeout: float, nproc_per_node: int | None, spares: int) -> None:
     """Run a training command, restart it when it fails or hangs, resume it from host memory.
 
     \b
@@ -117,6 +125,23 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     log.info("ciuic run: %s (restarts at most %d, hang timeout %s, host memory %s)",
              " ".join(command), max_restarts, f"{hang_timeout:g} s" if hang_timeout else "off",
              size_text(budget) if budget is not None else "off")
+    if nproc_per_node is not None:
+        if _torchrun_at(command) is not None:
+            raise ConfigurationError("--nproc-per-node starts the ranks itself: give the "
+                                     "training script (ciuic run --nproc-per-node 4 -- python "
+                                     "train.py), not torchrun")
+        from ciuic.supervisor.launch import launch
+        from ciuic.supervisor.starts import Options
+
+        options = Options(command, max_restarts=max_restarts,
+                          hang_timeout_s=hang_timeout or None, grace_s=grace,
+                          max_stalls=max_stalls, host_memory=budget)
+        log.info("ciuic run: %d ranks here, recovered in their processes (%s)",
+                 nproc_per_node, counted(spares, "warm spare") if spares else "no warm spare")
+        raise click.exceptions.Exit(launch(options, nproc_per_node, spares))
+    elif spares:
+        raise ConfigurationError("--spares takes --nproc-per-node: warm spares wait for a "
+                                 "rank's place in a job ciuic run starts itself")
     command, slurm_said = with_slurm(command, os.environ)
     if slurm_said:
         log.info("ciuic run: %s", slurm_said)

@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from ciuic import inprocess
 from ciuic.chain import runs
 from ciuic.chain.health import HealthPolicy
 from ciuic.chain.lease import Lease
@@ -387,7 +388,23 @@ class SnapshotManager:
     def __exit__(self, tp: type[BaseException] | None, value: BaseException | None,
                  tb: Any) -> None:
         self._session.record_exit(tp, value)
+        if value is not None and not self._closed and inprocess.on_fault(value):
+            self._abandon()
+            return
         self.close(final=tp is None)
+
+    def _abandon(self) -> None:
+        """Leave after a fault that :func:`ciuic.recoverable` recovers from in this process:
+        the job's ranks no longer agree (its process groups are aborted), so no collective,
+        no emergency snapshot and no wait for the one in flight beyond a few seconds; the
+        staging buffers stay in ``ciuic run``'s host memory for the next generation's
+        restore."""
+        self._closed = True
+        self._pipeline.abandon()
+        self._policy.abandon()
+        self._signals.close()
+        self.coll.close()
+        self._session.close(abandoned=True)
 
     def finish(self) -> SnapshotInfo | None:
         """Snapshot the last step given to :meth:`step` unless a snapshot holds it already, and

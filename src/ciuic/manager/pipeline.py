@@ -57,6 +57,10 @@ log = logging.getLogger("ciuic")
 C = TypeVar("C", bound=Captured)
 
 
+#: how long a fault's abandon waits for the snapshot in flight (its collectives fail at once)
+ABANDON_WAIT_S = 10.0
+
+
 class Pipeline(abc.ABC, Generic[C]):
     """Takes one snapshot at a time: :meth:`submit` runs the shared path, which calls the
     methods a pipeline implements (the abstract ones), in this order:
@@ -392,6 +396,21 @@ class Pipeline(abc.ABC, Generic[C]):
         of its pieces another rank wrote), made from the layouts whose digest is ``joint``:
         the next snapshot reuses it when no rank's layout changed. Only ranked pipelines
         plan."""
+
+    def abandon(self, wait_s: float = ABANDON_WAIT_S) -> None:
+        """In-process recovery (:mod:`ciuic.inprocess`): the snapshot in flight fails fast (its
+        collectives are aborted) and is waited for ``wait_s`` at most; the buffers are dropped
+        here and stay in ``ciuic run``'s host memory, published, for the next generation."""
+        if self._inflight is not None:
+            done, _ = concurrent.futures.wait([self._inflight], timeout=wait_s)
+            if not done:
+                log.warning("the snapshot in flight did not end within %g s of the fault; "
+                            "left to end on its own (it cannot commit)", wait_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self.staging.release()
 
     def close(self) -> None:
         self.wait()  # the checks too

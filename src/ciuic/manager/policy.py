@@ -183,6 +183,10 @@ class SavePolicy:
         self._agreement = self.coll.start_max([signal or 0, int(time_due), step, -step,
                                                int(fatal)])
 
+    def abandon(self) -> None:
+        """In-process recovery: a started agreement is not waited for (its group is aborted)."""
+        self._agreement = None
+
     def close(self) -> None:
         """Let a started agreement finish before the groups go (a dead peer fails it: the
         error is ignored)."""

@@ -454,9 +454,11 @@ class RunSession:
                         "run ended is not known", failure[1])
             return False
 
-    def close(self) -> None:
+    def close(self, abandoned: bool = False) -> None:
+        """``abandoned``: in-process recovery (:mod:`ciuic.inprocess`); the cause of the
+        previous restart is not waited for."""
         if self.supervised is not None:
-            if self._pending is not None and self.coll.coordinator:
+            if self._pending is not None and self.coll.coordinator and not abandoned:
                 self._last_ask()
             self.supervised.close()
         self.repo.close()

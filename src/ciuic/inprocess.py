@@ -1,0 +1,270 @@
+"""In-process recovery: a rank's fault costs the other ranks seconds, not their processes.
+
+Under ``ciuic run --nproc-per-node N`` (which starts the ranks itself, in place of torchrun;
+:mod:`ciuic.supervisor.launch`), the training function wrapped by :func:`recoverable` is
+called again, in the same process, after a fault of any rank::
+
+    @ciuic.recoverable
+    def train() -> None:
+        dist.init_process_group("gloo")          # each call: a new process group
+        model = DDP(build())                     # what binds to the process group, built anew
+        with SnapshotManager("proj", job="run-1", save_interval=100) as manager:
+            last = manager.restore(model, optimizer, sampler=sampler)
+            ...                                  # the loop, as under torchrun
+
+    train()
+
+What happens on a fault (docs/recovery.md):
+
+- A rank that raises (its own error, or a collective that failed because another rank died)
+  tells ``ciuic run`` through the job's control store and aborts its process groups at once
+  (the ranks that wait on it in a collective then fail too, instead of waiting for the
+  collective's timeout). Its :class:`~ciuic.SnapshotManager` leaves its ``with`` block without
+  a collective and without the emergency snapshot (the job's ranks no longer agree), keeping
+  its staging buffers in ``ciuic run``'s host memory.
+- ``ciuic run`` starts a replacement for each rank that died (or hands its place to a warm
+  spare), opens the next generation (a fresh rendezvous store, so nothing of the old process
+  group is found again) and says why.
+- Every surviving rank's wrapper calls the function again with ``MASTER_PORT`` and
+  ``TORCHELASTIC_RESTART_COUNT`` of the new generation; ``init_process_group`` forms the new
+  group, and ``restore()`` rolls back to the latest snapshot from host memory: the survivors'
+  own buffers and the lost rank's, which ``ciuic run`` kept.
+
+Outside ``ciuic run --nproc-per-node`` the function is simply called once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ciuic.supervisor import sockets
+
+log = logging.getLogger("ciuic")
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: where the job's control store is (``host:port``), set by ``ciuic run --nproc-per-node``
+ENV = "CIUIC_INPROCESS"
+#: a warm spare's number: it waits (its imports done) for a lost rank's place
+SPARE_ENV = "CIUIC_SPARE"
+#: the control store's keys (written by ``ciuic run``, except ``fault/``)
+GEN = "gen"  # the current generation's number
+PORT = "port/"  # + generation: its rendezvous store's port
+CAUSE = "cause/"  # + generation: why the generation before it ended
+STOPPED = "stopped/"  # + generation: the last step() seen in the one before
+FAULT = "fault/"  # + generation + "/" + rank: a rank's fault in that generation (by the rank)
+FAULTS = "faults/"  # + generation: how many ranks reported a fault in it
+ASSIGN = "spare/"  # + spare number: "RANK GENERATION", the place a spare takes
+STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
+#: how long a rank waits for the next generation before it gives up
+REFORM_TIMEOUT_S = 600.0
+_POLL_S = 0.02
+
+
+class _Control:
+    """A rank's end of the control store, for the wrapper's life."""
+
+    def __init__(self, address: str) -> None:
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        host, _, port = address.rpartition(":")
+        self.store = TCPStore(host, int(port), is_master=False,
+                              timeout=timedelta(seconds=REFORM_TIMEOUT_S))
+        self.rank = -1
+        self.gen = 0
+        self.faulted: int | None = None  # the generation this rank reported a fault in
+        self._watch: threading.Thread | None = None
+        self._running = threading.Event()  # the function runs in generation self.gen
+
+    def _key(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def _wait(self, keys: list[str], timeout_s: float) -> str | None:
+        """The first of ``keys`` to exist, or None after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            for k in keys:
+                if self._key(k):
+                    return k
+            time.sleep(_POLL_S)
+        return None
+
+    def take_place(self) -> None:
+        """A warm spare: wait until ``ciuic run`` gives it a lost rank's place."""
+        spare = os.environ[SPARE_ENV]
+        log.info("ciuic: warm spare %s ready (imports done); waiting for a rank's place",
+                 spare)
+        key = ASSIGN + spare
+        if self._wait([key, STOP], float("inf")) != key:
+            raise SystemExit(0)  # the job ended without needing it
+        rank, gen = self.store.get(key).decode().split()
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = rank  # one node: local == global
+        os.environ.pop(SPARE_ENV, None)
+        self.enter(int(gen))
+        log.info("ciuic: warm spare %s takes rank %s in generation %s", spare, rank, gen)
+
+    def enter(self, gen: int) -> None:
+        """Set this process's environment for generation ``gen``."""
+        self.gen = gen
+        self.rank = int(os.environ.get("RANK", "0"))
+        os.environ["MASTER_PORT"] = self.store.get(PORT + str(gen)).decode()
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(gen)
+        os.environ["CIUIC_RUN_RESTART"] = str(gen)
+        for key, env in ((CAUSE, "CIUIC_RUN_CAUSE"), (STOPPED, "CIUIC_RUN_STOPPED_AT")):
+            if gen and self._key(key + str(gen)):
+                os.environ[env] = self.store.get(key + str(gen)).decode()
+            else:
+                os.environ.pop(env, None)
+
+    def running(self) -> None:
+        self._running.set()
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watcher, name="ciuic-inprocess",
+                                           daemon=True)
+            self._watch.start()
+
+    def _watcher(self) -> None:
+        """Abort this rank's process groups as soon as the next generation opens (another
+        rank's fault) while the function still runs in this one: a rank computing, or waiting
+        in a collective on a rank that is still alive, learns of it at once."""
+        while True:
+            self._running.wait()
+            gen = self.gen
+            if self._wait([f"{PORT}{gen + 1}", STOP], 3600.0) and self._running.is_set() \
+                    and self.gen == gen and self.faulted != gen:
+                log.warning("ciuic: rank %d: another rank failed (generation %d ended): "
+                            "aborting this rank's collectives", self.rank, gen)
+                abort_groups()
+                self._running.clear()
+
+    def fault(self, e: BaseException) -> None:
+        """Report this rank's fault in the current generation (once) and abort its groups."""
+        self._running.clear()
+        if self.faulted == self.gen:
+            return
+        self.faulted = self.gen
+        text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        try:
+            self.store.set(f"{FAULT}{self.gen}/{self.rank}", text)
+            self.store.add(FAULTS + str(self.gen), 1)
+        except Exception as err:  # ciuic run is gone: the process dies with it (pdeathsig)
+            log.warning("ciuic: could not report the fault to ciuic run: %s", err)
+        abort_groups()
+
+    def next_generation(self) -> bool:
+        """Wait for the next generation; False where ``ciuic run`` stopped the job."""
+        t0 = time.monotonic()
+        nxt = f"{PORT}{self.gen + 1}"
+        got = self._wait([nxt, STOP], REFORM_TIMEOUT_S)
+        if got != nxt:
+            why = (self.store.get(STOP).decode() if got == STOP
+                   else f"no new generation within {REFORM_TIMEOUT_S:g} s")
+            log.error("ciuic: rank %d stops: %s", self.rank, why)
+            return False
+        latest = int(self.store.get(GEN).decode())
+        self.enter(latest)
+        log.warning("ciuic: rank %d stayed in its process; generation %d formed %.2f s after "
+                    "its fault", self.rank, latest, time.monotonic() - t0)
+        return True
+
+
+_control: _Control | None = None
+#: the TCP sockets this process listened on before the training function first ran: those
+#: it listens on later are its process groups' (each gloo group listens for its peers)
+_listening_before: set[int] = set()
+
+
+def active() -> bool:
+    """Whether a :func:`recoverable` function runs under ``ciuic run --nproc-per-node``."""
+    return _control is not None and _control._running.is_set()
+
+
+def on_fault(e: BaseException) -> bool:
+    """Called by a :class:`~ciuic.SnapshotManager` left by the exception ``e``: True when
+    the wrapper recovers from it in this process (it was reported, the process groups are
+    aborted): the manager then closes without a collective and keeps its host memory."""
+    c = _control
+    if c is None or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return False
+    c.fault(e)
+    return True
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process (the training's and ciuic's), and cut their
+    connections: NCCL's collectives in flight here are cut short by the abort; gloo's abort
+    closes nothing (measured: a peer waiting on this rank waits until this process exits),
+    so this rank's end of each of its gloo connections is shut down, and every collective
+    waiting on one, here or on another rank, fails at once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except Exception as e:
+            log.debug("could not abort the process groups (%s); destroying them", e)
+            try:
+                dist.destroy_process_group()
+            except Exception as err:
+                log.debug("could not destroy the process groups: %s", err)
+    cut = sockets.cut(_listening_before)
+    if cut:
+        log.debug("shut down %d connections of the process groups", cut)
+
+
+def recoverable(fn: F) -> F:
+    """Make ``fn`` (the training, from ``init_process_group`` to the end) recoverable in its
+    process under ``ciuic run --nproc-per-node``: after a fault of any rank it is called
+    again, with the same arguments, in a new generation of the job. It must build what binds
+    to the process group (DDP, FSDP, device meshes, optimizers over them) inside, and restore
+    from its :class:`~ciuic.SnapshotManager` at its start. Elsewhere it is called once."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _control
+        address = os.environ.get(ENV)
+        if not address:
+            return fn(*args, **kwargs)
+        global _listening_before
+        if _control is not None:
+            raise RuntimeError("a recoverable function called inside another: wrap only the "
+                               "outermost training function")
+        _listening_before = sockets.listening()
+        _control = c = _Control(address)
+        try:
+            if os.environ.get(SPARE_ENV):
+                c.take_place()
+            else:
+                c.enter(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            hook = sys.excepthook  # init_process_group wraps it again each generation
+            while True:
+                sys.excepthook = hook
+                c.running()
+                try:
+                    return fn(*args, **kwargs)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as e:
+                    if c.faulted != c.gen:
+                        log.warning("ciuic: rank %d failed in generation %d: %s: %s", c.rank,
+                                    c.gen, type(e).__name__, str(e).splitlines()[0][:200]
+                                    if str(e) else "")
+                    c.fault(e)
+                    if not c.next_generation():
+                        raise
+                    del e  # its traceback holds the last generation's frames (and tensors)
+        finally:
+            c._running.clear()
+            _control = None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,372 @@
+"""``ciuic run --nproc-per-node N``: ciuic run starts the ranks itself and recovers from a
+rank's fault in the survivors' processes (:mod:`ciuic.inprocess`, docs/recovery.md).
+
+torchrun stops every worker when one fails; here only the failed rank's process is replaced:
+
+- The ranks get torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``), so that
+  ``init_process_group()`` works as under torchrun, and ``CIUIC_INPROCESS``, the job's control
+  store, which this process hosts (it outlives every rank).
+- A fault is a rank that died (its exit status says how), one that raised and reported it
+  through the control store (it stays in its process), or one that hangs (no ``step()`` for
+  ``--hang-timeout``: it is killed). Each opens the next generation: a fresh rendezvous store
+  (torch's keys of the last group are never found again), a new process for each dead rank
+  (or a warm spare, ``--spares K``, started ahead with its imports done), and the cause, which
+  every rank's manager records. The survivors' wrappers see it and call the training
+  function again.
+- As ``ciuic run`` over torchrun: host memory (the staging buffers of every rank, kept across
+  the generations and across a rank's death), the heartbeats, give up after ``--max-stalls``
+  faults in a row without a new snapshot or ``--max-restarts`` in all (the ranks are told to
+  stop: each re-raises its error), SIGTERM passed on to every rank.
+
+One node for now: the ranks of a job of several nodes still run under torchrun.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from ciuic import inprocess as ip
+from ciuic.supervisor import beat
+from ciuic.supervisor.causes import Cause, OomWatch, classify, forward, signal_name
+from ciuic.supervisor.holder import Holder
+from ciuic.supervisor.procs import exit_code, exit_text, pdeathsig, tail_text
+from ciuic.supervisor.starts import Options, Start, snapshots_said
+from ciuic.words import counted, listed
+
+log = logging.getLogger("ciuic.run")
+POLL_S = 0.05
+#: after a hang, how long the ranks have to leave the generation before those that did not
+#: are killed as stuck (a rank blocked in a collective leaves within milliseconds)
+STUCK_S = 3.0
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    rank: int | None  # None: a spare not yet given a place
+    spare: int | None = None
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=60))
+    failed: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=60))
+    done: bool = False
+
+
+class Launcher:
+    """Starts ``nproc`` ranks of :attr:`Options.command` and keeps the job going."""
+
+    def __init__(self, options: Options, nproc: int, spares: int = 0) -> None:
+        self.o = options
+        self.nproc = nproc
+        self.spares = spares
+        self.gen = 0
+        self.workers: list[Worker] = []
+        self.starts: list[Start] = []
+        self._spare_ids = 0
+        self._stop: int | None = None
+        self._stops = 0
+        self._wake = threading.Event()
+        self._stores: collections.deque[Any] = collections.deque(maxlen=3)
+        self.control: Any = None
+        self.holder: Holder | None = None
+        self._env: dict[str, str] = {}
+        #: after a hang: the hung generation, and when the ranks still in it are killed
+        self._stuck: tuple[int, float] | None = None
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stops += 1
+        self._stop = self._stop or signum
+        self._wake.set()
+        sig = signal.SIGKILL if self._stops > 1 else (
+            signal.SIGTERM if signum in (signal.SIGHUP, signal.SIGUSR1) else signum)
+        if self._stops == 1:
+            log.warning("ciuic run: %s received: passing %s to every rank (each takes its "
+                        "emergency snapshot and exits; not restarted). Send it again to kill "
+                        "the job at once.", signal_name(signum), signal_name(sig))
+        for w in self._live():
+            with contextlib.suppress(OSError):
+                os.kill(w.proc.pid, sig)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from torch._C._distributed_c10d import TCPStore
+
+        o = self.o
+        self.holder = Holder(o.host_memory, 0, o.peer_timeout_s)
+        self.control = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=30))
+        self._env = {**os.environ, **o.env, **self.holder.environment(),
+                     ip.ENV: f"127.0.0.1:{self.control.port}", "MASTER_ADDR": "127.0.0.1",
+                     "WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc),
+                     "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
+                     "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        old = {s: signal.signal(s, self._on_signal)
+               for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+        try:
+            self._open(None, None)
+            for rank in range(self.nproc):
+                self._spawn(rank)
+            for _ in range(self.spares):
+                self._spawn(None)
+            return self._loop()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._end_all()
+            self.holder.close()
+
+    def _open(self, cause: Cause | None, stopped: int | None) -> None:
+        """Open the next generation: its rendezvous store, its cause; the ranks wait for its
+        port (set last)."""
+        from torch._C._distributed_c10d import TCPStore
+
+        if self.starts:
+            self.gen += 1
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+        self._stores.append(store)  # the last ones' stay open for a rank still leaving
+        g = str(self.gen)
+        if cause is not None:
+            self.control.set(ip.CAUSE + g, cause.text)
+        if stopped is not None:
+            self.control.set(ip.STOPPED + g, str(stopped))
+        self.control.set(ip.GEN, g)
+        self.control.set(ip.PORT + g, str(store.port))
+        self.starts.append(Start(self.gen, time.monotonic()))
+
+    def _spawn(self, rank: int | None) -> Worker:
+        env = dict(self._env, TORCHELASTIC_RESTART_COUNT=str(self.gen),
+                   CIUIC_RUN_RESTART=str(self.gen))
+        spare = None
+        if rank is None:
+            spare = self._spare_ids
+            self._spare_ids += 1
+            env[ip.SPARE_ENV] = str(spare)
+            for k in ("RANK", "LOCAL_RANK"):
+                env.pop(k, None)
+        else:
+            env["RANK"] = env["LOCAL_RANK"] = str(rank)
+        proc = subprocess.Popen(self.o.command, env=env, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=_in_child)
+        w = Worker(proc, rank, spare)
+        threading.Thread(target=forward, args=(proc, w.tail, w.failed),
+                         name="ciuic-run-stderr", daemon=True).start()
+        self.workers.append(w)
+        return w
+
+    def _live(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def _loop(self) -> int:
+        o = self.o
+        assert self.holder is not None
+        oom = OomWatch()
+        stalls = 0
+        best: int | None = None
+        handled = -1  # the last generation whose fault was acted on
+        while True:
+            start = self.starts[-1]
+            beats = beat.read(self.holder.beats)
+            start.note([b for b in beats if b.busy != beat.BUSY[7] or b.commits])
+            ranks = [w for w in self.workers if w.rank is not None and not w.done]
+            dead: list[tuple[Worker, int]] = []
+            for w in ranks:
+                rc = w.proc.poll()
+                if rc == 0:
+                    w.done = True
+                elif rc is not None:
+                    dead.append((w, rc))
+            self._spares_alive()
+            if self._stop is not None:
+                if not self.control.check([ip.STOP]):  # survivors waiting give up
+                    self.control.set(ip.STOP, f"ciuic run received {signal_name(self._stop)}")
+                if not ranks or all(w.proc.poll() is not None for w in ranks):
+                    return self._stopped()
+            elif all(w.done for w in self.workers if w.rank is not None):
+                return self._finished()
+            else:
+                if self._stuck is not None and time.monotonic() >= self._stuck[1]:
+                    self._kill_stuck(ranks)
+                reported = self.gen > handled and int(
+                    self.control.add(ip.FAULTS + str(self.gen), 0)) > 0
+                hung = self._hung(beats, ranks) if self._stuck is None else None
+                if dead or reported or hung is not None:
+                    cause = hung or self._cause(dead, oom)
+                    handled = self.gen
+                    progress = start.committed is not None and (best is None
+                                                                or start.committed > best)
+                    if progress:
+                        best = start.committed
+                    stalls = 0 if progress else stalls + 1
+                    if stalls >= o.max_stalls or self.gen >= o.max_restarts:
+                        return self._give_up(cause, stalls, best, dead)
+                    self._recover(cause, start, dead)
+                    if hung is not None:  # who does not leave the generation is stuck
+                        self._stuck = (self.gen - 1, time.monotonic() + STUCK_S)
+            self._wake.wait(POLL_S)
+
+    def _spares_alive(self) -> None:
+        """A spare that died is replaced."""
+        for w in self.workers:
+            if w.rank is None and not w.done and w.proc.poll() is not None:
+                w.done = True
+                if self._stop is None:
+                    log.warning("ciuic run: warm spare %s exited (%s): starting another",
+                                w.spare, exit_text(w.proc.returncode))
+                    self._spawn(None)
+
+    def _finished(self) -> int:
+        self.control.set(ip.STOP, "the job finished")
+        said, failures = snapshots_said(self.starts)
+        log.log(logging.WARNING if failures else logging.INFO,
+                "ciuic run: the job finished (exit 0)%s. Its snapshots: %s",
+                f" after {counted(self.gen, 'in-process recovery', 'in-process recoveries')}"
+                if self.gen else "", said)
+        return 0
+
+    def _hung(self, beats: list[beat.Beat], ranks: list[Worker]) -> Cause | None:
+        """A hang: a rank training (not restoring, saving, closing) and silent past
+        ``--hang-timeout``. Which rank hangs is not known from here (the ranks waiting for it
+        in a collective are silent too): every rank is told to leave the generation, and the
+        ones that do not within :data:`STUCK_S` are killed (:meth:`_kill_stuck`)."""
+        timeout = self.o.hang_timeout_s
+        now = time.monotonic()
+        pids = {w.proc.pid for w in ranks if w.proc.poll() is None}
+        live = [b for b in beats if b.pid in pids and b.busy is None]
+        if timeout is None or not live:
+            return None
+        worst = max(live, key=lambda b: b.silent_s(now))
+        if worst.silent_s(now) < timeout:
+            return None
+        what = (f"no step() for {timeout:g} s" if worst.step is not None else
+                f"no first step() within {timeout:g} s of its manager's start")
+        return Cause("hang", f"hang: {what} (rank {worst.rank} the longest silent)")
+
+    def _kill_stuck(self, ranks: list[Worker]) -> None:
+        """The ranks that did not leave the hung generation: killed, and replaced."""
+        assert self._stuck is not None
+        gen = self._stuck[0]
+        self._stuck = None
+        stuck = [w for w in ranks if w.proc.poll() is None
+                 and not self.control.check([f"{ip.FAULT}{gen}/{w.rank}"])]
+        for w in stuck:
+            with contextlib.suppress(OSError):
+                os.kill(w.proc.pid, signal.SIGKILL)
+            w.proc.wait()
+            w.done = True
+        if stuck:
+            how = self._replace(sorted(w.rank for w in stuck if w.rank is not None))
+            log.warning("ciuic run: hung: %s did not leave generation %d within %g s: killed; "
+                        "%s", listed([w.rank for w in stuck], "rank"), gen, STUCK_S,
+                        ", ".join(how))
+
+    def _cause(self, dead: list[tuple[Worker, int]], oom: OomWatch) -> Cause:
+        if dead:
+            w, rc = dead[0]
+            c = classify(rc, list(w.tail), oom)
+            return Cause(c.kind, f"rank {w.rank} (pid {w.proc.pid}): {c.text}")
+        faults = [(int(k), self.control.get(f"{ip.FAULT}{self.gen}/{k}").decode())
+                  for k in range(self.nproc)
+                  if self.control.check([f"{ip.FAULT}{self.gen}/{k}"])]
+        rank, text = faults[0] if faults else (-1, "a rank reported a fault")
+        return Cause("exception", f"exception: rank {rank}: {text}")
+
+    def _recover(self, cause: Cause, start: Start, dead: list[tuple[Worker, int]]) -> None:
+        lost = sorted(w.rank for w, _ in dead if w.rank is not None)
+        for w, _ in dead:
+            w.done = True
+        where = f"at step {start.step}" if start.step is not None else "before its first step()"
+        self._open(cause, start.step)
+        how = self._replace(lost)
+        log.warning("ciuic run: %s %s. Generation %d: %s stay in their processes%s",
+                    cause.text, where, self.gen, counted(self.nproc - len(lost), "rank"),
+                    f"; {', '.join(how)}" if how else "")
+
+    def _replace(self, lost: list[int]) -> list[str]:
+        """A process for each lost rank in the current generation: a warm spare where one is
+        ready (another is started in its place), else a new one."""
+        spares = [w for w in self.workers if w.rank is None and w.proc.poll() is None]
+        how = []
+        for rank in lost:
+            if spares:
+                s = spares.pop(0)
+                s.rank = rank
+                self.control.set(ip.ASSIGN + str(s.spare), f"{rank} {self.gen}")
+                how.append(f"rank {rank} goes to warm spare {s.spare}")
+                self._spawn(None)
+            else:
+                self._spawn(rank)
+                how.append(f"rank {rank} starts anew")
+        return how
+
+    def _give_up(self, cause: Cause, stalls: int, best: int | None,
+                 dead: list[tuple[Worker, int]]) -> int:
+        o = self.o
+        new = "a new snapshot" if best is None else f"a snapshot past step {best}"
+        why = (f"it failed {counted(stalls, 'time')} in a row without committing {new}"
+               if stalls >= o.max_stalls else
+               f"it recovered {counted(self.gen, 'time')}, the limit (--max-restarts)")
+        self.control.set(ip.STOP, f"ciuic run gave up: {why}")
+        end = time.monotonic() + o.grace_s
+        while time.monotonic() < end and self._live():
+            time.sleep(0.05)
+        said, _ = snapshots_said(self.starts)
+        tail = dead[0][0].tail if dead else collections.deque()
+        log.error("ciuic run: giving up: %s. The last failure: %s. Its snapshots: %s%s", why,
+                  cause, said, tail_text(tail))
+        rcs = [w.proc.returncode for w in self.workers if w.proc.returncode]
+        return exit_code(rcs[0]) if rcs else 1
+
+    def _stopped(self) -> int:
+        said, _ = snapshots_said(self.starts)
+        rcs = [w.proc.returncode for w in self.workers if w.rank is not None
+               and w.proc.returncode]
+        rc = rcs[0] if rcs else 0
+        log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its snapshots: %s",
+                    exit_text(rc), signal_name(self._stop or 0), said)
+        return exit_code(rc)
+
+    def _end_all(self) -> None:
+        """Every process still running (spares; ranks after a give-up) is ended."""
+        with contextlib.suppress(Exception):
+            if self.control is not None and not self.control.check([ip.STOP]):
+                self.control.set(ip.STOP, "ciuic run ended")
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and self._live():
+            time.sleep(0.05)
+        for w in self._live():
+            with contextlib.suppress(OSError):
+                os.kill(w.proc.pid, signal.SIGKILL)
+            w.proc.wait()
+        for w in self.workers:
+            if w.proc.stderr is not None:
+                with contextlib.suppress(OSError):
+                    w.proc.stderr.close()
+
+
+def _in_child() -> None:
+    pdeathsig()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def launch(options: Options, nproc: int, spares: int) -> int:
+    if nproc < 1:
+        raise ValueError("--nproc-per-node must be at least 1")
+    sys.stdout.flush()
+    return Launcher(options, nproc, spares).run()
