@@ -30,11 +30,11 @@ if TYPE_CHECKING:
     from ciuic.chain.health import HealthPolicy
     from ciuic.chain.repo import Repository
     from ciuic.format.info import SnapshotInfo
-    from ciuic.inprocess import recoverable
     from ciuic.manager import SnapshotManager
     from ciuic.manager.interval import AutoInterval
     from ciuic.state.data import ResumableSampler
     from ciuic.state.holder import StateHolder
+    from ciuic.supervisor.inprocess import recoverable
 
 #: imported on first use, so that ``import ciuic`` (and the command line, whose commands mostly
 #: need no torch) does not import torch until a name that needs it is used
@@ -46,7 +46,7 @@ _LAZY = {
     "SnapshotManager": "ciuic.manager",
     "ResumableSampler": "ciuic.state.data",
     "StateHolder": "ciuic.state.holder",
-    "recoverable": "ciuic.inprocess",
+    "recoverable": "ciuic.supervisor.inprocess",
 }
 
 

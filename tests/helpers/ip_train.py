@@ -9,9 +9,9 @@ PHASE is where in the step: ``forward``, ``backward`` (in the backward, before t
 are reduced), ``allreduce`` (inside DDP's gradient allreduce, or FSDP2's reduce-scatter),
 ``optimizer`` (in the optimizer's step), ``snapshot`` (in the background write of the snapshot
 that step takes) or ``after`` (before ``step()``). ACTION is ``kill`` (SIGKILL), ``raise`` or
-``hang``. Each fault strikes once (a marker file in OUT). Each rank appends
-``{"step", "time", "pid", "gen"}`` to OUT/steps-RANK.jsonl after each step(), and a fault's
-rank writes OUT/fault-STEP-RANK.json with its time just before it strikes. At the end rank 0
+``hang``, each striking once (a marker file in OUT), or ``bug`` (raises every time). Each rank
+appends ``{"step", "time", "pid", "gen"}`` to OUT/steps-RANK.jsonl after each step(), and a
+fault's rank writes OUT/fault-STEP-RANK.json with its time just before it strikes. At the end rank 0
 writes every model and optimizer tensor to OUT/final-ciuic.safetensors.
 """
 
@@ -45,8 +45,9 @@ class Faults:
         self.specs = []
         for s in specs:
             step, who, phase, action = s.split(":")
-            if phase not in PHASES or action not in ("kill", "raise", "hang"):
-                raise SystemExit(f"--fault {s}: PHASE one of {PHASES}, ACTION kill/raise/hang")
+            if phase not in PHASES or action not in ("kill", "raise", "hang", "bug"):
+                raise SystemExit(f"--fault {s}: PHASE one of {PHASES}, ACTION "
+                                 "kill/raise/hang/bug")
             if int(who) == rank:
                 self.specs.append((int(step), phase, action))
         self.step = -1
@@ -56,6 +57,8 @@ class Faults:
             if step != self.step or ph != phase:
                 continue
             marker = self.out / f"fault-{step}-{self.rank}.json"
+            if action == "bug":  # a bug in the training code: every time
+                raise TypeError(f"a bug at step {step}, {phase} (rank {self.rank})")
             if marker.exists():
                 continue
             marker.write_text(json.dumps({"time": time.time(), "phase": phase,
@@ -83,7 +86,11 @@ def train(a: argparse.Namespace) -> None:
     model: nn.Module = nn.Sequential(nn.Linear(64, a.hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(a.hidden, 4))
     model[0].register_forward_pre_hook(lambda *_: f.strike("forward"))
-    model[0].weight.register_hook(lambda g: (f.strike("backward"), g)[1])
+    # the gradient of the first layer's output: in the backward, before its gradients are
+    # reduced (a hook on a parameter does not run under FSDP2, whose shards get their
+    # gradients from its reduce-scatter)
+    model[0].register_forward_hook(
+        lambda m, i, out: (out.register_hook(lambda g: (f.strike("backward"), g)[1]), None)[1])
     if a.model == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

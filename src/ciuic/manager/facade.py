@@ -26,7 +26,6 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from ciuic import inprocess
 from ciuic.chain import runs
 from ciuic.chain.health import HealthPolicy
 from ciuic.chain.lease import Lease
@@ -52,6 +51,7 @@ from ciuic.manager.stats import ManagerStats
 from ciuic.manager.supervised import busy, join_peers, multi_node
 from ciuic.state.ddp import pin_buckets
 from ciuic.store import Store
+from ciuic.supervisor import inprocess
 
 log = logging.getLogger("ciuic")
 

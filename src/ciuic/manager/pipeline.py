@@ -12,11 +12,14 @@ import abc
 import concurrent.futures
 import contextlib
 import logging
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -398,14 +401,15 @@ class Pipeline(abc.ABC, Generic[C]):
         plan."""
 
     def abandon(self, wait_s: float = ABANDON_WAIT_S) -> None:
-        """In-process recovery (:mod:`ciuic.inprocess`): the snapshot in flight fails fast (its
+        """In-process recovery (:mod:`ciuic.supervisor.inprocess`): the snapshot in flight fails fast (its
         collectives are aborted) and is waited for ``wait_s`` at most; the buffers are dropped
         here and stay in ``ciuic run``'s host memory, published, for the next generation."""
         if self._inflight is not None:
             done, _ = concurrent.futures.wait([self._inflight], timeout=wait_s)
             if not done:
                 log.warning("the snapshot in flight did not end within %g s of the fault; "
-                            "left to end on its own (it cannot commit)", wait_s)
+                            "left to end on its own (it cannot commit). Its thread is in %s",
+                            wait_s, where_thread("ciuic-snapshot"))
         self._executor.shutdown(wait=False, cancel_futures=True)
         for _, handle in self._hooks.values():
             handle.remove()
@@ -427,6 +431,18 @@ class Pipeline(abc.ABC, Generic[C]):
             handle.remove()
         self._hooks.clear()
         self.staging.release()
+
+
+def where_thread(prefix: str) -> str:
+    """Where the first thread whose name starts with ``prefix`` is: its innermost frames."""
+    frames = sys._current_frames()
+    for t in threading.enumerate():
+        frame = frames.get(t.ident or -1)
+        if t.name.startswith(prefix) and frame is not None:
+            stack = traceback.extract_stack(frame)[-4:]
+            return " < ".join(f"{f.name} ({Path(f.filename).name}:{f.lineno})"
+                              for f in reversed(stack))
+    return "no such thread"
 
 
 def _check_stored(repo: Any, cache: ChunkCache, chunks: list[ChunkRef]) -> None:

@@ -455,7 +455,7 @@ class RunSession:
             return False
 
     def close(self, abandoned: bool = False) -> None:
-        """``abandoned``: in-process recovery (:mod:`ciuic.inprocess`); the cause of the
+        """``abandoned``: in-process recovery (:mod:`ciuic.supervisor.inprocess`); the cause of the
         previous restart is not waited for."""
         if self.supervised is not None:
             if self._pending is not None and self.coll.coordinator and not abandoned:

@@ -1,5 +1,5 @@
 """``ciuic run --nproc-per-node N``: ciuic run starts the ranks itself and recovers from a
-rank's fault in the survivors' processes (:mod:`ciuic.inprocess`, docs/recovery.md).
+rank's fault in the survivors' processes (:mod:`ciuic.supervisor.inprocess`, docs/recovery.md).
 
 torchrun stops every worker when one fails; here only the failed rank's process is replaced:
 
@@ -28,6 +28,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,8 +39,8 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-from ciuic import inprocess as ip
 from ciuic.supervisor import beat
+from ciuic.supervisor import inprocess as ip
 from ciuic.supervisor.causes import Cause, OomWatch, classify, forward, signal_name
 from ciuic.supervisor.holder import Holder
 from ciuic.supervisor.procs import exit_code, exit_text, pdeathsig, tail_text
@@ -51,6 +52,10 @@ POLL_S = 0.05
 #: after a hang, how long the ranks have to leave the generation before those that did not
 #: are killed as stuck (a rank blocked in a collective leaves within milliseconds)
 STUCK_S = 3.0
+#: a fault reported as a lost connection: how long a rank's death (its likely cause) is waited
+DEATH_WAIT_S = 1.0
+#: a collective's error when a peer is gone
+LOST = re.compile(r"Connection (?:closed|reset)|Broken pipe|recv.*0 bytes|DistNetworkError")
 
 
 @dataclass
@@ -79,7 +84,7 @@ class Launcher:
         self._stop: int | None = None
         self._stops = 0
         self._wake = threading.Event()
-        self._stores: collections.deque[Any] = collections.deque(maxlen=3)
+        self._stores: list[Any] = []  # the current generation's rendezvous store
         self.control: Any = None
         self.holder: Holder | None = None
         self._env: dict[str, str] = {}
@@ -140,7 +145,10 @@ class Launcher:
             self.gen += 1
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=60))
-        self._stores.append(store)  # the last ones' stay open for a rank still leaving
+        # the last generation's store is closed: a rank still waiting in it (forming a group
+        # with a rank that died meanwhile) fails at once instead of after its timeout
+        self._stores.clear()
+        self._stores.append(store)
         g = str(self.gen)
         if cause is not None:
             self.control.set(ip.CAUSE + g, cause.text)
@@ -206,6 +214,8 @@ class Launcher:
                 reported = self.gen > handled and int(
                     self.control.add(ip.FAULTS + str(self.gen), 0)) > 0
                 hung = self._hung(beats, ranks) if self._stuck is None else None
+                if reported and not dead:
+                    dead = self._dead_too(ranks)
                 if dead or reported or hung is not None:
                     cause = hung or self._cause(dead, oom)
                     handled = self.gen
@@ -220,6 +230,34 @@ class Launcher:
                     if hung is not None:  # who does not leave the generation is stuck
                         self._stuck = (self.gen - 1, time.monotonic() + STUCK_S)
             self._wake.wait(POLL_S)
+
+    def _dead_too(self, ranks: list[Worker]) -> list[tuple[Worker, int]]:
+        """A rank reported a fault and none is seen dead: when the first report is a lost
+        connection, a rank that died is its likely cause, and its exit is waited for a
+        moment (else the next generation would wait for it)."""
+        end = time.monotonic() + (DEATH_WAIT_S if self._lost_connection() else 0.0)
+        while True:
+            dead = [(w, rc) for w in ranks if (rc := w.proc.poll()) not in (None, 0)]
+            if dead or time.monotonic() >= end:
+                return dead
+            time.sleep(0.01)
+
+    def _lost_connection(self) -> bool:
+        first = self._reports()
+        return bool(first) and bool(LOST.search(min(first)[2]))
+
+    def _reports(self) -> list[tuple[int, int, str]]:
+        """(order, rank, text) of each fault reported in the current generation."""
+        keys = [f"{ip.FAULT}{self.gen}/{k}" for k in range(self.nproc)]
+        end = time.monotonic() + 1.0  # the count is added before the text is set
+        while not (said := [k for k in keys if self.control.check([k])]) and (
+                time.monotonic() < end):
+            time.sleep(0.01)
+        out = []
+        for k in said:
+            order, _, text = self.control.get(k).decode().partition(" ")
+            out.append((int(order), int(k.rsplit("/", 1)[1]), text))
+        return out
 
     def _spares_alive(self) -> None:
         """A spare that died is replaced."""
@@ -281,10 +319,10 @@ class Launcher:
             w, rc = dead[0]
             c = classify(rc, list(w.tail), oom)
             return Cause(c.kind, f"rank {w.rank} (pid {w.proc.pid}): {c.text}")
-        faults = [(int(k), self.control.get(f"{ip.FAULT}{self.gen}/{k}").decode())
-                  for k in range(self.nproc)
-                  if self.control.check([f"{ip.FAULT}{self.gen}/{k}"])]
-        rank, text = faults[0] if faults else (-1, "a rank reported a fault")
+        faults = self._reports()
+        if not faults:
+            return Cause("exception", "exception: a rank reported a fault")
+        _, rank, text = min(faults)
         return Cause("exception", f"exception: rank {rank}: {text}")
 
     def _recover(self, cause: Cause, start: Start, dead: list[tuple[Worker, int]]) -> None:
@@ -294,6 +332,11 @@ class Launcher:
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
         self._open(cause, start.step)
         how = self._replace(lost)
+        if cause.kind == "hang":
+            log.warning("ciuic run: %s %s. Generation %d: every rank leaves generation %d; one "
+                        "that has not within %g s is hung, and is killed and replaced",
+                        cause.text, where, self.gen, self.gen - 1, STUCK_S)
+            return
         log.warning("ciuic run: %s %s. Generation %d: %s stay in their processes%s",
                     cause.text, where, self.gen, counted(self.nproc - len(lost), "rank"),
                     f"; {', '.join(how)}" if how else "")

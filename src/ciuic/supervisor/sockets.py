@@ -1,5 +1,5 @@
 """This process's TCP sockets, read from ``/proc`` (Linux): which listen, and shutting down
-the connections accepted on some of them (:func:`ciuic.inprocess.abort_groups`: a gloo
+the connections accepted on some of them (:func:`ciuic.supervisor.inprocess.abort_groups`: a gloo
 collective blocked on a connection fails once its socket is shut down, on either end)."""
 
 from __future__ import annotations

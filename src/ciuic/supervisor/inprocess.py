@@ -58,7 +58,9 @@ GEN = "gen"  # the current generation's number
 PORT = "port/"  # + generation: its rendezvous store's port
 CAUSE = "cause/"  # + generation: why the generation before it ended
 STOPPED = "stopped/"  # + generation: the last step() seen in the one before
-FAULT = "fault/"  # + generation + "/" + rank: a rank's fault in that generation (by the rank)
+#: + generation + "/" + rank: "ORDER TEXT", a rank's fault in that generation (set by the rank;
+#: ORDER counts from 1: the first to fail is the origin, the others fail for it)
+FAULT = "fault/"
 FAULTS = "faults/"  # + generation: how many ranks reported a fault in it
 ASSIGN = "spare/"  # + spare number: "RANK GENERATION", the place a spare takes
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
@@ -83,16 +85,21 @@ class _Control:
         self.faulted: int | None = None  # the generation this rank reported a fault in
         self._watch: threading.Thread | None = None
         self._running = threading.Event()  # the function runs in generation self.gen
+        #: an abort and the entry into the next generation exclude each other (an abort that
+        #: ran on would cut the new generation's connections)
+        self._lock = threading.Lock()
+        self._address = address
 
     def _key(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
-    def _wait(self, keys: list[str], timeout_s: float) -> str | None:
+    def _wait(self, keys: list[str], timeout_s: float, store: Any = None) -> str | None:
         """The first of ``keys`` to exist, or None after ``timeout_s``."""
+        store = store or self.store
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             for k in keys:
-                if self._key(k):
+                if store.check([k]):
                     return k
             time.sleep(_POLL_S)
         return None
@@ -113,6 +120,10 @@ class _Control:
 
     def enter(self, gen: int) -> None:
         """Set this process's environment for generation ``gen``."""
+        with self._lock:
+            self._enter(gen)
+
+    def _enter(self, gen: int) -> None:
         self.gen = gen
         self.rank = int(os.environ.get("RANK", "0"))
         os.environ["MASTER_PORT"] = self.store.get(PORT + str(gen)).decode()
@@ -125,7 +136,8 @@ class _Control:
                 os.environ.pop(env, None)
 
     def running(self) -> None:
-        self._running.set()
+        with self._lock:
+            self._running.set()
         if self._watch is None:
             self._watch = threading.Thread(target=self._watcher, name="ciuic-inprocess",
                                            daemon=True)
@@ -134,27 +146,40 @@ class _Control:
     def _watcher(self) -> None:
         """Abort this rank's process groups as soon as the next generation opens (another
         rank's fault) while the function still runs in this one: a rank computing, or waiting
-        in a collective on a rank that is still alive, learns of it at once."""
+        in a collective on a rank that is still alive, learns of it at once. (Its own
+        connection to the store: the main thread's may be in a request.)"""
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        host, _, port = self._address.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
         while True:
             self._running.wait()
             gen = self.gen
-            if self._wait([f"{PORT}{gen + 1}", STOP], 3600.0) and self._running.is_set() \
-                    and self.gen == gen and self.faulted != gen:
-                log.warning("ciuic: rank %d: another rank failed (generation %d ended): "
-                            "aborting this rank's collectives", self.rank, gen)
-                abort_groups()
-                self._running.clear()
+            if not self._wait([f"{PORT}{gen + 1}", STOP], 3600.0, store):
+                continue
+            with self._lock:
+                if self._running.is_set() and self.gen == gen and self.faulted != gen:
+                    log.warning("ciuic: rank %d: another rank failed (generation %d ended): "
+                                "aborting this rank's collectives", self.rank, gen)
+                    self._running.clear()
+                    abort_groups()
 
     def fault(self, e: BaseException) -> None:
         """Report this rank's fault in the current generation (once) and abort its groups."""
+        with self._lock:
+            self._fault(e)
+
+    def _fault(self, e: BaseException) -> None:
         self._running.clear()
         if self.faulted == self.gen:
             return
         self.faulted = self.gen
         text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         try:
-            self.store.set(f"{FAULT}{self.gen}/{self.rank}", text)
-            self.store.add(FAULTS + str(self.gen), 1)
+            order = self.store.add(FAULTS + str(self.gen), 1)  # the first is the origin
+            self.store.set(f"{FAULT}{self.gen}/{self.rank}", f"{order} {text}")
         except Exception as err:  # ciuic run is gone: the process dies with it (pdeathsig)
             log.warning("ciuic: could not report the fault to ciuic run: %s", err)
         abort_groups()
