@@ -9,7 +9,8 @@ PHASE is where in the step: ``forward``, ``backward`` (in the backward, before t
 are reduced), ``allreduce`` (inside DDP's gradient allreduce, or FSDP2's reduce-scatter),
 ``optimizer`` (in the optimizer's step), ``snapshot`` (in the background write of the snapshot
 that step takes) or ``after`` (before ``step()``). ACTION is ``kill`` (SIGKILL), ``raise`` or
-``hang``, each striking once (a marker file in OUT), or ``bug`` (raises every time). Each rank
+``hang``, each striking once (a marker file in OUT), or ``bug`` (a TypeError) or ``config`` (a
+ConfigurationError), every time. Each rank
 appends ``{"step", "time", "pid", "gen"}`` to OUT/steps-RANK.jsonl after each step(), and a
 fault's rank writes OUT/fault-STEP-RANK.json with its time just before it strikes. At the end rank 0
 writes every model and optimizer tensor to OUT/final-ciuic.safetensors.
@@ -45,9 +46,9 @@ class Faults:
         self.specs = []
         for s in specs:
             step, who, phase, action = s.split(":")
-            if phase not in PHASES or action not in ("kill", "raise", "hang", "bug"):
+            if phase not in PHASES or action not in ("kill", "raise", "hang", "bug", "config"):
                 raise SystemExit(f"--fault {s}: PHASE one of {PHASES}, ACTION "
-                                 "kill/raise/hang/bug")
+                                 "kill/raise/hang/bug/config")
             if int(who) == rank:
                 self.specs.append((int(step), phase, action))
         self.step = -1
@@ -59,6 +60,8 @@ class Faults:
             marker = self.out / f"fault-{step}-{self.rank}.json"
             if action == "bug":  # a bug in the training code: every time
                 raise TypeError(f"a bug at step {step}, {phase} (rank {self.rank})")
+            if action == "config":  # bad input, which ciuic says: every time
+                raise ciuic.ConfigurationError(f"bad input at step {step} (rank {self.rank})")
             if marker.exists():
                 continue
             marker.write_text(json.dumps({"time": time.time(), "phase": phase,

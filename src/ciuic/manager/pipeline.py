@@ -401,9 +401,10 @@ class Pipeline(abc.ABC, Generic[C]):
         plan."""
 
     def abandon(self, wait_s: float = ABANDON_WAIT_S) -> None:
-        """In-process recovery (:mod:`ciuic.supervisor.inprocess`): the snapshot in flight fails fast (its
-        collectives are aborted) and is waited for ``wait_s`` at most; the buffers are dropped
-        here and stay in ``ciuic run``'s host memory, published, for the next generation."""
+        """In-process recovery (:mod:`ciuic.supervisor.inprocess`): the snapshot in flight
+        fails fast (its collectives are aborted) and is waited for ``wait_s`` at most; the
+        buffers are dropped here and stay in ``ciuic run``'s host memory, published, for the
+        next generation."""
         if self._inflight is not None:
             done, _ = concurrent.futures.wait([self._inflight], timeout=wait_s)
             if not done:

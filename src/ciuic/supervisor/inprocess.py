@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ciuic.errors import ConfigurationError
 from ciuic.supervisor import sockets
 
 log = logging.getLogger("ciuic")
@@ -62,6 +63,9 @@ STOPPED = "stopped/"  # + generation: the last step() seen in the one before
 #: ORDER counts from 1: the first to fail is the origin, the others fail for it)
 FAULT = "fault/"
 FAULTS = "faults/"  # + generation: how many ranks reported a fault in it
+#: + generation: a fault that recovering cannot mend (a ConfigurationError): ciuic run gives
+#: up at once
+FATAL = "fatal/"
 ASSIGN = "spare/"  # + spare number: "RANK GENERATION", the place a spare takes
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
 #: how long a rank waits for the next generation before it gives up
@@ -180,6 +184,8 @@ class _Control:
         try:
             order = self.store.add(FAULTS + str(self.gen), 1)  # the first is the origin
             self.store.set(f"{FAULT}{self.gen}/{self.rank}", f"{order} {text}")
+            if isinstance(e, ConfigurationError):  # bad input: recovering would meet it again
+                self.store.set(FATAL + str(self.gen), f"rank {self.rank}: {text}")
         except Exception as err:  # ciuic run is gone: the process dies with it (pdeathsig)
             log.warning("ciuic: could not report the fault to ciuic run: %s", err)
         abort_groups()
@@ -205,11 +211,6 @@ _control: _Control | None = None
 #: the TCP sockets this process listened on before the training function first ran: those
 #: it listens on later are its process groups' (each gloo group listens for its peers)
 _listening_before: set[int] = set()
-
-
-def active() -> bool:
-    """Whether a :func:`recoverable` function runs under ``ciuic run --nproc-per-node``."""
-    return _control is not None and _control._running.is_set()
 
 
 def on_fault(e: BaseException) -> bool:
@@ -256,11 +257,10 @@ def recoverable(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        global _control
+        global _control, _listening_before
         address = os.environ.get(ENV)
         if not address:
             return fn(*args, **kwargs)
-        global _listening_before
         if _control is not None:
             raise RuntimeError("a recoverable function called inside another: wrap only the "
                                "outermost training function")

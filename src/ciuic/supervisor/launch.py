@@ -224,8 +224,9 @@ class Launcher:
                     if progress:
                         best = start.committed
                     stalls = 0 if progress else stalls + 1
-                    if stalls >= o.max_stalls or self.gen >= o.max_restarts:
-                        return self._give_up(cause, stalls, best, dead)
+                    fatal = self.control.check([ip.FATAL + str(self.gen)])
+                    if fatal or stalls >= o.max_stalls or self.gen >= o.max_restarts:
+                        return self._give_up(cause, stalls, best, dead, fatal)
                     self._recover(cause, start, dead)
                     if hung is not None:  # who does not leave the generation is stuck
                         self._stuck = (self.gen - 1, time.monotonic() + STUCK_S)
@@ -359,10 +360,11 @@ class Launcher:
         return how
 
     def _give_up(self, cause: Cause, stalls: int, best: int | None,
-                 dead: list[tuple[Worker, int]]) -> int:
+                 dead: list[tuple[Worker, int]], fatal: bool = False) -> int:
         o = self.o
         new = "a new snapshot" if best is None else f"a snapshot past step {best}"
-        why = (f"it failed {counted(stalls, 'time')} in a row without committing {new}"
+        why = ("a configuration error, which recovering would meet again" if fatal else
+               f"it failed {counted(stalls, 'time')} in a row without committing {new}"
                if stalls >= o.max_stalls else
                f"it recovered {counted(self.gen, 'time')}, the limit (--max-restarts)")
         self.control.set(ip.STOP, f"ciuic run gave up: {why}")
