@@ -232,6 +232,8 @@ def test_fsdp2_killed_mid_epoch_resumes_bit_exact_each_rank_writing_its_shards(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ciuic's write path, the same in every framework: CI runs it in
+# test_kill_resume and for transformers, torchtitan, megatron and Accelerate's DDP
 def test_fsdp2_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
         fsdp_reference: Path, tmp_path: Path) -> None:
     killed(train(tmp_path, "--fsdp", "2", "--kill-at", "9"))

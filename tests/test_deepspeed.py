@@ -113,6 +113,8 @@ def test_zero_0_and_2_killed_mid_epoch_end_bit_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ciuic's write path, the same in every framework: CI runs it in
+# test_kill_resume and for transformers, torchtitan, megatron and Accelerate's DDP
 def test_killed_again_inside_a_snapshot_write_it_ends_bit_exact(
         references: Runs, tmp_path_factory: pytest.TempPathFactory,
         tmp_path: Path) -> None:

@@ -137,6 +137,19 @@ def test_a_raise_then_a_kill_inside_a_snapshot_write_are_two_generations_ending_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (a fault after the others finished: about 12 s)
+def test_a_rank_lost_after_the_others_finished_takes_them_into_the_next_generation(
+        tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]]) -> None:
+    run = launch(tmp_path, "--fault", "29:2:end:kill")
+    err = run.stderr
+    assert run.returncode == 0, err[-6000:]
+    # the others had returned from the function and waited for every rank's: they go on
+    assert "Generation 1: 3 ranks stay in their processes; rank 2 starts anew" in err, err[-4000:]
+    assert err.count("had finished; another rank failed: generation 1 goes on with it") == 3
+    assert_same(final(tmp_path / "out"), uninterrupted["ddp"])
+
+
+@pytest.mark.slow
 def test_a_bug_that_fails_every_generation_gives_up_and_every_rank_exits(tmp_path: Path) -> None:
     run = launch(tmp_path, "--fault", "7:2:forward:bug", run_args=("--max-stalls", "2"))
     err = run.stderr

@@ -72,6 +72,8 @@ def test_a_loader_with_its_own_generator_killed_after_epoch_0_ends_bit_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ciuic's write path, the same in every framework: CI runs it in
+# test_kill_resume and for transformers, torchtitan, megatron and Accelerate's DDP
 def test_killed_again_inside_a_snapshot_write_after_the_resume_it_ends_bit_exact(
         reference: Path, tmp_path: Path) -> None:
     killed(fit(tmp_path, "--kill-at", "17"))

@@ -8,7 +8,8 @@
 PHASE is where in the step: ``forward``, ``backward`` (in the backward, before the gradients
 are reduced), ``allreduce`` (inside DDP's gradient allreduce, or FSDP2's reduce-scatter),
 ``optimizer`` (in the optimizer's step), ``snapshot`` (in the background write of the snapshot
-that step takes) or ``after`` (before ``step()``). ACTION is ``kill`` (SIGKILL), ``raise`` or
+that step takes), ``after`` (before ``step()``) or ``end`` (after training, the
+function's last line: STEP is the last step). ACTION is ``kill`` (SIGKILL), ``raise`` or
 ``hang``, each striking once (a marker file in OUT), or ``bug`` (a TypeError) or ``config`` (a
 ConfigurationError), every time. Each rank
 appends ``{"step", "time", "pid", "gen"}`` to OUT/steps-RANK.jsonl after each step(), and a
@@ -37,7 +38,7 @@ from finalstate import write_final, write_final_gathered
 import ciuic
 from ciuic import SnapshotManager, faults
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "after")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "after", "end")
 
 
 class Faults:
@@ -140,6 +141,7 @@ def train(a: argparse.Namespace) -> None:
         write_final_gathered(model, opt, a.out / "final-ciuic.safetensors", rank == 0)
     elif rank == 0:
         write_final(model.module, opt, a.out / "final-ciuic.safetensors")
+    f.strike("end")
     dist.destroy_process_group()
 
 

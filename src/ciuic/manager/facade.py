@@ -125,6 +125,7 @@ class SnapshotManager:
             self._signals.install()
         if self._session.supervised is not None:  # built: silence from here on is a hang
             self._session.supervised.beacon.started()
+        inprocess.opened(self)  # under ciuic.recoverable: a fault abandons it if still open
 
     # -- what the run is ---------------------------------------------------------------------
 
@@ -399,6 +400,8 @@ class SnapshotManager:
         no emergency snapshot and no wait for the one in flight beyond a few seconds; the
         staging buffers stay in ``ciuic run``'s host memory for the next generation's
         restore."""
+        if self._closed:
+            return
         self._closed = True
         self._pipeline.abandon()
         self._policy.abandon()

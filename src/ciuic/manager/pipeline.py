@@ -412,6 +412,7 @@ class Pipeline(abc.ABC, Generic[C]):
                             "left to end on its own (it cannot commit). Its thread is in %s",
                             wait_s, where_thread("ciuic-snapshot"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        _live.discard(self)  # the process's exit does not wait for it either
         for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()

@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -66,6 +67,8 @@ FAULTS = "faults/"  # + generation: how many ranks reported a fault in it
 #: + generation: a fault that recovering cannot mend (a ConfigurationError): ciuic run gives
 #: up at once
 FATAL = "fatal/"
+DONE = "done/"  # + generation + "/" + rank: the rank's function returned in that generation
+FINISHED = "finished"  # every rank's function returned in the last generation: they exit
 ASSIGN = "spare/"  # + spare number: "RANK GENERATION", the place a spare takes
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
 #: how long a rank waits for the next generation before it gives up
@@ -182,13 +185,30 @@ class _Control:
         self.faulted = self.gen
         text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         try:
-            order = self.store.add(FAULTS + str(self.gen), 1)  # the first is the origin
-            self.store.set(f"{FAULT}{self.gen}/{self.rank}", f"{order} {text}")
             if isinstance(e, ConfigurationError):  # bad input: recovering would meet it again
                 self.store.set(FATAL + str(self.gen), f"rank {self.rank}: {text}")
+            order = self.store.add(FAULTS + str(self.gen), 1)  # the first is the origin
+            self.store.set(f"{FAULT}{self.gen}/{self.rank}", f"{order} {text}")
         except Exception as err:  # ciuic run is gone: the process dies with it (pdeathsig)
             log.warning("ciuic: could not report the fault to ciuic run: %s", err)
         abort_groups()
+
+    def finished(self) -> bool:
+        """The function returned: wait until every rank's did (True), or until another
+        rank's fault opens the next generation (False: this rank takes part in it too, its
+        function called again, restoring the last snapshot)."""
+        with self._lock:
+            self._running.clear()
+        self.store.set(f"{DONE}{self.gen}/{self.rank}", "")
+        nxt = f"{PORT}{self.gen + 1}"
+        got = self._wait([FINISHED, nxt, STOP], REFORM_TIMEOUT_S)
+        if got != nxt:
+            return True  # (STOP: ciuic run ends the job; this rank's part is done)
+        self.enter(int(self.store.get(GEN).decode()))
+        log.warning("ciuic: rank %d had finished; another rank failed: generation %d goes "
+                    "on with it", self.rank, self.gen)
+        collect()
+        return False
 
     def next_generation(self) -> bool:
         """Wait for the next generation; False where ``ciuic run`` stopped the job."""
@@ -224,6 +244,38 @@ def on_fault(e: BaseException) -> bool:
     return True
 
 
+#: what a fault abandons that its exception did not (a manager closed by hand, not by ``with``)
+_open: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def opened(manager: Any) -> None:
+    """A manager built under the wrapper registers here; a fault abandons it (its
+    ``_abandon()``) if it is still open then."""
+    if _control is not None:
+        _open.add(manager)
+
+
+def abandon_open() -> None:
+    for manager in list(_open):
+        try:
+            manager._abandon()
+        except Exception as e:  # a fault's clean-up never stops the recovery
+            log.warning("could not abandon a manager after the fault: %s", e)
+    _open.clear()
+
+
+def collect() -> None:
+    """The last generation's objects (model, optimizer, process groups: their cycles hold
+    device memory the next needs) freed before the function runs again."""
+    import gc
+
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
+
 def abort_groups() -> None:
     """Abort every process group of this process (the training's and ciuic's), and cut their
     connections: NCCL's collectives in flight here are cut short by the abort; gloo's abort
@@ -232,6 +284,9 @@ def abort_groups() -> None:
     waiting on one, here or on another rank, fails at once."""
     import torch.distributed as dist
 
+    cut = sockets.cut(_listening_before)
+    if cut:
+        log.debug("shut down %d connections of the process groups", cut)
     if dist.is_available() and dist.is_initialized():
         try:
             from torch.distributed.distributed_c10d import _abort_process_group
@@ -243,9 +298,6 @@ def abort_groups() -> None:
                 dist.destroy_process_group()
             except Exception as err:
                 log.debug("could not destroy the process groups: %s", err)
-    cut = sockets.cut(_listening_before)
-    if cut:
-        log.debug("shut down %d connections of the process groups", cut)
 
 
 def recoverable(fn: F) -> F:
@@ -276,7 +328,10 @@ def recoverable(fn: F) -> F:
                 sys.excepthook = hook
                 c.running()
                 try:
-                    return fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
+                    if c.finished():
+                        return result
+                    continue  # another rank failed before every rank was done: again
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException as e:
@@ -285,9 +340,11 @@ def recoverable(fn: F) -> F:
                                     c.gen, type(e).__name__, str(e).splitlines()[0][:200]
                                     if str(e) else "")
                     c.fault(e)
+                    abandon_open()  # managers not left through a with block
                     if not c.next_generation():
                         raise
                     del e  # its traceback holds the last generation's frames (and tensors)
+                    collect()
         finally:
             c._running.clear()
             _control = None

@@ -54,8 +54,11 @@ POLL_S = 0.05
 STUCK_S = 3.0
 #: a fault reported as a lost connection: how long a rank's death (its likely cause) is waited
 DEATH_WAIT_S = 1.0
+#: warm spares that may die before ciuic run starts no more
+SPARE_DEATHS = 3
 #: a collective's error when a peer is gone
-LOST = re.compile(r"Connection (?:closed|reset)|Broken pipe|recv.*0 bytes|DistNetworkError")
+LOST = re.compile(r"Connection (?:closed|reset|refused)|Broken pipe|recv.*0 bytes|DistNetworkError|"
+                  r"DistBackendError|remote process exited|NCCL|[Tt]imed? ?out")
 
 
 @dataclass
@@ -81,7 +84,10 @@ class Launcher:
         self.workers: list[Worker] = []
         self.starts: list[Start] = []
         self._spare_ids = 0
+        self._spare_deaths = 0
+        self._all_done = False
         self._stop: int | None = None
+        self._stopped_at = 0.0
         self._stops = 0
         self._wake = threading.Event()
         self._stores: list[Any] = []  # the current generation's rendezvous store
@@ -95,7 +101,8 @@ class Launcher:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stops += 1
-        self._stop = self._stop or signum
+        if self._stop is None:
+            self._stop, self._stopped_at = signum, time.monotonic()
         self._wake.set()
         sig = signal.SIGKILL if self._stops > 1 else (
             signal.SIGTERM if signum in (signal.SIGHUP, signal.SIGUSR1) else signum)
@@ -116,7 +123,10 @@ class Launcher:
         self.holder = Holder(o.host_memory, 0, o.peer_timeout_s)
         self.control = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                 timeout=timedelta(seconds=30))
-        self._env = {**os.environ, **o.env, **self.holder.environment(),
+        # NCCL's watchdog would tear a rank down on a peer's fault; here the rank's wrapper
+        # aborts its communicators instead (torch: _abort_process_group wants it off)
+        self._env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", **os.environ, **o.env,
+                     **self.holder.environment(),
                      ip.ENV: f"127.0.0.1:{self.control.port}", "MASTER_ADDR": "127.0.0.1",
                      "WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc),
                      "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
@@ -202,13 +212,25 @@ class Launcher:
                     dead.append((w, rc))
             self._spares_alive()
             if self._stop is not None:
-                if not self.control.check([ip.STOP]):  # survivors waiting give up
+                # the ranks take their emergency snapshot (STOP now would make their watchers
+                # abort it); past --grace, a rank still waiting for a generation gives up, and
+                # one still running is killed
+                late = time.monotonic() - self._stopped_at
+                if late >= o.grace_s and not self.control.check([ip.STOP]):
                     self.control.set(ip.STOP, f"ciuic run received {signal_name(self._stop)}")
+                if late >= o.grace_s + 2.0:
+                    for w in ranks:
+                        with contextlib.suppress(OSError):
+                            os.kill(w.proc.pid, signal.SIGKILL)
                 if not ranks or all(w.proc.poll() is not None for w in ranks):
                     return self._stopped()
             elif all(w.done for w in self.workers if w.rank is not None):
                 return self._finished()
             else:
+                if not self._all_done and all(self.control.check(
+                        [f"{ip.DONE}{self.gen}/{r}"]) for r in range(self.nproc)):
+                    self._all_done = True  # every rank's function returned: they may exit
+                    self.control.set(ip.FINISHED, str(self.gen))
                 if self._stuck is not None and time.monotonic() >= self._stuck[1]:
                     self._kill_stuck(ranks)
                 reported = self.gen > handled and int(
@@ -261,14 +283,24 @@ class Launcher:
         return out
 
     def _spares_alive(self) -> None:
-        """A spare that died is replaced."""
+        """A spare that died is replaced, :data:`SPARE_DEATHS` times at most (a script that
+        fails before the wrapped function would fail every spare)."""
         for w in self.workers:
             if w.rank is None and not w.done and w.proc.poll() is not None:
                 w.done = True
-                if self._stop is None:
-                    log.warning("ciuic run: warm spare %s exited (%s): starting another",
-                                w.spare, exit_text(w.proc.returncode))
-                    self._spawn(None)
+                self._spare_deaths += 1
+                if self._stop is not None:
+                    continue
+                if self._spare_deaths > SPARE_DEATHS:
+                    log.error("ciuic run: warm spare %s exited (%s), the %d-th: no more spares "
+                              "(does the script fail before its recoverable function? its "
+                              "stderr is above)%s", w.spare, exit_text(w.proc.returncode),
+                              self._spare_deaths, tail_text(w.tail))
+                    self.spares = 0
+                    continue
+                log.warning("ciuic run: warm spare %s exited (%s): starting another",
+                            w.spare, exit_text(w.proc.returncode))
+                self._spawn(None)
 
     def _finished(self) -> int:
         self.control.set(ip.STOP, "the job finished")
@@ -327,7 +359,12 @@ class Launcher:
         return Cause("exception", f"exception: rank {rank}: {text}")
 
     def _recover(self, cause: Cause, start: Start, dead: list[tuple[Worker, int]]) -> None:
-        lost = sorted(w.rank for w, _ in dead if w.rank is not None)
+        # a rank that finished (its function returned) is started again too: the generation
+        # needs every rank, and it restores the last snapshot and finishes again
+        finished = [w for w in self.workers if w.rank is not None and w.done
+                    and w.proc.returncode == 0 and self._latest(w.rank) is w]
+        lost = sorted({w.rank for w, _ in dead if w.rank is not None}
+                      | {w.rank for w in finished if w.rank is not None})
         for w, _ in dead:
             w.done = True
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
@@ -342,6 +379,10 @@ class Launcher:
                     cause.text, where, self.gen, counted(self.nproc - len(lost), "rank"),
                     f"; {', '.join(how)}" if how else "")
 
+    def _latest(self, rank: int) -> Worker | None:
+        """The last process started for ``rank``."""
+        return next((w for w in reversed(self.workers) if w.rank == rank), None)
+
     def _replace(self, lost: list[int]) -> list[str]:
         """A process for each lost rank in the current generation: a warm spare where one is
         ready (another is started in its place), else a new one."""
@@ -353,7 +394,8 @@ class Launcher:
                 s.rank = rank
                 self.control.set(ip.ASSIGN + str(s.spare), f"{rank} {self.gen}")
                 how.append(f"rank {rank} goes to warm spare {s.spare}")
-                self._spawn(None)
+                if self.spares:
+                    self._spawn(None)  # keep --spares ready
             else:
                 self._spawn(rank)
                 how.append(f"rank {rank} starts anew")
@@ -375,12 +417,13 @@ class Launcher:
         tail = dead[0][0].tail if dead else collections.deque()
         log.error("ciuic run: giving up: %s. The last failure: %s. Its snapshots: %s%s", why,
                   cause, said, tail_text(tail))
-        rcs = [w.proc.returncode for w in self.workers if w.proc.returncode]
+        rcs = [w.proc.returncode for r in range(self.nproc) if (w := self._latest(r))
+               and w.proc.returncode]
         return exit_code(rcs[0]) if rcs else 1
 
     def _stopped(self) -> int:
         said, _ = snapshots_said(self.starts)
-        rcs = [w.proc.returncode for w in self.workers if w.rank is not None
+        rcs = [w.proc.returncode for r in range(self.nproc) if (w := self._latest(r))
                and w.proc.returncode]
         rc = rcs[0] if rcs else 0
         log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its snapshots: %s",

@@ -59,8 +59,16 @@ def cut(before: set[int]) -> int:
         if state != _ESTABLISHED or port not in ports:
             continue
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except OSError:
+            continue
+        if os.fstat(dup).st_ino != inode:  # the descriptor was closed and reused meanwhile
+            os.close(dup)
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
             continue
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
