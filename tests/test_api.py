@@ -11,7 +11,7 @@ def test_public_api_is_guarded() -> None:
         "Repository",
         "RestoreError", "ResumableSampler", "SnapshotInfo", "SnapshotManager",
         "SnapshotNotFound", "StateHolder", "StateMismatch", "StoreError", "__version__",
-        "register_adapter",
+        "recoverable", "register_adapter",
     ])
     for name in ciuic.__all__:
         assert hasattr(ciuic, name), name

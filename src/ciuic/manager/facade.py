@@ -44,7 +44,6 @@ from ciuic.manager.session import (
     RunSession,
     ensure_log_handler,
     quiet_other_ranks,
-    warn_once,
 )
 from ciuic.manager.signals import SignalGuard
 from ciuic.manager.stats import ManagerStats
@@ -94,10 +93,6 @@ class SnapshotManager:
             quiet_other_ranks(self.coll.rank)
         self._session = RunSession(c, self.coll)
         self.repo = self._session.repo
-        if c.api_key is not None and c.endpoint is None:
-            warn_once(f"api_key= is the key of a ciuic server, and no server is configured "
-                       f"(endpoint= or CIUIC_ENDPOINT): the key is not used, and the snapshots "
-                       f"go to the store {self.repo.name}")
         # a key that is not configured is refused here, before the run is recorded
         codec = ObjectCodec(self.repo.keyring if c.encryption else None)
         self._session.start()
@@ -183,7 +178,7 @@ class SnapshotManager:
         step = check_step(step)
         check_state_args("step", model, optimizer)
         if self._pipeline.fatal is not None and not self.coll.enabled:
-            self._raise_fatal()  # a snapshot the writer found would fail every time
+            self._pipeline.raise_fatal()  # a snapshot the writer found would fail every time
         if model is not None or optimizer is not None or extras:
             self._last_state = (step, model, optimizer, extras)
         if not self._first_step_checked:
@@ -195,7 +190,7 @@ class SnapshotManager:
             try:
                 due, sig, fatal = self._policy.agree(step)
                 if fatal:  # on every rank at this step, not at whichever step each learnt it
-                    self._raise_fatal()
+                    self._pipeline.raise_fatal()
                 if snapshot is not None:  # the framework's decision, the same on every rank
                     due = snapshot and step != self._policy.last_save_step
                 self._session.heartbeat(step, now)  # first: where a stop here stopped
@@ -217,15 +212,6 @@ class SnapshotManager:
                 self._pipeline.reserve(model, optimizer, extras)
             return False
         return self._take(step, model, optimizer, extras)
-
-    def _raise_fatal(self) -> None:
-        """Raise the snapshot failure that repeats at every snapshot (a CaptureError), once
-        this rank's writer has met it too (multi-rank: every rank's snapshot failed together,
-        in its plan)."""
-        self._pipeline.wait()
-        fatal, self._pipeline.fatal = self._pipeline.fatal, None
-        raise fatal or CaptureError("another rank's snapshot failed in a way that repeats at "
-                                    "every snapshot: that rank's error says why")
 
     def _take(self, step: int, model: Any, optimizer: Any, extras: dict[str, Any]) -> bool:
         """A snapshot is due: take it (the rest of :meth:`step`); not a hang for ``ciuic
@@ -372,16 +358,24 @@ class SnapshotManager:
         with busy(self._session.supervised, "close"):
             self._close(final)
 
-    def _close(self, final: bool) -> None:
+    def _close(self, final: bool, abandoned: bool = False) -> None:
+        """``abandoned``: left after a fault that :func:`ciuic.recoverable` recovers from in
+        this process. The ranks no longer agree (their groups are aborted): no collective, no
+        snapshot, no wait for the one in flight beyond a few seconds; the staging buffers stay
+        in ``ciuic run``'s host memory for the next generation's restore."""
         if final:
             self._final_snapshot()
-        self._pipeline.close()
-        self._policy.close()
-        self._session.record_end("clean")
-        self._signals.close()
         self._closed = True
+        if abandoned:
+            self._pipeline.abandon()
+            self._policy.abandon()
+        else:
+            self._pipeline.close()
+            self._policy.close()
+            self._session.record_end("clean")
+        self._signals.close()
         self.coll.close()
-        self._session.close()
+        self._session.close(abandoned=abandoned)
 
     def __enter__(self) -> SnapshotManager:
         return self
@@ -390,24 +384,9 @@ class SnapshotManager:
                  tb: Any) -> None:
         self._session.record_exit(tp, value)
         if value is not None and not self._closed and inprocess.on_fault(value):
-            self._abandon()
-            return
-        self.close(final=tp is None)
-
-    def _abandon(self) -> None:
-        """Leave after a fault that :func:`ciuic.recoverable` recovers from in this process:
-        the job's ranks no longer agree (its process groups are aborted), so no collective,
-        no emergency snapshot and no wait for the one in flight beyond a few seconds; the
-        staging buffers stay in ``ciuic run``'s host memory for the next generation's
-        restore."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pipeline.abandon()
-        self._policy.abandon()
-        self._signals.close()
-        self.coll.close()
-        self._session.close(abandoned=True)
+            self._close(final=False, abandoned=True)
+        else:
+            self.close(final=tp is None)
 
     def finish(self) -> SnapshotInfo | None:
         """Snapshot the last step given to :meth:`step` unless a snapshot holds it already, and

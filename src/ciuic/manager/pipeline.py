@@ -171,6 +171,15 @@ class Pipeline(abc.ABC, Generic[C]):
         if checks:
             self._checked()
 
+    def raise_fatal(self) -> None:
+        """Raise the snapshot failure that repeats at every snapshot (a CaptureError), once
+        this rank's writer has met it too (multi-rank: every rank's snapshot failed together,
+        in its plan)."""
+        self.wait()
+        fatal, self.fatal = self.fatal, None
+        raise fatal or CaptureError("another rank's snapshot failed in a way that repeats at "
+                                    "every snapshot: that rank's error says why")
+
     def reserve_after_restore(self, model: Any, optimizer: Any, restored: bool) -> None:
         """After a restore (or none to make), the state's shape is known: allocate the staging
         buffers in the background, so that the first snapshot only copies, whether ``step()``

@@ -162,6 +162,10 @@ class RunSession:
         else:
             self.repo = Repository.open(c.store, mirror=c.mirror, durability=c.durability,
                                         writable=True)
+            if c.api_key is not None:
+                warn_once(f"api_key= is the key of a ciuic server, and no server is configured "
+                          f"(endpoint= or CIUIC_ENDPOINT): the key is not used, and the "
+                          f"snapshots go to the store {self.repo.name}")
 
     def _start(self) -> None:
         """Rank 0 (or the single process): index the job, record the run, take the lease,

@@ -250,7 +250,7 @@ _open: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def opened(manager: Any) -> None:
     """A manager built under the wrapper registers here; a fault abandons it (its
-    ``_abandon()``) if it is still open then."""
+    ``_close(final=False, abandoned=True)``) if it is still open then."""
     if _control is not None:
         _open.add(manager)
 
@@ -258,7 +258,8 @@ def opened(manager: Any) -> None:
 def abandon_open() -> None:
     for manager in list(_open):
         try:
-            manager._abandon()
+            if not manager._closed:
+                manager._close(final=False, abandoned=True)
         except Exception as e:  # a fault's clean-up never stops the recovery
             log.warning("could not abandon a manager after the fault: %s", e)
     _open.clear()
