@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ciuic
+from ciuic.chain.repo import Repository
 from ciuic.supervisor.inprocess import ENV
 from tests.test_supervisor import CIUIC, assert_same, final
 
@@ -170,6 +173,38 @@ def test_bad_input_gives_up_at_once_without_recovering(tmp_path: Path) -> None:
             "The last failure: exception: rank 1: ConfigurationError: bad input at step 7 "
             "(rank 1)") in err, err[-4000:]
     assert "Generation 1" not in err and err.count("stops: ciuic run gave up") == RANKS
+
+
+@pytest.mark.slow
+def test_sigterm_to_ciuic_run_takes_every_ranks_emergency_snapshot_and_does_not_recover(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CIUIC, "run", "--nproc-per-node", str(RANKS), "--", sys.executable, str(HELPER),
+         "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out"), "--steps",
+         "100000", "--every", "50", "--step-sleep", "0.01"], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # until the job trains
+        lines.append(line)
+        if "starting from scratch" in line:
+            break
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(90) == 128 + signal.SIGTERM, rest[-4000:]
+    err = "".join(lines) + rest
+    assert "ciuic run: SIGTERM received: passing SIGTERM to every rank" in err
+    m = re.search(r"Emergency snapshot at step (\d+) saved", err)
+    assert m, err[-4000:]
+    assert "Generation" not in err and "not restarted" in err
+    repo = Repository.open(tmp_path / "store")
+    try:
+        latest = repo.catalog.latest("ip", "default")
+        assert latest is not None and latest.step == int(m.group(1))
+        assert [r.end_kind for r in repo.catalog.runs("ip", "default")] == ["signal:SIGTERM"]
+    finally:
+        repo.close()
 
 
 def test_outside_ciuic_run_a_recoverable_function_is_called_once(

@@ -96,6 +96,7 @@ class _Control:
         #: ran on would cut the new generation's connections)
         self._lock = threading.Lock()
         self._address = address
+        self._closing = threading.Event()  # the wrapper returns or raises: the watcher ends
 
     def _key(self, key: str) -> bool:
         return bool(self.store.check([key]))
@@ -104,7 +105,7 @@ class _Control:
         """The first of ``keys`` to exist, or None after ``timeout_s``."""
         store = store or self.store
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
+        while time.monotonic() < end and not self._closing.is_set():
             for k in keys:
                 if store.check([k]):
                     return k
@@ -161,8 +162,9 @@ class _Control:
 
         host, _, port = self._address.rpartition(":")
         store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-        while True:
-            self._running.wait()
+        while not self._closing.is_set():
+            if not self._running.wait(timeout=0.5):
+                continue
             gen = self.gen
             if not self._wait([f"{PORT}{gen + 1}", STOP], 3600.0, store):
                 continue
@@ -172,6 +174,16 @@ class _Control:
                                 "aborting this rank's collectives", self.rank, gen)
                     self._running.clear()
                     abort_groups()
+
+    def close(self) -> None:
+        """End the watcher before the process exits: a daemon thread inside a store request
+        (which releases the GIL) when the interpreter finalizes is ended by ``pthread_exit``,
+        whose unwinding through torch's C++ frames aborts the process ("terminate called
+        without an active exception", exit 134 for a rank that ended well)."""
+        self._closing.set()
+        self._running.clear()
+        if self._watch is not None:
+            self._watch.join(timeout=5.0)
 
     def fault(self, e: BaseException) -> None:
         """Report this rank's fault in the current generation (once) and abort its groups."""
@@ -347,7 +359,7 @@ def recoverable(fn: F) -> F:
                     del e  # its traceback holds the last generation's frames (and tensors)
                     collect()
         finally:
-            c._running.clear()
+            c.close()
             _control = None
 
     return wrapper  # type: ignore[return-value]
