@@ -1,0 +1,320 @@
+"""Goodput under repeated faults (#46): a DDP job runs for ``--minutes`` with a fault every
+``--every-s`` seconds (a rank killed, a rank that raises, a rank that hangs, in turn, on rank 1,
+then 0, ...), under each system in turn, and the effective training time ratio each reaches:
+
+    .venv/bin/python bench/goodput.py [--minutes 10] [--every-s 60] [--rounds 1]
+        [--ranks 2] [--snapshot-every 25] [--hang-timeout 10] [--json FILE]
+
+- ``ciuic-inprocess``: ``ciuic run --nproc-per-node R --spares 1`` (bench/goodput_worker.py's
+  function is wrapped in ``ciuic.recoverable``): the survivors stay in their processes, a warm
+  spare takes a killed rank's place, every rank rolls back to the latest snapshot from memory;
+- ``ciuic-restart``: ``ciuic run -- torchrun --nproc-per-node R`` (the same script): every
+  fault restarts every process, which restores from ``ciuic run``'s host memory;
+- ``torchrun-dcp``: ``torchrun --max-restarts 100`` and ``torch.distributed.checkpoint``
+  every ``--snapshot-every`` steps, saved synchronously (the worker's ``--mode dcp``).
+
+The clock starts at the job's first step; the faults come at every ``--every-s`` from there
+(each moved by up to a quarter of it, the same moves for every system);
+at ``--minutes`` the job is killed. Progress is the step reached then (rank 0's log, one line a
+step). ETTR is progress x the ideal step time / the wall time, the ideal step time being the
+median step of the job with no checkpoint at all (``--mode none``, measured first, for
+``--baseline-s``); it counts the checkpoints' own cost, the restarts and the steps redone. For
+each fault: the time from the fault to the first step after the rollback (rank 0's log), and
+the steps lost (redone). Hangs are detected by each system's own means, given the same
+``--hang-timeout``: ``ciuic run``'s heartbeats; for torchrun, the collectives' timeout
+(``init_process_group(timeout=)``, whose default is 1800 s).
+
+- ``torchft`` (with ``--torchft FOLDER``, where torchft 0.2.0 is installed): its lighthouse,
+  and one replica group of one rank per rank, each under ``torchrun --max-restarts``; a
+  group's fault leaves it out of the quorum while the others train on, and it heals from a
+  peer when it is back. Its useful steps are the batches committed / the groups (a step of
+  one group of two is half a step), and its recovery is from the fault to the first step of
+  every group again.
+
+NVIDIA's in-process restart is not run: nvidia-resiliency-ext's wheels need Python 3.12 and
+glibc 2.39 (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("goodput_worker.py")
+SYSTEMS = ("ciuic-inprocess", "ciuic-restart", "torchrun-dcp")
+FAULTS = ("kill", "raise", "hang")
+PY = sys.executable
+
+
+def commands(system: str, a: argparse.Namespace, folder: Path) -> list[tuple[list[str],
+                                                                            dict[str, str]]]:
+    """The processes a system's job is, each with its own environment additions."""
+    ciuic = [PY, "-m", "ciuic", "run", "--max-restarts", "1000", "--max-stalls", "1000",
+             "--hang-timeout", str(a.hang_timeout), "--grace", "1", "--backoff", "0"]
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(a.ranks)]
+    worker = [str(WORKER), "--dir", str(folder), "--every", str(a.snapshot_every),
+              "--step-s", str(a.step_s), "--hidden", str(a.hidden)]
+    if system == "ciuic-inprocess":
+        return [([*ciuic, "--nproc-per-node", str(a.ranks), "--spares", "1", "--", PY, *worker,
+                  "--mode", "ciuic"], {})]
+    if system == "ciuic-restart":
+        return [([*ciuic, "--", *torchrun, *worker, "--mode", "ciuic"], {})]
+    if system == "torchrun-dcp":
+        return [([*torchrun, "--max-restarts", "1000", *worker, "--mode", "dcp", "--timeout",
+                  str(a.hang_timeout)], {})]
+    if system == "none":
+        return [([*torchrun, *worker, "--mode", "none"], {})]
+    if system == "torchft":  # its lighthouse, and one torchrun (of one rank) per replica group
+        port = free_port()
+        # its console script (lighthouse_main parses the process's own argv, from the 2nd)
+        lighthouse = [PY, str(Path(a.torchft) / "bin" / "torchft_lighthouse"),
+                      "--min_replicas", "1", "--bind",
+                      f"[::]:{port}", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
+        one = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               "--max-restarts", "1000", *worker, "--mode", "torchft", "--timeout",
+               str(a.hang_timeout)]
+        return [(lighthouse, {})] + [
+            (one, {"REPLICA_GROUP_ID": str(r), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"})
+            for r in range(a.ranks)]
+    raise ValueError(system)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+#: time, step, rank 0's life (pid.generation), and for torchft the batches every replica
+#: group committed so far and the groups in this step's quorum
+Row = tuple[float, int, str, int, int]
+
+
+def steps(folder: Path) -> list[Row]:
+    """Every step logged (``steps.log``: rank 0; torchft: ``steps-R.log`` of each other
+    group too), in time order."""
+    rows = []
+    for log in sorted(folder.glob("steps*.log")):
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) in (3, 5):  # a line cut by a kill is left out
+                more = (int(parts[3]), int(parts[4])) if len(parts) == 5 else (0, 0)
+                rows.append((float(parts[0]), int(parts[1]), parts[2], *more))
+    return sorted(rows)
+
+
+def stop(procs: list[subprocess.Popen[bytes]], folder: Path) -> None:
+    """Kill the job: each process's group, and every process that names its folder (ciuic
+    run's ranks and spares, torchrun's workers)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-9", "-f", str(folder)], check=False)
+    for proc in procs:
+        proc.wait(30)
+
+
+def inject(kind: str, rank: int, folder: Path) -> None:
+    if kind == "kill":
+        pid = int((folder / f"pid-{rank}").read_text())
+        os.kill(pid, signal.SIGKILL)
+    else:
+        tmp = folder / f"fault-{rank}.tmp"
+        tmp.write_text(kind)
+        os.replace(tmp, folder / f"fault-{rank}")
+
+
+def run(system: str, a: argparse.Namespace, folder: Path, seconds: float,
+        faults: bool) -> dict[str, Any]:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    # torchrun's agent shares its rendezvous store with the workers by default: a restarted
+    # worker then found the last generation's gloo addresses and failed to connect (seen
+    # after a raise), and the restart took more than 14 s; ciuic run sets this for its
+    # torchrun too (cli/run.torchrun_env)
+    path = [str(ROOT / "src"), *([a.torchft] if system == "torchft" else [])]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(path),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if system == "torchft":  # its Manager connects to the agent's store, which it needs
+        del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+    err = (folder / "stderr.log").open("wb")
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**env, **more},
+                              start_new_session=True)
+             for cmd, more in commands(system, a, folder)]
+    try:
+        t_launch = time.time()
+        while not steps(folder):
+            if any(p.poll() is not None for p in procs) or time.time() - t_launch > 300:
+                raise RuntimeError(f"{system}: no step within 300 s; see {folder}/stderr.log")
+            time.sleep(0.05)
+        t0 = steps(folder)[0][0]
+        start_s = t0 - t_launch
+        injected: list[dict[str, Any]] = []
+        k = 0
+        while time.time() < t0 + seconds:
+            # the same jitter for every system: a fault's place in the snapshot interval
+            # varies, as it does in a real job, not with the step time of each system
+            due = t0 + (k + 1 + random.Random(k).uniform(-0.25, 0.25)) * a.every_s
+            if faults and due < t0 + seconds and time.time() >= due:
+                kind, rank = FAULTS[k % len(FAULTS)], (k + 1) % a.ranks
+                before = steps(folder)
+                try:
+                    inject(kind, rank, folder)
+                except (OSError, ValueError) as e:  # a pid file not written yet: a late start
+                    print(f"  {system}: could not inject {kind} on rank {rank}: {e}",
+                          flush=True)
+                injected.append({"kind": kind, "rank": rank, "time": time.time(),
+                                 "last_step": before[-1][1] if before else -1})
+                k += 1
+            ended = [p for p in procs if p.poll() is not None]
+            if ended:
+                raise RuntimeError(f"{system}: the job ended (exit {ended[0].returncode}); "
+                                   f"see {folder}/stderr.log")
+            time.sleep(0.02)
+    finally:
+        stop(procs, folder)
+        err.close()
+    rows = [r for r in steps(folder) if r[0] <= t0 + seconds]
+    reached = max(r[1] for r in rows)
+    if system == "torchft":  # a step of fewer groups is that share of a step's samples
+        useful = max(r[3] for r in rows) / a.ranks
+        faults_out = [_healed(f, rows, a.ranks) for f in injected]
+    else:
+        useful = reached + 1
+        faults_out = [_recovery(f, rows) for f in injected]
+    return {"start_s": start_s, "rows": rows, "reached": reached, "useful_steps": useful,
+            "done": len(rows), "faults": faults_out, "wall_s": seconds}
+
+
+def _recovery(fault: dict[str, Any], rows: list[Row]) -> dict[str, Any]:
+    """From the fault to the first step after the rollback: the first step, after the fault,
+    of another life of rank 0 (a new process or a new generation); the steps lost are those
+    it makes again."""
+    prev: Row | None = None
+    for row in rows:
+        if row[0] >= fault["time"] and prev is not None and row[2] != prev[2]:
+            return {**fault, "recovery_s": row[0] - fault["time"],
+                    "lost_steps": prev[1] + 1 - row[1]}
+        prev = row
+    return {**fault, "recovery_s": None, "lost_steps": None}
+
+
+def _healed(fault: dict[str, Any], rows: list[Row], ranks: int) -> dict[str, Any]:
+    """torchft: from the fault to the first step every replica group takes part in again
+    (after one that some group missed); nothing is rolled back, so no step is lost: a step
+    of fewer groups counts as that share of a step in the useful steps."""
+    short = False
+    for t, *_, participants in rows:
+        if t < fault["time"]:
+            continue
+        if participants < ranks:
+            short = True
+        elif short:
+            return {**fault, "recovery_s": t - fault["time"], "lost_steps": 0}
+    return {**fault, "recovery_s": None, "lost_steps": 0}
+
+
+def ideal_step_s(rows: list[Row]) -> float:
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] == a[1] + 1]
+    return statistics.median(gaps)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--every-s", type=float, default=60.0)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--snapshot-every", type=int, default=25)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--hang-timeout", type=float, default=10.0)
+    p.add_argument("--baseline-s", type=float, default=30.0)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--dir", type=Path, default=Path("/tmp/ciuic-goodput"))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--torchft", help="a folder where torchft is installed (pip install "
+                   "--no-deps --target FOLDER torchft==0.2.0): adds torchft to the systems")
+    a = p.parse_args()
+    known = (*SYSTEMS, "torchft")
+    systems = a.systems.split(",")
+    if a.torchft and "torchft" not in systems:
+        systems.append("torchft")
+    unknown = set(systems) - set(known)
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)}; the systems are {', '.join(known)}")
+    if "torchft" in systems and not a.torchft:
+        p.error("torchft needs --torchft FOLDER: where torchft is installed (pip install "
+                "--no-deps --target FOLDER torchft==0.2.0)")
+    base = run("none", a, a.dir / "none", a.baseline_s, faults=False)
+    t_ideal = ideal_step_s(base["rows"])
+    print(f"ideal step (no checkpoint, no fault): {t_ideal * 1000:.1f} ms", flush=True)
+    seconds = a.minutes * 60
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    for r in range(a.rounds):
+        for system in systems:  # interleaved
+            out = run(system, a, a.dir / system, seconds, faults=True)
+            out["ettr"] = out["useful_steps"] * t_ideal / seconds
+            out["redone"] = (out["done"] - (out["reached"] + 1) if system != "torchft"
+                             else 0)
+            results[system].append(out)
+            rec = ", ".join(f"{f['kind']} {f['recovery_s']:.1f} s/{f['lost_steps']}"
+                            if f["recovery_s"] is not None else f"{f['kind']} -"
+                            for f in out["faults"])
+            print(f"round {r + 1} {system}: ETTR {out['ettr']:.3f}, step {out['reached']}, "
+                  f"{out['redone']} redone; start {out['start_s']:.1f} s; faults "
+                  f"(recovery/lost steps): {rec}", flush=True)
+    report: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count()},
+        "when": time.strftime("%F %T"), "minutes": a.minutes, "every_s": a.every_s,
+        "ranks": a.ranks, "snapshot_every": a.snapshot_every, "step_s": a.step_s,
+        "hidden": a.hidden, "hang_timeout_s": a.hang_timeout, "ideal_step_s": t_ideal}
+    print("\nmin / median / max")
+    for system in systems:
+        outs = results[system]
+        row: dict[str, Any] = {"ettr": summary([o["ettr"] for o in outs]),
+                               "redone": summary([o["redone"] for o in outs])}
+        for kind in FAULTS:
+            got = [f for o in outs for f in o["faults"]
+                   if f["kind"] == kind and f["recovery_s"] is not None]
+            if got:
+                row[f"{kind}_recovery_s"] = summary([f["recovery_s"] for f in got])
+                row[f"{kind}_lost_steps"] = summary([f["lost_steps"] for f in got])
+        row["runs"] = [{k: v for k, v in o.items() if k != "rows"} for o in outs]
+        report[system] = row
+        print(f"  {system:16s} ETTR " + " / ".join(f"{row['ettr'][m]:.3f}" for m in
+                                                    ("min", "median", "max")))
+        for kind in FAULTS:
+            if f"{kind}_recovery_s" in row:
+                s, n = row[f"{kind}_recovery_s"], row[f"{kind}_lost_steps"]
+                print(f"  {'':16s} {kind:5s} recovery {s['min']:.2f} / {s['median']:.2f} / "
+                      f"{s['max']:.2f} s, lost steps {n['median']:.0f}")
+    out_json = a.json or ROOT / "bench" / "results" / f"goodput-{time.strftime('%F')}.json"
+    out_json.write_text(json.dumps(report, indent=2))
+    print(f"written: {out_json}")
+
+
+if __name__ == "__main__":
+    main()
