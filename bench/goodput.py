@@ -54,6 +54,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.recovery import summary  # noqa: E402
+
 WORKER = Path(__file__).with_name("goodput_worker.py")
 SYSTEMS = ("ciuic-inprocess", "ciuic-restart", "torchrun-dcp")
 FAULTS = ("kill", "raise", "hang")
@@ -234,10 +237,6 @@ def _healed(fault: dict[str, Any], rows: list[Row], ranks: int) -> dict[str, Any
 def ideal_step_s(rows: list[Row]) -> float:
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] == a[1] + 1]
     return statistics.median(gaps)
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main() -> None:
