@@ -224,18 +224,30 @@ def _healed(fault: dict[str, Any], rows: list[Row], ranks: int) -> dict[str, Any
     (after one that some group missed); nothing is rolled back, so no step is lost: a step
     of fewer groups counts as that share of a step in the useful steps."""
     short = False
-    for t, *_, participants in rows:
+    last: dict[str, float] = {}  # each group's last step before the fault, then since
+    stall = 0.0  # the longest any group stood still from the fault to the heal
+    for t, _, life, _, participants in rows:
         if t < fault["time"]:
+            last[life] = t
             continue
+        if life in last:
+            stall = max(stall, t - max(last[life], fault["time"]))
+        last[life] = t
         if participants < ranks:
             short = True
         elif short:
-            return {**fault, "recovery_s": t - fault["time"], "lost_steps": 0}
-    return {**fault, "recovery_s": None, "lost_steps": 0}
+            return {**fault, "recovery_s": t - fault["time"], "lost_steps": 0,
+                    "stall_s": stall}
+    return {**fault, "recovery_s": None, "lost_steps": 0, "stall_s": stall}
 
 
 def ideal_step_s(rows: list[Row]) -> float:
-    gaps = [b[0] - a[0] for a, b in itertools.pairwise(rows) if b[1] == a[1] + 1]
+    """The median time between two steps of one life (of one torchft group)."""
+    lives: dict[str, list[Row]] = {}
+    for row in rows:
+        lives.setdefault(row[2], []).append(row)
+    gaps = [b[0] - a[0] for life in lives.values() for a, b in itertools.pairwise(life)
+            if b[1] == a[1] + 1]
     return statistics.median(gaps)
 
 
@@ -275,13 +287,16 @@ def main() -> None:
         for system in systems:  # interleaved
             out = run(system, a, a.dir / system, seconds, faults=True)
             out["ettr"] = out["useful_steps"] * t_ideal / seconds
+            # the checkpointing's own cost, between the faults: its median step / the ideal
+            out["steady_step_s"] = ideal_step_s(out["rows"])
             out["redone"] = (out["done"] - (out["reached"] + 1) if system != "torchft"
                              else 0)
             results[system].append(out)
             rec = ", ".join(f"{f['kind']} {f['recovery_s']:.1f} s/{f['lost_steps']}"
                             if f["recovery_s"] is not None else f"{f['kind']} -"
                             for f in out["faults"])
-            print(f"round {r + 1} {system}: ETTR {out['ettr']:.3f}, step {out['reached']}, "
+            print(f"round {r + 1} {system}: ETTR {out['ettr']:.3f}, step {out['reached']} "
+                  f"(steady {out['steady_step_s'] * 1000:.1f} ms a step), "
                   f"{out['redone']} redone; start {out['start_s']:.1f} s; faults "
                   f"(recovery/lost steps): {rec}", flush=True)
     report: dict[str, Any] = {
@@ -294,12 +309,15 @@ def main() -> None:
     for system in systems:
         outs = results[system]
         row: dict[str, Any] = {"ettr": summary([o["ettr"] for o in outs]),
+                               "steady_step_s": summary([o["steady_step_s"] for o in outs]),
                                "redone": summary([o["redone"] for o in outs])}
         for kind in FAULTS:
             got = [f for o in outs for f in o["faults"]
                    if f["kind"] == kind and f["recovery_s"] is not None]
             if got:
                 row[f"{kind}_recovery_s"] = summary([f["recovery_s"] for f in got])
+                if system == "torchft":
+                    row[f"{kind}_stall_s"] = summary([f["stall_s"] for f in got])
                 row[f"{kind}_lost_steps"] = summary([f["lost_steps"] for f in got])
         row["runs"] = [{k: v for k, v in o.items() if k != "rows"} for o in outs]
         report[system] = row
