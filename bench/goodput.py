@@ -252,7 +252,8 @@ def ideal_step_s(rows: list[Row]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--every-s", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=1)
@@ -278,15 +279,16 @@ def main() -> None:
     if "torchft" in systems and not a.torchft:
         p.error("torchft needs --torchft FOLDER: where torchft is installed (pip install "
                 "--no-deps --target FOLDER torchft==0.2.0)")
-    base = run("none", a, a.dir / "none", a.baseline_s, faults=False)
-    t_ideal = ideal_step_s(base["rows"])
-    print(f"ideal step (no checkpoint, no fault): {t_ideal * 1000:.1f} ms", flush=True)
+    # the ideal step, measured before and after the systems' runs (the VM's speed drifts by a
+    # few percent over an hour: one measure moved every ETTR of a run by as much)
+    base = run("none", a, a.dir / "none", a.baseline_s, faults=False)["rows"]
+    print(f"ideal step (no checkpoint, no fault): {ideal_step_s(base) * 1000:.1f} ms",
+          flush=True)
     seconds = a.minutes * 60
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(a.rounds):
         for system in systems:  # interleaved
             out = run(system, a, a.dir / system, seconds, faults=True)
-            out["ettr"] = out["useful_steps"] * t_ideal / seconds
             # the checkpointing's own cost, between the faults: its median step / the ideal
             out["steady_step_s"] = ideal_step_s(out["rows"])
             out["redone"] = (out["done"] - (out["reached"] + 1) if system != "torchft"
@@ -295,16 +297,24 @@ def main() -> None:
             rec = ", ".join(f"{f['kind']} {f['recovery_s']:.1f} s/{f['lost_steps']}"
                             if f["recovery_s"] is not None else f"{f['kind']} -"
                             for f in out["faults"])
-            print(f"round {r + 1} {system}: ETTR {out['ettr']:.3f}, step {out['reached']} "
+            print(f"round {r + 1} {system}: step {out['reached']} "
                   f"(steady {out['steady_step_s'] * 1000:.1f} ms a step), "
                   f"{out['redone']} redone; start {out['start_s']:.1f} s; faults "
                   f"(recovery/lost steps): {rec}", flush=True)
+    after = run("none", a, a.dir / "none", a.baseline_s, faults=False)["rows"]
+    t_ideal = statistics.median([ideal_step_s(base), ideal_step_s(after)])
+    print(f"ideal step, after: {ideal_step_s(after) * 1000:.1f} ms; the median of both, "
+          f"{t_ideal * 1000:.1f} ms, makes the ETTR", flush=True)
+    for outs in results.values():
+        for out in outs:
+            out["ettr"] = out["useful_steps"] * t_ideal / seconds
     report: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
         "when": time.strftime("%F %T"), "minutes": a.minutes, "every_s": a.every_s,
         "ranks": a.ranks, "snapshot_every": a.snapshot_every, "step_s": a.step_s,
-        "hidden": a.hidden, "hang_timeout_s": a.hang_timeout, "ideal_step_s": t_ideal}
+        "hidden": a.hidden, "hang_timeout_s": a.hang_timeout, "ideal_step_s": t_ideal,
+        "ideal_step_s_before_after": [ideal_step_s(base), ideal_step_s(after)]}
     print("\nmin / median / max")
     for system in systems:
         outs = results[system]
