@@ -52,6 +52,7 @@ from ciuic.manager.config import ManagerConfig
 from ciuic.manager.session import RunSession, quietly
 from ciuic.manager.stats import ManagerStats
 from ciuic.state.capture import Captured, as_capture_error, capture
+from ciuic.supervisor import inprocess
 from ciuic.threads import lower_priority
 from ciuic.words import counted
 
@@ -383,6 +384,13 @@ class Pipeline(abc.ABC, Generic[C]):
         self.session.failed(step, e)
         if isinstance(e, CaptureError):  # raised to the caller (now, or at the next step())
             self.fatal = self.fatal or e
+            return
+        # not the storage's fault, nor one to act on; the writer thread may wait a moment for
+        # the generation's end (the training thread does not)
+        wait_s = 0.0 if threading.current_thread() is threading.main_thread() else 2.0
+        if inprocess.cut_short(wait_s):
+            log.warning("snapshot at step %d cut short by the fault the job recovers from (%s); "
+                        "the rollback goes to %s", step, str(e) or type(e).__name__, latest)
             return
         level = logging.CRITICAL if s.consecutive_failures >= 3 or isinstance(
             e, FencedOut) else logging.ERROR

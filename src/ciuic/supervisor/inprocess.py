@@ -271,6 +271,20 @@ _control: _Control | None = None
 _listening_before: set[int] = set()
 
 
+def cut_short(wait_s: float = 0.0) -> bool:
+    """Whether this rank's generation has ended under :func:`recoverable` (its own fault or
+    another rank's), waiting ``wait_s`` at most for it to: what fails now, a snapshot's
+    collective among it, fails for that fault, which the job recovers from. (A collective
+    fails on a dead peer's socket before the next generation opens.)"""
+    c = _control
+    if c is None:
+        return False
+    end = time.monotonic() + wait_s
+    while c._running.is_set() and time.monotonic() < end:
+        time.sleep(_POLL_S)
+    return not c._running.is_set()
+
+
 def on_fault(e: BaseException) -> bool:
     """Called by a :class:`~ciuic.SnapshotManager` left by the exception ``e``: True when
     the wrapper recovers from it in this process (it was reported, the process groups are
