@@ -56,6 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.recovery import summary  # noqa: E402
+from tests.s3server import free_port  # noqa: E402
 
 WORKER = Path(__file__).with_name("goodput_worker.py")
 SYSTEMS = ("ciuic-inprocess", "ciuic-restart", "torchrun-dcp")
@@ -95,14 +96,6 @@ def commands(system: str, a: argparse.Namespace, folder: Path) -> list[tuple[lis
             (one, {"REPLICA_GROUP_ID": str(r), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"})
             for r in range(a.ranks)]
     raise ValueError(system)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 #: time, step, rank 0's life (pid.generation), and for torchft the batches every replica

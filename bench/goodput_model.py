@@ -36,6 +36,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ciuic.manager.interval import young_daly
+
 #: Llama 3 (The Llama 3 Herd of Models, 2024, section 3.3.4): 419 unexpected interruptions in a
 #: 54-day snapshot of pre-training on 16,384 H100 GPUs
 LLAMA3_FAILURES, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16_384
@@ -93,7 +95,7 @@ def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
             # an asynchronous snapshot commits once written: the next waits for that (the
             # interval is no shorter), and a fault meanwhile rolls back to the one before
             write = STATE_BYTES / gpus / a.fs_bytes_per_rank
-            interval = max(math.sqrt(2 * stall * m), write)
+            interval = max(young_daly(stall, m), write)
             lag = write if system.startswith("ciuic") else 0.0
             rec = sum(recovery(report, system, k, timeout) for k in KINDS) / len(KINDS)
             # in its process a survivor keeps its CUDA context; a replaced rank (a kill, a
