@@ -12,6 +12,7 @@ import click
 from ciuic.cli.app import app, size_text
 from ciuic.errors import ConfigurationError
 from ciuic.supervisor import slurm
+from ciuic.supervisor.fleet import NodeSpec
 from ciuic.words import counted
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.I)
@@ -74,10 +75,21 @@ def host_memory_budget(text: str) -> int | None:
 @click.option("--spares", type=click.IntRange(min=0), default=0, metavar="K",
               help="With --nproc-per-node: keep K warm spares (the command started, its "
                    "imports done) to take a lost rank's place.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, metavar="M",
+              help="With --nproc-per-node: the job's nodes, one ciuic run on each; node 0 "
+                   "leads (it hosts the control store), a node lost goes to a spare node.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, metavar="K",
+              help="With --nnodes: this node's rank (0 .. M-1; M or more: a spare node, whose "
+                   "warm spares take a lost node's ranks).")
+@click.option("--master-addr", default=None, metavar="HOST",
+              help="With --nnodes: node 0's address, as the other nodes reach it.")
+@click.option("--master-port", type=click.IntRange(min=1, max=65535), default=29500,
+              metavar="PORT", help="With --nnodes: the port of node 0's control store.")
 @click.pass_context
 def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_timeout: float,
         grace: float, max_stalls: int, backoff: float, host_memory: str, replicas: int,
-        peer_timeout: float, nproc_per_node: int | None, spares: int) -> None:
+        peer_timeout: float, nproc_per_node: int | None, spares: int, nnodes: int,
+        node_rank: int, master_addr: str | None, master_port: int) -> None:
     """Run a training command, restart it when it fails or hangs, resume it from host memory.
 
     \b
@@ -130,18 +142,33 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
             raise ConfigurationError("--nproc-per-node starts the ranks itself: give the "
                                      "training script (ciuic run --nproc-per-node 4 -- python "
                                      "train.py), not torchrun")
-        from ciuic.supervisor.launch import launch
         from ciuic.supervisor.starts import Options
 
         options = Options(command, max_restarts=max_restarts,
                           hang_timeout_s=hang_timeout or None, grace_s=grace,
-                          max_stalls=max_stalls, host_memory=budget)
-        log.info("ciuic run: %d ranks here, recovered in their processes (%s)",
-                 nproc_per_node, counted(spares, "warm spare") if spares else "no warm spare")
-        raise click.exceptions.Exit(launch(options, nproc_per_node, spares))
+                          max_stalls=max_stalls, host_memory=budget, replicas=replicas,
+                          peer_timeout_s=peer_timeout)
+        spec = node_spec(nnodes, node_rank, master_addr, master_port)
+        log.info("ciuic run: %d ranks here%s, recovered in their processes (%s)",
+                 nproc_per_node, "" if spec is None else
+                 f" (node {node_rank} of {nnodes})" if not spec.spare else
+                 f" once this spare node takes a lost node's place (of {nnodes})",
+                 counted(spares, "warm spare") if spares else "no warm spare")
+        if spec is None:
+            from ciuic.supervisor.launch import launch
+
+            raise click.exceptions.Exit(launch(options, nproc_per_node, spares))
+        from ciuic.supervisor.follow import launch_nodes
+
+        raise click.exceptions.Exit(launch_nodes(options, nproc_per_node, spares, spec))
     elif spares:
         raise ConfigurationError("--spares takes --nproc-per-node: warm spares wait for a "
                                  "rank's place in a job ciuic run starts itself")
+    elif nnodes > 1 or node_rank or master_addr:
+        raise ConfigurationError("--nnodes, --node-rank and --master-addr take "
+                                 "--nproc-per-node (ciuic run starts the ranks itself); a "
+                                 "torchrun job of several nodes gives them to torchrun: "
+                                 "ciuic run -- torchrun --nnodes 4 ...")
     command, slurm_said = with_slurm(command, os.environ)
     if slurm_said:
         log.info("ciuic run: %s", slurm_said)
@@ -364,3 +391,16 @@ def torchrun_advice(command: list[str]) -> str | None:
                 "--max-restarts N (e.g. 100) so that it restarts the workers in place, "
                 "re-rendezvousing with the other nodes")
     return None
+
+
+def node_spec(nnodes: int, node_rank: int, master_addr: str | None,
+              master_port: int) -> NodeSpec | None:
+    """This node among the job's, from ``ciuic run --nproc-per-node``'s options; None: one
+    node (no --nnodes, or 1 without a spare node's rank)."""
+    if nnodes == 1 and node_rank == 0:
+        return None
+    if not master_addr:
+        raise ConfigurationError(f"--nnodes {nnodes}: give --master-addr, node 0's address as "
+                                 "the other nodes reach it (and the same --master-port on "
+                                 "every node)")
+    return NodeSpec(nnodes, node_rank, master_addr, master_port)

@@ -69,7 +69,14 @@ FAULTS = "faults/"  # + generation: how many ranks reported a fault in it
 FATAL = "fatal/"
 DONE = "done/"  # + generation + "/" + rank: the rank's function returned in that generation
 FINISHED = "finished"  # every rank's function returned in the last generation: they exit
-ASSIGN = "spare/"  # + spare number: "RANK GENERATION", the place a spare takes
+#: + spare name: "RANK GENERATION LOCAL_RANK GROUP_RANK", the place a spare takes
+ASSIGN = "spare/"
+#: several nodes: what a node's ciuic run reports to the leader's (node 0), per generation:
+#: how many of its ranks died, and each one's "ORDER KIND TEXT" (+ generation + "/" + rank);
+#: a hang of its ranks (+ generation: the text)
+DEATHS = "deaths/"
+DIED = "died/"
+HUNG = "hung/"
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
 #: how long a rank waits for the next generation before it gives up
 REFORM_TIMEOUT_S = 600.0
@@ -123,8 +130,9 @@ class _Control:
         key = ASSIGN + spare
         if self._wait([key, STOP], float("inf")) != key:
             raise SystemExit(0)  # the job ended without needing it
-        rank, gen = self.store.get(key).decode().split()
-        os.environ["RANK"] = os.environ["LOCAL_RANK"] = rank  # one node: local == global
+        rank, gen, local, group = self.store.get(key).decode().split()
+        os.environ["RANK"], os.environ["LOCAL_RANK"] = rank, local
+        os.environ["GROUP_RANK"] = os.environ["ROLE_RANK"] = group
         os.environ.pop(SPARE_ENV, None)
         self.enter(int(gen))
         log.info("ciuic: warm spare %s takes rank %s in generation %s", spare, rank, gen)

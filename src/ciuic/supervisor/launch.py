@@ -19,7 +19,10 @@ torchrun stops every worker when one fails; here only the failed rank's process 
   faults in a row without a new snapshot or ``--max-restarts`` in all (the ranks are told to
   stop: each re-raises its error), SIGTERM passed on to every rank.
 
-One node for now: the ranks of a job of several nodes still run under torchrun.
+On several nodes (``--nnodes M --node-rank K --master-addr A --master-port P``, one ``ciuic
+run`` per node) node 0 leads (:mod:`ciuic.supervisor.fleet`): it hosts the control store and
+the rendezvous stores and opens each generation; every node starts, watches and replaces its
+own ranks (:mod:`ciuic.supervisor.follow`), and a lost node's ranks go to a spare node.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from typing import Any
 from ciuic.supervisor import beat
 from ciuic.supervisor import inprocess as ip
 from ciuic.supervisor.causes import Cause, OomWatch, classify, forward, signal_name
+from ciuic.supervisor.fleet import LINK, LeaderLink, Member, NodeSpec
 from ciuic.supervisor.holder import Holder
+from ciuic.supervisor.leading import Leading
 from ciuic.supervisor.procs import exit_code, exit_text, pdeathsig, tail_text
 from ciuic.supervisor.starts import Options, Start, snapshots_said
 from ciuic.words import counted, listed
@@ -65,7 +70,7 @@ LOST = re.compile(r"Connection (?:closed|reset|refused)|Broken pipe|recv.*0 byte
 class Worker:
     proc: subprocess.Popen[bytes]
     rank: int | None  # None: a spare not yet given a place
-    spare: int | None = None
+    spare: str | None = None  # its name: a number, "NODE-NUMBER" on several nodes
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=60))
     failed: collections.deque[str] = field(
@@ -73,13 +78,24 @@ class Worker:
     done: bool = False
 
 
-class Launcher:
+class Launcher(Leading):
     """Starts ``nproc`` ranks of :attr:`Options.command` and keeps the job going."""
 
-    def __init__(self, options: Options, nproc: int, spares: int = 0) -> None:
+    def __init__(self, options: Options, nproc: int, spares: int = 0,
+                 spec: NodeSpec | None = None) -> None:
         self.o = options
         self.nproc = nproc
         self.spares = spares
+        #: the job's nodes (None: this one alone); this node's slot among them (the ranks
+        #: ``slot * nproc ...`` are its own; None: a spare node not given a place yet)
+        self.spec = spec
+        self.nnodes = spec.nnodes if spec is not None else 1
+        self.world = nproc * self.nnodes
+        self.slot: int | None = None if spec is not None and spec.spare else (
+            spec.node_rank if spec is not None else 0)
+        self.link: LeaderLink | None = None
+        #: slots whose node was lost and that no node has taken yet (slot -> its generation)
+        self._vacant: dict[int, int] = {}
         self.gen = 0
         self.workers: list[Worker] = []
         self.starts: list[Start] = []
@@ -117,26 +133,27 @@ class Launcher:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        from torch._C._distributed_c10d import TCPStore
 
-        o = self.o
-        self.holder = Holder(o.host_memory, 0, o.peer_timeout_s)
-        self.control = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                timeout=timedelta(seconds=30))
+        o, spec = self.o, self.spec
+        self.holder = Holder(o.host_memory, o.replicas if spec is not None else 0,
+                             o.peer_timeout_s)
+        addr = spec.master_addr if spec is not None else "127.0.0.1"
+        self.control = self._control_store()
         # NCCL's watchdog would tear a rank down on a peer's fault; here the rank's wrapper
         # aborts its communicators instead (torch: _abort_process_group wants it off)
         self._env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", **os.environ, **o.env,
                      **self.holder.environment(),
-                     ip.ENV: f"127.0.0.1:{self.control.port}", "MASTER_ADDR": "127.0.0.1",
-                     "WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc),
-                     "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0",
-                     "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                     ip.ENV: f"{addr}:{self.control.port}", "MASTER_ADDR": addr,
+                     "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.nproc),
+                     "GROUP_RANK": str(self.slot or 0), "GROUP_WORLD_SIZE": str(self.nnodes),
+                     "ROLE_RANK": str(self.slot or 0), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         old = {s: signal.signal(s, self._on_signal)
                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
         try:
-            self._open(None, None)
-            for rank in range(self.nproc):
-                self._spawn(rank)
+            self._begin()
+            if self.slot is not None:
+                for local in range(self.nproc):
+                    self._spawn(self.slot * self.nproc + local)
             for _ in range(self.spares):
                 self._spawn(None)
             return self._loop()
@@ -145,6 +162,24 @@ class Launcher:
                 signal.signal(s, h)
             self._end_all()
             self.holder.close()
+            if self.link is not None:
+                self.link.close()
+
+    def _control_store(self) -> Any:
+        """The job's control store, hosted here (``--master-port`` on several nodes)."""
+        from torch._C._distributed_c10d import TCPStore
+
+        port = self.spec.master_port if self.spec is not None else 0
+        return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=30))
+
+    def _begin(self) -> None:
+        """The first generation opened; on several nodes the node link listens first."""
+        if self.spec is not None:
+            self.link = LeaderLink(self.o.peer_timeout_s)
+            self.control.set(LINK, str(self.link.port))
+            self._vacant = dict.fromkeys(range(1, self.nnodes), -1)  # -1: the node of that rank
+        self._open(None, None)
 
     def _open(self, cause: Cause | None, stopped: int | None) -> None:
         """Open the next generation: its rendezvous store, its cause; the ranks wait for its
@@ -173,13 +208,15 @@ class Launcher:
                    CIUIC_RUN_RESTART=str(self.gen))
         spare = None
         if rank is None:
-            spare = self._spare_ids
+            spare = str(self._spare_ids) if self.spec is None else (
+                f"{self.spec.node_rank}-{self._spare_ids}")  # one name in the control store
             self._spare_ids += 1
-            env[ip.SPARE_ENV] = str(spare)
+            env[ip.SPARE_ENV] = spare
             for k in ("RANK", "LOCAL_RANK"):
                 env.pop(k, None)
         else:
-            env["RANK"] = env["LOCAL_RANK"] = str(rank)
+            env["RANK"], env["LOCAL_RANK"] = str(rank), str(rank % self.nproc)
+            env["GROUP_RANK"] = env["ROLE_RANK"] = str(rank // self.nproc)
         proc = subprocess.Popen(self.o.command, env=env, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=_in_child)
         w = Worker(proc, rank, spare)
@@ -228,18 +265,21 @@ class Launcher:
                 return self._finished()
             else:
                 if not self._all_done and all(self.control.check(
-                        [f"{ip.DONE}{self.gen}/{r}"]) for r in range(self.nproc)):
+                        [f"{ip.DONE}{self.gen}/{r}"]) for r in range(self.world)):
                     self._all_done = True  # every rank's function returned: they may exit
                     self.control.set(ip.FINISHED, str(self.gen))
                 if self._stuck is not None and time.monotonic() >= self._stuck[1]:
                     self._kill_stuck(ranks)
-                reported = self.gen > handled and int(
-                    self.control.add(ip.FAULTS + str(self.gen), 0)) > 0
+                self._fill_vacant()
+                fresh = self.gen > handled
+                reported = fresh and int(self.control.add(ip.FAULTS + str(self.gen), 0)) > 0
                 hung = self._hung(beats, ranks) if self._stuck is None else None
                 if reported and not dead:
                     dead = self._dead_too(ranks)
-                if dead or reported or hung is not None:
-                    cause = hung or self._cause(dead, oom)
+                lost = self._lost_nodes()
+                elsewhere = self._elsewhere(hung) if fresh else None
+                if dead or reported or hung is not None or lost or elsewhere is not None:
+                    cause = hung or elsewhere or self._cause(dead, oom, lost)
                     handled = self.gen
                     progress = start.committed is not None and (best is None
                                                                 or start.committed > best)
@@ -249,8 +289,8 @@ class Launcher:
                     fatal = self.control.check([ip.FATAL + str(self.gen)])
                     if fatal or stalls >= o.max_stalls or self.gen >= o.max_restarts:
                         return self._give_up(cause, stalls, best, dead, fatal)
-                    self._recover(cause, start, dead)
-                    if hung is not None:  # who does not leave the generation is stuck
+                    self._recover(cause, start, dead, lost)
+                    if cause.kind == "hang":  # who does not leave the generation is stuck
                         self._stuck = (self.gen - 1, time.monotonic() + STUCK_S)
             self._wake.wait(POLL_S)
 
@@ -261,7 +301,7 @@ class Launcher:
         end = time.monotonic() + (DEATH_WAIT_S if self._lost_connection() else 0.0)
         while True:
             dead = [(w, rc) for w in ranks if (rc := w.proc.poll()) not in (None, 0)]
-            if dead or time.monotonic() >= end:
+            if dead or time.monotonic() >= end or self._known_elsewhere():
                 return dead
             time.sleep(0.01)
 
@@ -271,7 +311,7 @@ class Launcher:
 
     def _reports(self) -> list[tuple[int, int, str]]:
         """(order, rank, text) of each fault reported in the current generation."""
-        keys = [f"{ip.FAULT}{self.gen}/{k}" for k in range(self.nproc)]
+        keys = [f"{ip.FAULT}{self.gen}/{k}" for k in range(self.world)]
         end = time.monotonic() + 1.0  # the count is added before the text is set
         while not (said := [k for k in keys if self.control.check([k])]) and (
                 time.monotonic() < end):
@@ -347,7 +387,11 @@ class Launcher:
                         "%s", listed([w.rank for w in stuck], "rank"), gen, STUCK_S,
                         ", ".join(how))
 
-    def _cause(self, dead: list[tuple[Worker, int]], oom: OomWatch) -> Cause:
+    def _cause(self, dead: list[tuple[Worker, int]], oom: OomWatch,
+               lost: list[Member] | None = None) -> Cause:
+        if lost:
+            m = lost[0]
+            return Cause("node", f"node {m.slot} ({m.host}) lost: {m.lost}")
         if dead:
             w, rc = dead[0]
             c = classify(rc, list(w.tail), oom)
@@ -358,7 +402,8 @@ class Launcher:
         _, rank, text = min(faults)
         return Cause("exception", f"exception: rank {rank}: {text}")
 
-    def _recover(self, cause: Cause, start: Start, dead: list[tuple[Worker, int]]) -> None:
+    def _recover(self, cause: Cause, start: Start, dead: list[tuple[Worker, int]],
+                 nodes: list[Member] | None = None) -> None:
         # a rank that finished (its function returned) is started again too: the generation
         # needs every rank, and it restores the last snapshot and finishes again
         finished = [w for w in self.workers if w.rank is not None and w.done
@@ -367,17 +412,34 @@ class Launcher:
                       | {w.rank for w in finished if w.rank is not None})
         for w, _ in dead:
             w.done = True
+        elsewhere = sum(1 for r in range(self.world) if self.control.check(
+            [f"{ip.DIED}{self.gen}/{r}"]))
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
         self._open(cause, start.step)
         how = self._replace(lost)
+        for m in nodes or ():
+            assert m.slot is not None
+            self._vacant[m.slot] = self.gen
+            how.append(f"node {m.slot}'s ranks ({self._ranks_text(m.slot)}) go to the next "
+                       "node to join (a spare node)")
+            elsewhere += self.nproc
+        stay = self.world - len(lost) - elsewhere
         if cause.kind == "hang":
             log.warning("ciuic run: %s %s. Generation %d: every rank leaves generation %d; one "
                         "that has not within %g s is hung, and is killed and replaced",
                         cause.text, where, self.gen, self.gen - 1, STUCK_S)
-            return
-        log.warning("ciuic run: %s %s. Generation %d: %s stay in their processes%s",
-                    cause.text, where, self.gen, counted(self.nproc - len(lost), "rank"),
-                    f"; {', '.join(how)}" if how else "")
+        else:
+            log.warning("ciuic run: %s %s. Generation %d: %s %s%s",
+                        cause.text, where, self.gen, counted(stay, "rank"),
+                        "stays in its process" if stay == 1 else "stay in their processes",
+                        f"; {', '.join(how)}" if how else "")
+        self._fill_vacant()
+
+    def _local_ranks(self) -> range:
+        """This node's ranks (none: a spare node without a place)."""
+        if self.slot is None:
+            return range(0)
+        return range(self.slot * self.nproc, (self.slot + 1) * self.nproc)
 
     def _latest(self, rank: int) -> Worker | None:
         """The last process started for ``rank``."""
@@ -392,7 +454,8 @@ class Launcher:
             if spares:
                 s = spares.pop(0)
                 s.rank = rank
-                self.control.set(ip.ASSIGN + str(s.spare), f"{rank} {self.gen}")
+                self.control.set(ip.ASSIGN + str(s.spare),
+                                 f"{rank} {self.gen} {rank % self.nproc} {rank // self.nproc}")
                 how.append(f"rank {rank} goes to warm spare {s.spare}")
                 if self.spares:
                     self._spawn(None)  # keep --spares ready
@@ -417,24 +480,30 @@ class Launcher:
         tail = dead[0][0].tail if dead else collections.deque()
         log.error("ciuic run: giving up: %s. The last failure: %s. Its snapshots: %s%s", why,
                   cause, said, tail_text(tail))
-        rcs = [w.proc.returncode for r in range(self.nproc) if (w := self._latest(r))
+        rcs = [w.proc.returncode for r in self._local_ranks() if (w := self._latest(r))
                and w.proc.returncode]
         return exit_code(rcs[0]) if rcs else 1
 
     def _stopped(self) -> int:
         said, _ = snapshots_said(self.starts)
-        rcs = [w.proc.returncode for r in range(self.nproc) if (w := self._latest(r))
+        rcs = [w.proc.returncode for r in self._local_ranks() if (w := self._latest(r))
                and w.proc.returncode]
         rc = rcs[0] if rcs else 0
         log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its snapshots: %s",
                     exit_text(rc), signal_name(self._stop or 0), said)
         return exit_code(rc)
 
-    def _end_all(self) -> None:
-        """Every process still running (spares; ranks after a give-up) is ended."""
+    def _end_store(self) -> None:
+        """The job's end said in the control store (every rank still waiting there ends), and,
+        on several nodes, the others' ends waited for (their ranks read it until they exit)."""
         with contextlib.suppress(Exception):
             if self.control is not None and not self.control.check([ip.STOP]):
                 self.control.set(ip.STOP, "ciuic run ended")
+        self._wait_followers()
+
+    def _end_all(self) -> None:
+        """Every process still running (spares; ranks after a give-up) is ended."""
+        self._end_store()
         end = time.monotonic() + 2.0
         while time.monotonic() < end and self._live():
             time.sleep(0.05)
