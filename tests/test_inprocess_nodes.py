@@ -60,8 +60,9 @@ def start(node: Node, nodes: Nodes, tmp: Path, node_rank: int, *args: str,
             "--node-rank", str(node_rank), "--master-addr", nodes[1].addr, "--master-port",
             "29500", "--peer-timeout", "5", *run_args, "--", sys.executable, str(HELPER),
             "--store", str(tmp / "store"), "--out", str(tmp / "out"), *JOB, *args],
+            # each replica sent is said at DEBUG after the first (a test waits for a step's)
             stdout=log, stderr=subprocess.STDOUT,
-            env={**node.env, "PYTHONWARNINGS": "ignore"})
+            env={**node.env, "PYTHONWARNINGS": "ignore", "CIUIC_RUN_LOG": "debug"})
 
 
 def step_of(out: Path, rank: int) -> int:
@@ -88,12 +89,15 @@ def test_a_lost_node_goes_to_a_spare_node_whose_ranks_restore_from_a_peers_memor
         netns_nodes: Callable[[int], Nodes], tmp_path: Path,
         uninterrupted: dict[str, torch.Tensor]) -> None:
     nodes = netns_nodes(3)
-    leader = start(nodes[1], nodes, tmp_path, 0)
-    lost = start(nodes[2], nodes, tmp_path, 1)
-    spare = start(nodes[3], nodes, tmp_path, 2, run_args=("--spares", "2"))
+    slow = ("--step-sleep", "0.3")  # a snapshot every 1.5 s: the kill comes before the next
+    leader = start(nodes[1], nodes, tmp_path, 0, *slow)
+    lost = start(nodes[2], nodes, tmp_path, 1, *slow)
+    spare = start(nodes[3], nodes, tmp_path, 2, *slow, run_args=("--spares", "2"))
     out = tmp_path / "out"
-    wait_for(lambda: step_of(out, 2) >= 18 or leader.poll() is not None, 180,
-             "rank 2 (node 1) to pass step 18")
+    # killed once node 0 holds the replica of node 1's snapshot at step 15 (the replicas are
+    # sent after each commit, in the background)
+    wait_for(lambda: "holds a replica of this node's snapshot at step 15 " in text(tmp_path, 2)
+             or leader.poll() is not None, 180, "node 1's replica of step 15 on node 0")
     killed = time.time()
     assert nodes[2].kill_all(), "node 1 ran nothing"
     assert leader.wait(180) == 0, text(tmp_path, 1)[-5000:]
@@ -106,6 +110,7 @@ def test_a_lost_node_goes_to_a_spare_node_whose_ranks_restore_from_a_peers_memor
     assert f"node 2 ({nodes[3].addr}) takes node 1's place (ranks 2-3) in generation 1" in said
     assert "rank 2 goes to warm spare 2-0, rank 3 goes to warm spare 2-1" in text(tmp_path, 3)
     # node 1's chunks came from the replica node 0 held in memory, none from the store
+    assert "Resuming training at step 16" in said, said[-3000:]
     _, peers, store = recovered_from(said)
     assert mib(peers) > 0 and mib(store) == 0, said[-3000:]
     assert_same(final(out), uninterrupted)
@@ -146,3 +151,32 @@ def test_the_leaders_loss_ends_the_other_nodes_ranks_and_says_what_to_do(
     assert "Start the job again (on every node) and it resumes from its last snapshot" in said
     wait_for(lambda: not nodes[2].pids(), 30, "node 1 to be empty")
     assert leader.wait(10) == -9
+
+
+@pytest.mark.long  # (CI's hour: the node link's timeout; the kill of a node covers the rest)
+def test_a_node_cut_off_goes_to_the_spare_node_and_its_own_ranks_end_when_it_comes_back(
+        netns_nodes: Callable[[int], Nodes], tmp_path: Path,
+        uninterrupted: dict[str, torch.Tensor]) -> None:
+    nodes = netns_nodes(3)
+    leader = start(nodes[1], nodes, tmp_path, 0)
+    cut = start(nodes[2], nodes, tmp_path, 1)
+    spare = start(nodes[3], nodes, tmp_path, 2, run_args=("--spares", "2"))
+    out = tmp_path / "out"
+    wait_for(lambda: step_of(out, 2) >= 18 or leader.poll() is not None, 180,
+             "rank 2 (node 1) to pass step 18")
+    nodes[2].link(False)  # a cable pulled: nothing closes, node 1 falls silent
+    wait_for(lambda: "node 1 (" in text(tmp_path, 1) and ") lost: silent for" in
+             text(tmp_path, 1), 60, "the leader to lose node 1")
+    nodes[2].link(True)  # back: its ranks must not rejoin the job, whose ranks 2-3 moved
+    assert leader.wait(180) == 0, text(tmp_path, 1)[-5000:]
+    assert spare.wait(60) == 0, text(tmp_path, 3)[-5000:]
+    assert cut.wait(60) == 1, text(tmp_path, 2)[-4000:]
+    said = text(tmp_path, 2)
+    # (the node ends its ranks on the leader's silence, or, back first, on seeing its ranks
+    # given to node 2; a rank that saw it first ends by itself)
+    assert ("In-process recovery cannot go on without node 0" in said
+            or "its ranks now: ending this node's ranks" in said), said[-4000:]
+    assert "2 ranks stay in their processes" not in said, said[-4000:]
+    assert f"node 2 ({nodes[3].addr}) takes node 1's place (ranks 2-3)" in text(tmp_path, 1)
+    wait_for(lambda: not nodes[2].pids(), 30, "node 1 to be empty")
+    assert_same(final(out), uninterrupted)

@@ -61,6 +61,14 @@ class Varying(Augmented):
         return {"input_ids": ids[:LENGTH - i % 5]}
 
 
+def gpt2() -> GPT2LMHeadModel:
+    """The tiny GPT-2 of these jobs, with dropout, from a config (no download)."""
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(config)
+
+
 def llama() -> tuple[Any, Any]:
     """A tiny Llama (no download) and DataCollatorForLanguageModeling over a word-level
     tokenizer made in memory (the collator pads with its pad token)."""
@@ -125,10 +133,7 @@ def main() -> int:
     # last-bit differences in one slow-suite run in the clean-clone CI)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    model = GPT2LMHeadModel(config)
+    model = gpt2()
     collator = None
     if a.llama:
         model, collator = llama()

@@ -119,7 +119,7 @@ class LeaderLink:
             conn.settimeout(10.0)
             line = _read_line(conn)
             hello = json.loads(line)
-            node_rank = hello["node_rank"] if isinstance(hello, dict) else None
+            node_rank = hello.get("node_rank") if isinstance(hello, dict) else None
             if not isinstance(node_rank, int) or isinstance(node_rank, bool) or node_rank < 1:
                 raise ValueError(f"not a follower's hello: {line[:80]!r}")
         except (OSError, ValueError) as e:
@@ -141,16 +141,22 @@ class LeaderLink:
                                          f"at {live[0].host}"}).encode() + b"\n")
                 conn.close()
             return
-        conn.sendall(b'{"ok": true}\n')
+        try:
+            conn.settimeout(BEAT_S)
+            conn.sendall(b'{"ok": true}\n')
+        except OSError as e:  # (gone at once, or the link closing)
+            self._lose(m, f"its connection failed ({e})")
+            return
         log.info("ciuic run: %s joined", m)
         threading.Thread(target=_send_beats, args=(conn, self._closing),
                          name="ciuic-run-beat", daemon=True).start()
-        conn.settimeout(BEAT_S)
         while not self._closing.is_set():
             try:
                 got = conn.recv(64)
             except TimeoutError:
                 continue
+            except ConnectionResetError:
+                got = b""  # (closed with a beat unread: a reset)
             except OSError as e:
                 self._lose(m, f"its connection failed ({e})")
                 return
@@ -225,12 +231,12 @@ class FollowerLink:
         self.gone: str | None = None
         self._last = time.monotonic()
         self._closing = threading.Event()
+        self.conn.settimeout(BEAT_S)
         threading.Thread(target=_send_beats, args=(self.conn, self._closing),
                          name="ciuic-run-beat", daemon=True).start()
         threading.Thread(target=self._hear, name="ciuic-run-leader", daemon=True).start()
 
     def _hear(self) -> None:
-        self.conn.settimeout(BEAT_S)
         while not self._closing.is_set():
             try:
                 got = self.conn.recv(64)
@@ -240,6 +246,8 @@ class FollowerLink:
                                  f"{time.monotonic() - self._last:.1f} s (a network fault?)")
                     return
                 continue
+            except ConnectionResetError:
+                got = b""
             except OSError as e:
                 self.gone = f"the connection to the leader (node 0) failed ({e})"
                 return

@@ -124,6 +124,9 @@ class Follower(Launcher):
             self._take_place()
         latest = int(self.control.get(ip.GEN).decode())
         if latest > self.gen:
+            holder = self._slot_holder()
+            if holder is not None and holder != str(self.spec.node_rank):
+                return self._left_out(holder)
             self._follow(latest)
         if self._stuck is not None and time.monotonic() >= self._stuck[1]:
             self._kill_stuck([w for w in self.workers if w.rank is not None and not w.done])
@@ -181,6 +184,25 @@ class Follower(Launcher):
                      self.slot, gen, cause or "no cause said", counted(stay, "rank"),
                      "stays in its process" if stay == 1 else "stay in their processes",
                      f"; {', '.join(how)}" if how else "")
+
+    def _slot_holder(self) -> str | None:
+        """The node rank of the node that holds this node's slot now, as the leader says."""
+        if self.slot is None or not self.control.check([ip.SLOT + str(self.slot)]):
+            return None
+        return str(self.control.get(ip.SLOT + str(self.slot)).decode())
+
+    def _left_out(self, holder: str) -> int:
+        """The leader gave this node's ranks to another node (it was cut off past
+        ``--peer-timeout``): its own ranks end, and so does it."""
+        assert self.spec is not None
+        log.error("ciuic run: node %d was lost to the job (cut off for longer than "
+                  "--peer-timeout?) and %s its ranks now: ending this node's ranks",
+                  self.spec.node_rank, "another node takes" if holder == ip.NO_NODE
+                  else f"node {holder} holds")
+        for w in self._live():
+            with contextlib.suppress(OSError):
+                os.kill(w.proc.pid, signal.SIGKILL)
+        return 1
 
     def _told_to_stop(self, mine: list[Worker]) -> int:
         """The leader stopped the job (it gave up, or was stopped) and this node's ranks have

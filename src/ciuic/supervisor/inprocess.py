@@ -77,6 +77,12 @@ ASSIGN = "spare/"
 DEATHS = "deaths/"
 DIED = "died/"
 HUNG = "hung/"
+#: several nodes: + a slot (GROUP_RANK): the node rank of the node that holds its ranks (set by
+#: the leader; a rank of a node cut off and replaced meanwhile sees another there, and ends)
+SLOT = "nodes/slot/"
+NO_NODE = "-"  # a slot's node was lost, and no node holds it yet
+#: several nodes: this rank's node's node rank (``--node-rank``), set by ``ciuic run``
+NODE_ENV = "CIUIC_NODE"
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
 #: how long a rank waits for the next generation before it gives up
 REFORM_TIMEOUT_S = 600.0
@@ -227,6 +233,10 @@ class _Control:
         got = self._wait([FINISHED, nxt, STOP], REFORM_TIMEOUT_S)
         if got != nxt:
             return True  # (STOP: ciuic run ends the job; this rank's part is done)
+        replaced = self.replaced()
+        if replaced is not None:
+            log.error("ciuic: rank %d: %s", self.rank, replaced)
+            return True
         self.enter(int(self.store.get(GEN).decode()))
         log.warning("ciuic: rank %d had finished; another rank failed: generation %d goes "
                     "on with it", self.rank, self.gen)
@@ -243,11 +253,28 @@ class _Control:
                    else f"no new generation within {REFORM_TIMEOUT_S:g} s")
             log.error("ciuic: rank %d stops: %s", self.rank, why)
             return False
+        replaced = self.replaced()
+        if replaced is not None:
+            log.error("ciuic: rank %d stops: %s", self.rank, replaced)
+            return False
         latest = int(self.store.get(GEN).decode())
         self.enter(latest)
         log.warning("ciuic: rank %d stayed in its process; generation %d formed %.2f s after "
                     "its fault", self.rank, latest, time.monotonic() - t0)
         return True
+
+    def replaced(self) -> str | None:
+        """Why this rank no longer belongs to the job (None: it does): on several nodes, its
+        node was cut off and another node holds its ranks now."""
+        node, group = os.environ.get(NODE_ENV), os.environ.get("GROUP_RANK")
+        if node is None or group is None or not self._key(SLOT + group):
+            return None
+        holder = self.store.get(SLOT + group).decode()
+        if holder == node:
+            return None
+        return (f"node {node} was lost to the job (cut off?) and "
+                f"{'another node takes' if holder == NO_NODE else f'node {holder} holds'} its "
+                "ranks now; this process ends")
 
 
 #: what a rank imports on first use inside the training function, which a warm spare imports

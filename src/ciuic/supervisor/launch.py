@@ -147,6 +147,8 @@ class Launcher(Leading):
                      "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.nproc),
                      "GROUP_RANK": str(self.slot or 0), "GROUP_WORLD_SIZE": str(self.nnodes),
                      "ROLE_RANK": str(self.slot or 0), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        if spec is not None:
+            self._env[ip.NODE_ENV] = str(spec.node_rank)
         old = {s: signal.signal(s, self._on_signal)
                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
         try:
@@ -178,6 +180,7 @@ class Launcher(Leading):
         if self.spec is not None:
             self.link = LeaderLink(self.o.peer_timeout_s)
             self.control.set(LINK, str(self.link.port))
+            self.control.set(ip.SLOT + "0", "0")
             self._vacant = dict.fromkeys(range(1, self.nnodes), -1)  # -1: the node of that rank
         self._open(None, None)
 
@@ -276,7 +279,7 @@ class Launcher(Leading):
                 hung = self._hung(beats, ranks) if self._stuck is None else None
                 if reported and not dead:
                     dead = self._dead_too(ranks)
-                lost = self._lost_nodes()
+                lost = self._lost_nodes() if not self._all_done else []
                 elsewhere = self._elsewhere(hung) if fresh else None
                 if dead or reported or hung is not None or lost or elsewhere is not None:
                     cause = hung or elsewhere or self._cause(dead, oom, lost)
@@ -415,6 +418,9 @@ class Launcher(Leading):
         elsewhere = sum(1 for r in range(self.world) if self.control.check(
             [f"{ip.DIED}{self.gen}/{r}"]))
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
+        for m in nodes or ():  # before the generation opens: the lost node's ranks may be
+            # alive, cut off; seen again, this tells them (and its ciuic run) they are out
+            self.control.set(ip.SLOT + str(m.slot), ip.NO_NODE)
         self._open(cause, start.step)
         how = self._replace(lost)
         for m in nodes or ():

@@ -83,6 +83,7 @@ class Leading:
                 continue
             gen = max(since, self.gen)
             del self._vacant[slot]
+            self.control.set(ip.SLOT + str(slot), str(m.node_rank))
             self.control.set(PLACE + str(m.node_rank), f"{slot} {gen}")
             if since >= 0:
                 log.warning("ciuic run: %s takes node %d's place (%s) in generation %d", m,
