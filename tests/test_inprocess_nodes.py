@@ -41,13 +41,24 @@ JOB = ["--steps", "60", "--every", "5", "--step-sleep", "0.1"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The job run through without a fault: 4 ranks on one node (the ranks' data and model
-    depend on the global rank only)."""
-    out = tmp_path_factory.mktemp("ref")
-    run = launch_one_node(out, *JOB)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return final(out / "out")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+    """Each model's job run through without a fault, when first asked for: 4 ranks on one node
+    (the ranks' data and model depend on the global rank only)."""
+
+    class Lazy(dict[str, dict[str, torch.Tensor]]):
+        def __missing__(self, model: str) -> dict[str, torch.Tensor]:
+            out = tmp_path_factory.mktemp(f"ref-{model}")
+            run = launch_one_node(out, *JOB, model=model)
+            assert run.returncode == 0, run.stderr[-4000:]
+            self[model] = final(out / "out")
+            return self[model]
+
+    return Lazy()
+
+
+@pytest.fixture
+def uninterrupted(references: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return references["ddp"]
 
 
 def start(node: Node, nodes: Nodes, tmp: Path, node_rank: int, *args: str,
@@ -118,22 +129,27 @@ def test_a_lost_node_goes_to_a_spare_node_whose_ranks_restore_from_a_peers_memor
           "every rank's next step")
 
 
+@pytest.mark.parametrize(("model", "fault"), [
+    ("ddp", "12:3:backward:kill"),
+    # FSDP2's reduce-scatter: (CI's hour; the same path as DDP's)
+    pytest.param("fsdp2", "12:3:allreduce:kill", marks=pytest.mark.long)])
 def test_a_rank_killed_on_a_node_that_follows_is_replaced_there(
         netns_nodes: Callable[[int], Nodes], tmp_path: Path,
-        uninterrupted: dict[str, torch.Tensor]) -> None:
+        references: dict[str, dict[str, torch.Tensor]], model: str, fault: str) -> None:
     nodes = netns_nodes(2)
-    procs = [start(nodes[1], nodes, tmp_path, 0, "--fault", "12:3:backward:kill"),
-             start(nodes[2], nodes, tmp_path, 1, "--fault", "12:3:backward:kill")]
+    args = ("--model", model, "--fault", fault)
+    procs = [start(nodes[1], nodes, tmp_path, 0, *args),
+             start(nodes[2], nodes, tmp_path, 1, *args)]
     assert [p.wait(180) for p in procs] == [0, 0], text(tmp_path, 1)[-5000:]
     said, there = text(tmp_path, 1), text(tmp_path, 2)
     assert "rank 3 (pid " in said and ", node 1): signal: SIGKILL (killed) at step 11" in said
     assert "Generation 1: 3 ranks stay in their processes" in said, said[-4000:]
     assert "generation 1 (rank 3 " in there and "1 rank stays in its process; rank 3 starts " \
            "anew" in there, there[-4000:]
-    assert_same(final(tmp_path / "out"), uninterrupted)
-    fault = json.loads((tmp_path / "out" / "fault-12-3.json").read_text())["time"]
-    print(f"a rank killed on node 1: {recovery_s(tmp_path / 'out', fault):.2f} s from the "
-          "kill to every rank's next step")
+    assert_same(final(tmp_path / "out"), references[model])
+    fault_at = json.loads((tmp_path / "out" / "fault-12-3.json").read_text())["time"]
+    print(f"a rank killed on node 1 ({model}): {recovery_s(tmp_path / 'out', fault_at):.2f} s "
+          "from the kill to every rank's next step")
 
 
 @pytest.mark.long  # (CI's hour: an error path, about 20 s)

@@ -115,3 +115,18 @@ def test_an_elastic_torchrun_is_told_what_a_lost_node_with_no_replacement_costs(
     for fixed in ("3", "3:3", "10:9"):  # as many nodes as asked, or an odd range: nothing
         assert elastic_note([*base, "--nnodes", fixed, "train.py"]) is None
     assert elastic_note(["torchrun", "--nnodes", "2:3", "--standalone", "train.py"]) is None
+
+
+def test_a_step_gives_ciuic_runs_own_ranks_their_nodes_and_node_0_leads() -> None:
+    nnodes, node_rank, master, said = slurm.node_args(STEP, None, None, None)
+    assert (nnodes, node_rank, master) == (3, 2, "gpu07")
+    assert said == "from the Slurm step 812.0: --nnodes 3 --node-rank 2 --master-addr gpu07"
+    # what was given is kept: two nodes of ranks, the third a spare node
+    nnodes, node_rank, master, said = slurm.node_args(STEP, 2, None, "10.0.0.1")
+    assert (nnodes, node_rank, master) == (2, 2, "10.0.0.1")
+    assert said == "from the Slurm step 812.0: --node-rank 2"
+    alone = {**STEP, "SLURM_STEP_NODELIST": "gpu07", "SLURM_NODEID": "0"}
+    assert slurm.node_args(alone, None, None, None)[:3] == (1, 0, None)  # one node: none
+    assert slurm.node_args({}, None, None, None) == (1, 0, None, None)  # outside a step
+    with pytest.raises(ConfigurationError, match="srun --ntasks-per-node=1 .ciuic run starts"):
+        slurm.node_args({**STEP, "SLURM_STEP_TASKS_PER_NODE": "8(x3)"}, None, None, None)

@@ -75,21 +75,23 @@ def host_memory_budget(text: str) -> int | None:
 @click.option("--spares", type=click.IntRange(min=0), default=0, metavar="K",
               help="With --nproc-per-node: keep K warm spares (the command started, its "
                    "imports done) to take a lost rank's place.")
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, metavar="M",
+@click.option("--nnodes", type=click.IntRange(min=1), default=None, metavar="M",
               help="With --nproc-per-node: the job's nodes, one ciuic run on each; node 0 "
-                   "leads (it hosts the control store), a node lost goes to a spare node.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, metavar="K",
+                   "leads (it hosts the control store), a node lost goes to a spare node. "
+                   "Under srun: the step's nodes.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, metavar="K",
               help="With --nnodes: this node's rank (0 .. M-1; M or more: a spare node, whose "
-                   "warm spares take a lost node's ranks).")
+                   "warm spares take a lost node's ranks). Under srun: SLURM_NODEID.")
 @click.option("--master-addr", default=None, metavar="HOST",
-              help="With --nnodes: node 0's address, as the other nodes reach it.")
+              help="With --nnodes: node 0's address, as the other nodes reach it. Under "
+                   "srun: the step's first host.")
 @click.option("--master-port", type=click.IntRange(min=1, max=65535), default=29500,
               metavar="PORT", help="With --nnodes: the port of node 0's control store.")
 @click.pass_context
 def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_timeout: float,
         grace: float, max_stalls: int, backoff: float, host_memory: str, replicas: int,
-        peer_timeout: float, nproc_per_node: int | None, spares: int, nnodes: int,
-        node_rank: int, master_addr: str | None, master_port: int) -> None:
+        peer_timeout: float, nproc_per_node: int | None, spares: int, nnodes: int | None,
+        node_rank: int | None, master_addr: str | None, master_port: int) -> None:
     """Run a training command, restart it when it fails or hangs, resume it from host memory.
 
     \b
@@ -148,6 +150,10 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
                           hang_timeout_s=hang_timeout or None, grace_s=grace,
                           max_stalls=max_stalls, host_memory=budget, replicas=replicas,
                           peer_timeout_s=peer_timeout)
+        nnodes, node_rank, master_addr, slurm_said = slurm.node_args(
+            os.environ, nnodes, node_rank, master_addr)
+        if slurm_said:
+            log.info("ciuic run: %s", slurm_said)
         spec = node_spec(nnodes, node_rank, master_addr, master_port)
         log.info("ciuic run: %d ranks here%s, recovered in their processes (%s)",
                  nproc_per_node, "" if spec is None else
@@ -164,7 +170,7 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
     elif spares:
         raise ConfigurationError("--spares takes --nproc-per-node: warm spares wait for a "
                                  "rank's place in a job ciuic run starts itself")
-    elif nnodes > 1 or node_rank or master_addr:
+    elif nnodes is not None or node_rank is not None or master_addr:
         raise ConfigurationError("--nnodes, --node-rank and --master-addr take "
                                  "--nproc-per-node (ciuic run starts the ranks itself); a "
                                  "torchrun job of several nodes gives them to torchrun: "

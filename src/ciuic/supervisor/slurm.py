@@ -6,6 +6,8 @@ the job's environment, and the requeue after a preemption notice.
   host of ``SLURM_STEP_NODELIST``), ``--rdzv-id`` (the job's id) and ``is_host`` in
   ``--rdzv-conf`` (whether this is the step's node 0, ``SLURM_NODEID``): the batch script needs
   no rendezvous lines. What the user gave is never changed.
+- :func:`node_args`: the same for ``ciuic run --nproc-per-node`` (in-process recovery on
+  several nodes): ``--nnodes``, ``--node-rank``, ``--master-addr``.
 - :func:`requeue`: after SIGUSR1 (Slurm's usual warning, ``--signal=USR1@T`` or ``scancel
   --signal=USR1``) the job took its emergency snapshot and exited; the step's first task asks
   Slurm to requeue the job (``scontrol requeue``), which then resumes from that snapshot.
@@ -56,6 +58,46 @@ def in_step(environ: Mapping[str, str]) -> bool:
     return "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" in environ
 
 
+def _one_task_per_node(environ: Mapping[str, str], starts: str) -> None:
+    tasks = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "1")
+    if tasks.split("(")[0] not in ("1", ""):
+        raise ConfigurationError(
+            f"ciuic run runs once per node under Slurm, and this step runs {tasks} tasks per "
+            f"node: start it with srun --ntasks-per-node=1 ({starts} the ranks of the node, "
+            "--nproc-per-node)")
+
+
+def _step_hosts(environ: Mapping[str, str]) -> list[str]:
+    return hostnames(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                     or "")
+
+
+def node_args(environ: Mapping[str, str], nnodes: int | None, node_rank: int | None,
+              master_addr: str | None) -> tuple[int, int, str | None, str | None]:
+    """``ciuic run --nproc-per-node``'s nodes under a Slurm step, where not given: ``--nnodes``
+    the step's nodes, ``--node-rank`` this node's (``SLURM_NODEID``), ``--master-addr`` the
+    step's first host. (Started on more nodes than ``--nnodes``, the nodes past it are spare
+    nodes.) Returns them and a line saying what was taken from the step (None: nothing);
+    outside a step, what was given (1, 0 and None where nothing)."""
+    if not in_step(environ):
+        return nnodes or 1, node_rank or 0, master_addr, None
+    _one_task_per_node(environ, "ciuic run starts")
+    nodes = _step_hosts(environ)
+    took = []
+    if nnodes is None and nodes:
+        nnodes = len(nodes)
+        took.append(f"--nnodes {nnodes}")
+    if node_rank is None and environ.get("SLURM_NODEID", "").isdigit():
+        node_rank = int(environ["SLURM_NODEID"])
+        took.append(f"--node-rank {node_rank}")
+    if master_addr is None and nodes and (nnodes or 1) > 1:
+        master_addr = nodes[0]
+        took.append(f"--master-addr {master_addr}")
+    said = f"from the Slurm step {environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}: " \
+        f"{' '.join(took)}" if took else None
+    return nnodes or 1, node_rank or 0, master_addr, said
+
+
 def torchrun_args(environ: Mapping[str, str], given: Mapping[str, str | None]
                   ) -> tuple[list[str], dict[str, str]]:
     """What a Slurm step adds to torchrun's own arguments (see the module's docstring): the
@@ -63,14 +105,8 @@ def torchrun_args(environ: Mapping[str, str], given: Mapping[str, str | None]
     gave (None: not given). Nothing outside a job step."""
     if not in_step(environ):
         return [], {}
-    tasks = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "1")
-    if tasks.split("(")[0] not in ("1", ""):
-        raise ConfigurationError(
-            f"ciuic run runs once per node under Slurm, and this step runs {tasks} tasks per "
-            "node: start it with srun --ntasks-per-node=1 (torchrun starts the ranks of the "
-            "node, --nproc-per-node)")
-    nodes = hostnames(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                      or "")
+    _one_task_per_node(environ, "torchrun starts")
+    nodes = _step_hosts(environ)
     added: list[str] = []
     conf: dict[str, str] = {}
     if given.get("--nnodes") is None and nodes:
