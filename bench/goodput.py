@@ -66,13 +66,14 @@ PY = sys.executable
 
 def commands(system: str, a: argparse.Namespace, folder: Path) -> list[tuple[list[str],
                                                                             dict[str, str]]]:
-    """The processes a system's job is, each with its own environment additions."""
-    ciuic = [PY, "-m", "ciuic", "run", "--max-restarts", "1000", "--max-stalls", "1000",
-             "--hang-timeout", str(a.hang_timeout), "--grace", "1", "--backoff", "0"]
+    """The processes a system's job is, each with its own environment additions (with
+    ``--nodes`` above 1: one per node, node 0's first; see :func:`node_commands`)."""
+    ciuic, worker = ciuic_worker(a, folder)
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(a.ranks)]
-    worker = [str(WORKER), "--dir", str(folder), "--every", str(a.snapshot_every),
-              "--step-s", str(a.step_s), "--hidden", str(a.hidden)]
+    if a.nodes > 1 and system not in ("none", "torchft"):
+        return [node_commands(system, a, folder, k, ciuic, worker) for k in range(a.nodes)] + (
+            [spare_node(a, 0, ciuic, worker)] if system == "ciuic-inprocess" else [])
     if system == "ciuic-inprocess":
         return [([*ciuic, "--nproc-per-node", str(a.ranks), "--spares", "1", "--", PY, *worker,
                   "--mode", "ciuic"], {})]
@@ -96,6 +97,47 @@ def commands(system: str, a: argparse.Namespace, folder: Path) -> list[tuple[lis
             (one, {"REPLICA_GROUP_ID": str(r), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"})
             for r in range(a.ranks)]
     raise ValueError(system)
+
+
+def ciuic_worker(a: argparse.Namespace, folder: Path) -> tuple[list[str], list[str]]:
+    """``ciuic run``'s options common to its systems, and the worker's command."""
+    ciuic = [PY, "-m", "ciuic", "run", "--max-restarts", "1000", "--max-stalls", "1000",
+             "--hang-timeout", str(a.hang_timeout), "--grace", "1", "--backoff", "0"]
+    worker = [str(WORKER), "--dir", str(folder), "--every", str(a.snapshot_every),
+              "--step-s", str(a.step_s), "--hidden", str(a.hidden)]
+    return ciuic, worker
+
+
+def node_commands(system: str, a: argparse.Namespace, folder: Path, k: int, ciuic: list[str],
+                  worker: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Node ``k``'s process of a job of ``--nodes`` nodes on this machine (each its share of
+    the ranks; node 0 hosts the rendezvous): ``ciuic run --nnodes`` in-process (node 0
+    leads), or a torchrun of the c10d rendezvous (under ``ciuic run`` for the full restart)."""
+    per = a.ranks // a.nodes
+    if system == "ciuic-inprocess":
+        return ([*ciuic, "--nproc-per-node", str(per), "--nnodes", str(a.nodes), "--node-rank",
+                 str(k), "--master-addr", "127.0.0.1", "--master-port", str(a.port),
+                 "--spares", "1", "--", PY, *worker, "--mode", "ciuic"], {})
+    torchrun = [PY, "-m", "torch.distributed.run", "--nnodes", str(a.nodes), "--nproc-per-node",
+                str(per), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{a.port}",
+                "--rdzv-id", f"goodput-{a.port}", "--rdzv-conf", f"is_host={int(k == 0)}",
+                "--max-restarts", "1000", "--monitor-interval", "0.2"]
+    if system == "ciuic-restart":
+        return [*ciuic, "--", *torchrun, *worker, "--mode", "ciuic"], {}
+    if system == "torchrun-dcp":
+        return [*torchrun, *worker, "--mode", "dcp", "--timeout", str(a.hang_timeout)], {}
+    raise ValueError(system)
+
+
+def spare_node(a: argparse.Namespace, n: int, ciuic: list[str],
+               worker: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The ``n``-th spare node of ``ciuic run --nnodes`` in-process (its warm spares take a
+    lost node's ranks; the benchmark starts the next when one has taken a place, as a
+    scheduler replaces a lost node)."""
+    per = a.ranks // a.nodes
+    return ([*ciuic, "--nproc-per-node", str(per), "--nnodes", str(a.nodes), "--node-rank",
+             str(a.nodes + n), "--master-addr", "127.0.0.1", "--master-port", str(a.port),
+             "--spares", str(per), "--", PY, *worker, "--mode", "ciuic"], {})
 
 
 #: time, step, rank 0's life (pid.generation), and for torchft the batches every replica
@@ -127,6 +169,40 @@ def stop(procs: list[subprocess.Popen[bytes]], folder: Path) -> None:
         proc.wait(30)
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def lose_node(node: subprocess.Popen[bytes]) -> None:
+    """A node lost, all of it at once: every process under the one the benchmark started for
+    it, SIGKILLed."""
+    for p in descendants(node.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    node.wait(30)
+
+
+def faults_of(system: str, a: argparse.Namespace) -> tuple[str, ...]:
+    """The faults injected in turn: a node's loss too where the job has several nodes (for
+    torchft, a replica group's: its torchrun and its rank)."""
+    several = a.nodes > 1 and system != "none"
+    return (*FAULTS, "node") if several else FAULTS
+
+
 def inject(kind: str, rank: int, folder: Path) -> None:
     if kind == "kill":
         pid = int((folder / f"pid-{rank}").read_text())
@@ -151,9 +227,23 @@ def run(system: str, a: argparse.Namespace, folder: Path, seconds: float,
     if system == "torchft":  # its Manager connects to the agent's store, which it needs
         del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     err = (folder / "stderr.log").open("wb")
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**env, **more},
-                              start_new_session=True)
-             for cmd, more in commands(system, a, folder)]
+    a.port = free_port()  # node 0's rendezvous or control store, with --nodes
+
+    def start(cmd: list[str], more: dict[str, str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**env, **more}, start_new_session=True)
+        started[proc.pid] = (cmd, more)
+        return proc
+
+    started: dict[int, tuple[list[str], dict[str, str]]] = {}
+    procs = [start(cmd, more) for cmd, more in commands(system, a, folder)]
+    kinds = faults_of(system, a)
+    # with --nodes: the process of node 1 (torchft: replica group 1), lost by a node fault,
+    # and (ciuic in-process) the spare node ready to take its place
+    several = "node" in kinds
+    node1 = (procs[-1] if system == "torchft" else procs[1]) if several else None
+    ready = procs[2] if system == "ciuic-inprocess" and several else None
+    spares = 1  # ciuic in-process: the spare nodes started
     try:
         t_launch = time.time()
         while not steps(folder):
@@ -169,11 +259,25 @@ def run(system: str, a: argparse.Namespace, folder: Path, seconds: float,
             # varies, as it does in a real job, not with the step time of each system
             due = t0 + (k + 1 + random.Random(k).uniform(-0.25, 0.25)) * a.every_s
             if faults and due < t0 + seconds and time.time() >= due:
-                kind, rank = FAULTS[k % len(FAULTS)], (k + 1) % a.ranks
+                kind, rank = kinds[k % len(kinds)], (k + 1) % a.ranks
                 before = steps(folder)
                 try:
-                    inject(kind, rank, folder)
-                except (OSError, ValueError) as e:  # a pid file not written yet: a late start
+                    if kind == "node":  # node 1 (never node 0: the leader, the rendezvous)
+                        assert node1 is not None
+                        rank = a.ranks // a.nodes
+                        lose_node(node1)
+                        procs.remove(node1)
+                        if ready is not None:  # its place taken; the next spare node
+                            node1, ready = ready, start(*spare_node(a, spares,
+                                                                    *ciuic_worker(a, folder)))
+                            procs.append(ready)
+                            spares += 1
+                        else:  # the lost node started again (a scheduler's replacement)
+                            node1 = start(*started[node1.pid])
+                            procs.append(node1)
+                    else:
+                        inject(kind, rank, folder)
+                except (OSError, ValueError) as e:  # a pid file not written yet
                     print(f"  {system}: could not inject {kind} on rank {rank}: {e}",
                           flush=True)
                 injected.append({"kind": kind, "rank": rank, "time": time.time(),
@@ -251,6 +355,11 @@ def main() -> None:
     p.add_argument("--every-s", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="split each system's ranks over this many nodes on this machine (a "
+                   "process tree each, node 0 the rendezvous), and add a node's loss to the "
+                   "faults: node 1's tree SIGKILLed at once, a replacement started at once "
+                   "(ciuic: a spare node ready beforehand, the next started after)")
     p.add_argument("--snapshot-every", type=int, default=25)
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=1024)
@@ -269,6 +378,8 @@ def main() -> None:
     unknown = set(systems) - set(known)
     if unknown:
         p.error(f"--systems: unknown {sorted(unknown)}; the systems are {', '.join(known)}")
+    if a.nodes < 1 or a.ranks % a.nodes:
+        p.error(f"--nodes {a.nodes}: the {a.ranks} ranks split evenly over 1 or more nodes")
     if "torchft" in systems and not a.torchft:
         p.error("torchft needs --torchft FOLDER: where torchft is installed (pip install "
                 "--no-deps --target FOLDER torchft==0.2.0)")
@@ -305,7 +416,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
         "when": time.strftime("%F %T"), "minutes": a.minutes, "every_s": a.every_s,
-        "ranks": a.ranks, "snapshot_every": a.snapshot_every, "step_s": a.step_s,
+        "ranks": a.ranks, "nodes": a.nodes, "snapshot_every": a.snapshot_every, "step_s": a.step_s,
         "hidden": a.hidden, "hang_timeout_s": a.hang_timeout, "ideal_step_s": t_ideal,
         "ideal_step_s_before_after": [ideal_step_s(base), ideal_step_s(after)]}
     print("\nmin / median / max")
@@ -314,7 +425,7 @@ def main() -> None:
         row: dict[str, Any] = {"ettr": summary([o["ettr"] for o in outs]),
                                "steady_step_s": summary([o["steady_step_s"] for o in outs]),
                                "redone": summary([o["redone"] for o in outs])}
-        for kind in FAULTS:
+        for kind in (*FAULTS, "node"):
             got = [f for o in outs for f in o["faults"]
                    if f["kind"] == kind and f["recovery_s"] is not None]
             if got:
@@ -326,7 +437,7 @@ def main() -> None:
         report[system] = row
         print(f"  {system:16s} ETTR " + " / ".join(f"{row['ettr'][m]:.3f}" for m in
                                                     ("min", "median", "max")))
-        for kind in FAULTS:
+        for kind in (*FAULTS, "node"):
             if f"{kind}_recovery_s" in row:
                 s, n = row[f"{kind}_recovery_s"], row[f"{kind}_lost_steps"]
                 print(f"  {'':16s} {kind:5s} recovery {s['min']:.2f} / {s['median']:.2f} / "

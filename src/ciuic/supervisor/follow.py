@@ -166,18 +166,20 @@ class Follower(Launcher):
     def _follow(self, gen: int) -> None:
         """The leader opened generation ``gen``: this node's ranks whose process ended are
         replaced; after a hang, those that do not leave the hung generation are stuck."""
+        causes = {g: self.control.get(ip.CAUSE + str(g)).decode()
+                  for g in range(self.gen + 1, gen + 1) if self.control.check([ip.CAUSE + str(g)])}
+        hung = [g for g, c in causes.items() if c.startswith("hang")]  # (one opened since?)
+        cause = causes.get(gen, "")
         self.gen = gen
         self.starts.append(Start(gen, time.monotonic()))
-        cause = (self.control.get(ip.CAUSE + str(gen)).decode()
-                 if self.control.check([ip.CAUSE + str(gen)]) else "")
         ended = [w for r in self._local_ranks()
                  if (w := self._latest(r)) is not None and w.proc.poll() is not None]
         for w in ended:
             w.done = True
         lost = [w.rank for w in ended if w.rank is not None]
         how = self._replace(lost)
-        if cause.startswith("hang"):
-            self._stuck = (gen - 1, time.monotonic() + STUCK_S)
+        if hung and self.slot is not None and self._stuck is None:
+            self._stuck = (hung[0] - 1, time.monotonic() + STUCK_S)
         if self.slot is not None:
             stay = self.nproc - len(lost)
             log.info("ciuic run: node %d: generation %d (%s): %s %s%s",

@@ -76,6 +76,7 @@ class Worker:
     failed: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=60))
     done: bool = False
+    since: int = 0  # the generation it took its rank in
 
 
 class Launcher(Leading):
@@ -222,7 +223,7 @@ class Launcher(Leading):
             env["GROUP_RANK"] = env["ROLE_RANK"] = str(rank // self.nproc)
         proc = subprocess.Popen(self.o.command, env=env, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=_in_child)
-        w = Worker(proc, rank, spare)
+        w = Worker(proc, rank, spare, since=self.gen)
         threading.Thread(target=forward, args=(proc, w.tail, w.failed),
                          name="ciuic-run-stderr", daemon=True).start()
         self.workers.append(w)
@@ -377,8 +378,11 @@ class Launcher(Leading):
         assert self._stuck is not None
         gen = self._stuck[0]
         self._stuck = None
-        stuck = [w for w in ranks if w.proc.poll() is None
-                 and not self.control.check([f"{ip.FAULT}{gen}/{w.rank}"])]
+        # (a rank that took its place after the hang was not in that generation; one that left
+        # it reported a fault there, or in a later one it went on to)
+        stuck = [w for w in ranks if w.proc.poll() is None and w.since <= gen
+                 and not any(self.control.check([f"{ip.FAULT}{g}/{w.rank}"])
+                             for g in range(gen, max(gen + 1, self.gen)))]
         for w in stuck:
             with contextlib.suppress(OSError):
                 os.kill(w.proc.pid, signal.SIGKILL)
@@ -459,7 +463,7 @@ class Launcher(Leading):
         for rank in lost:
             if spares:
                 s = spares.pop(0)
-                s.rank = rank
+                s.rank, s.since = rank, self.gen
                 self.control.set(ip.ASSIGN + str(s.spare),
                                  f"{rank} {self.gen} {rank % self.nproc} {rank // self.nproc}")
                 how.append(f"rank {rank} goes to warm spare {s.spare}")
