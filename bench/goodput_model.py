@@ -9,21 +9,24 @@ For each system, the ETTR (useful time / wall time) of a long job is
 
 with M the job's mean time between failures, I the snapshot interval, ``stall`` what one
 snapshot stops training for, and C the wall time one fault costs on average over the
-benchmark's faults (a kill, a raise and a hang in equal parts):
+benchmark's faults (a kill, a raise and a hang in equal parts; with ``--nodes 2``, a node's
+loss too):
 
     C = recovery (measured, per kind of fault; a hang's with the system's own timeout) + the
         extra start at scale (``--init-s``: forming the communicator at W ranks, for every
         system that rolls back; creating the processes' CUDA contexts and reading the
-        checkpoint for the systems that restart every process) + the work redone (I / 2, plus
-        for an asynchronous snapshot the time it takes to be written, when a fault rolls back
-        to the snapshot before)
+        checkpoint for the systems that restart every process; for a node's loss, its ranks'
+        state read from a peer's memory by the node that takes its place, for ciuic) + the
+        work redone (I / 2, plus for an asynchronous snapshot the time it takes to be written,
+        when a fault rolls back to the snapshot before)
 
 and I chosen by Young and Daly's rule, I = sqrt(2 x stall x M). torchft rolls nothing back:
 its C is its survivors' stall, plus its healing time x the share of the job's replica
 groups that is lost (one group of ``--group-ranks``). In the run a hang stopped torchft for
 good (no quorum formed again): ``torchft-as-run`` counts a hang as a stop until someone
 restarts the job (``--manual-restart-s``), ``torchft`` as what it would cost had the hung
-group been left out at the Manager's timeout.
+group been left out at the Manager's timeout. A node's loss is, for torchft, a replica
+group's (its heal as measured, else a kill's).
 
 What is assumed, not measured here, is named by an option and printed with the table.
 """
@@ -59,10 +62,19 @@ def recovery(report: dict[str, Any], system: str, kind: str, hang_timeout: float
     return r
 
 
+def kinds_of(report: dict[str, Any]) -> tuple[str, ...]:
+    """The faults the benchmark injected in equal parts: a node's loss too with ``--nodes``."""
+    return (*KINDS, "node") if int(report.get("nodes", 1)) > 1 else KINDS
+
+
 def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
           init_s: float) -> dict[str, dict[str, float]]:
     m = mtbf_s(gpus)
     per_rank_gib = STATE_BYTES / gpus / GIB
+    kinds = kinds_of(report)
+    n = len(kinds)
+    # a node's loss: its ranks' state from a peer's memory, to the node taking its place
+    peer_read = ("node" in kinds) * STATE_BYTES / gpus * a.node_ranks / a.peer_bytes_per_s
     out = {}
     for system in ("ciuic-inprocess", "ciuic-restart", "torchrun-dcp", "torchft",
                    "torchft-as-run"):
@@ -73,7 +85,11 @@ def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
         if system.startswith("torchft"):
             ft = report["torchft"]
             kill = float(ft["kill_recovery_s"]["median"])
-            stalls = [float(ft[f"{k}_stall_s"]["median"]) for k in KINDS[:2]]
+            others = [k for k in kinds if k != "hang"]  # a group restarted: a kill's if unseen
+            stalls = [float(ft.get(f"{k}_stall_s", ft["kill_stall_s"])["median"])
+                      for k in others]
+            heals = [float(ft.get(f"{k}_recovery_s", ft["kill_recovery_s"])["median"])
+                     for k in others]
             if system == "torchft":
                 # assumed, not seen: a hung group left out of the quorum at the Manager's
                 # timeout and restarted (nothing watches for hangs) like a killed one
@@ -83,10 +99,10 @@ def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
                 # waited for half of the heartbeating replicas, the hung one among them):
                 # the job stands until someone restarts it whole
                 hang_stall = hang_heal = a.manual_restart_s
-            rec = (kill + float(ft["raise_recovery_s"]["median"]) + hang_heal) / 3
+            rec = (sum(heals) + hang_heal) / n
             stall = 0.0  # it snapshots nothing; a group heals from a live peer
             groups = max(gpus // a.group_ranks, 2)
-            cost = (sum(stalls) + hang_stall) / 3 + (rec / groups if system == "torchft"
+            cost = (sum(stalls) + hang_stall) / n + (rec / groups if system == "torchft"
                                                     else 0.0)
             interval = math.inf
         else:
@@ -97,11 +113,17 @@ def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
             write = STATE_BYTES / gpus / a.fs_bytes_per_rank
             interval = max(young_daly(stall, m), write)
             lag = write if system.startswith("ciuic") else 0.0
-            rec = sum(recovery(report, system, k, timeout) for k in KINDS) / len(KINDS)
+            missing = [k for k in kinds if f"{k}_recovery_s" not in report[system]]
+            if missing:
+                raise SystemExit(f"{system}: no {', '.join(missing)} recovered in the run: "
+                                 "run bench/goodput.py longer (--minutes)")
+            rec = sum(recovery(report, system, k, timeout) for k in kinds) / n
             # in its process a survivor keeps its CUDA context; a replaced rank (a kill, a
-            # hang: 2 of 3 faults) makes one, and every rank waits for it
-            extra = init_s + (2 / 3 * a.cuda_init_s if system == "ciuic-inprocess" else
-                              a.cuda_init_s + (0.0 if system == "ciuic-restart"
+            # hang, a node's: 2 of 3 faults, 3 of 4) makes one, and every rank waits for it
+            replaced = sum(k in ("kill", "hang", "node") for k in kinds) / n
+            extra = init_s + (replaced * a.cuda_init_s + peer_read / n
+                              if system == "ciuic-inprocess" else
+                              a.cuda_init_s + (peer_read / n if system == "ciuic-restart"
                                                else STATE_BYTES / gpus / a.fs_bytes_per_rank))
             cost = rec + extra + interval / 2 + lag
         overhead = 0.0 if math.isinf(interval) else stall / interval
@@ -122,6 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--fs-bytes-per-rank", type=float, default=1e9,
                    help="assumed: a rank's share of the file system's bandwidth: DCP's load "
                    "(ciuic restores from host memory), an asynchronous snapshot's write")
+    p.add_argument("--peer-bytes-per-s", type=float, default=12.5e9,
+                   help="assumed: a node's network (100 Gb/s), for a lost node's ranks read "
+                   "from a peer's memory by the node that takes its place")
+    p.add_argument("--node-ranks", type=int, default=8, help="assumed: the ranks of a node")
     p.add_argument("--ciuic-stall-s-per-gib", type=float, default=0.072,
                    help="measured: ciuic's steady-state stall a GiB (docs/benchmarks.md)")
     p.add_argument("--dcp-stall-s-per-gib", type=float, default=1.57,

@@ -241,3 +241,31 @@ def test_the_goodput_model_carries_each_cost_to_scale(tmp_path: Path) -> None:
     assert ip["ettr"] == pytest.approx((1 - stall / ip["interval_s"]) * (1 - ip["cost_s"] / m))
     assert out["torchft-as-run"]["ettr"] < out["torchft"]["ettr"] < 1
     assert out["torchrun-dcp"]["ettr"] < ip["ettr"]
+
+
+def test_the_goodput_model_counts_a_nodes_loss_where_the_run_had_one(tmp_path: Path) -> None:
+    """With ``--nodes 2`` the benchmark's faults are four, a node's loss among them: each
+    system's recovery averages the four, ciuic in-process pays a new CUDA context for 3 of 4
+    (a kill, a hang, a node's ranks replaced) and, for a node's, its ranks' state from a
+    peer's memory; a system that never recovered from one is refused with what to do."""
+    import json
+
+    fault = {k: {"median": v} for k, v in (("kill", 2.0), ("raise", 0.5), ("hang", 15.0),
+                                            ("node", 1.0))}
+    report: dict[str, Any] = {"hang_timeout_s": 10.0, "nodes": 2}
+    for system in ("ciuic-inprocess", "torchrun-dcp"):
+        report[system] = {f"{k}_recovery_s": v for k, v in fault.items()}
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps(report))
+    model = _load("goodput_model")
+    out = model.main([str(path), "--gpus", "1024", "--init-s", "0"])["1024/0"]
+    ip = out["ciuic-inprocess"]
+    assert ip["recovery_s"] == pytest.approx((2.0 + 0.5 + 65.0 + 1.0) / 4)
+    write = model.STATE_BYTES / 1024 / 1e9
+    peer = model.STATE_BYTES / 1024 * 8 / 12.5e9  # a node's 8 ranks over 100 Gb/s
+    assert ip["cost_s"] == pytest.approx(ip["recovery_s"] + 3 / 4 * 5.0 + peer / 4
+                                         + ip["interval_s"] / 2 + write)
+    del report["torchrun-dcp"]["node_recovery_s"]
+    path.write_text(json.dumps(report))
+    with pytest.raises(SystemExit, match="torchrun-dcp: no node recovered in the run"):
+        model.main([str(path), "--gpus", "1024"])
