@@ -54,24 +54,41 @@ def test_a_follower_joins_and_its_loss_is_told_once_as_soon_as_its_end_closes(
 
 def test_the_leader_gives_a_slot_to_the_node_of_that_rank_first_else_to_a_spare(
         leader: LeaderLink) -> None:
-    spare = FollowerLink("127.0.0.1", leader.port, 3, timeout_s=5.0)
+    # a job of 4 nodes: nodes 1-3 of ranks, node 4 a spare node
+    spare = FollowerLink("127.0.0.1", leader.port, 4, timeout_s=5.0)
     one = FollowerLink("127.0.0.1", leader.port, 1, timeout_s=5.0)
-    until(lambda: len(leader.live()) == 2)
-    assert leader.take(2, exact=True) is None  # at the start only node 2 takes slot 2
-    m = leader.take(1, exact=True)
+    three = FollowerLink("127.0.0.1", leader.port, 3, timeout_s=5.0)
+    until(lambda: len(leader.live()) == 3)
+    assert leader.take(2, exact=True, spare_from=4) is None  # at the start only node 2
+    m = leader.take(1, exact=True, spare_from=4)
     assert m is not None and (m.node_rank, m.slot) == (1, 1)
-    assert leader.take(1, exact=True) is None  # held now
-    s = leader.take(2, exact=False)  # after a loss: the spare node
-    assert s is not None and (s.node_rank, s.slot) == (3, 2)
-    assert leader.take(0, exact=False) is None  # no node left without a slot
-    spare.close()
-    one.close()
+    assert leader.take(1, exact=True, spare_from=4) is None  # held now
+    # slot 2 lost (say): the spare node takes it, never node 3, which waits for its own
+    s = leader.take(2, exact=False, spare_from=4)
+    assert s is not None and (s.node_rank, s.slot) == (4, 2)
+    assert leader.take(0, exact=False, spare_from=4) is None
+    t = leader.take(3, exact=True, spare_from=4)
+    assert t is not None and (t.node_rank, t.slot) == (3, 3)
+    for link in (spare, one, three):
+        link.close()
+
+
+def test_a_node_started_again_is_told_so_and_names_its_spares_anew(
+        leader: LeaderLink) -> None:
+    first = FollowerLink("127.0.0.1", leader.port, 1, timeout_s=5.0)
+    assert first.again == 0
+    until(lambda: leader.live())
+    first.close()
+    until(lambda: leader.lost())
+    second = FollowerLink("127.0.0.1", leader.port, 1, timeout_s=5.0)
+    assert second.again == 1  # (its warm spares: 1r1-0, ..., not the first start's 1-0)
+    second.close()
 
 
 def test_a_silent_node_is_lost_after_the_timeout(leader: LeaderLink) -> None:
     raw = socket.create_connection(("127.0.0.1", leader.port))
     raw.sendall(json.dumps({"node_rank": 2}).encode() + b"\n")
-    assert json.loads(raw.makefile().readline()) == {"ok": True}
+    assert json.loads(raw.makefile().readline()) == {"ok": True, "again": 0}
     until(lambda: leader.live())
     t0 = time.monotonic()
     lost: list[Member] = []
@@ -136,10 +153,12 @@ def test_a_spare_node_is_a_node_rank_past_the_jobs_nodes() -> None:
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (["--nproc-per-node", "2", "--nnodes", "2", "--", "python", "x.py"],
+    (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--", "python", "x.py"],
      "--nnodes 2: give --master-addr"),
     (["--nnodes", "2", "--master-addr", "h", "--", "python", "x.py"],
      "--nnodes, --node-rank and --master-addr take --nproc-per-node"),
+    (["--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h", "--", "python", "x.py"],
+     "--nnodes 2: give each node its --node-rank (0 on the node at --master-addr"),
 ])
 def test_ciuic_run_refuses_a_job_of_several_nodes_it_cannot_start(args: list[str],
                                                                    said: str) -> None:

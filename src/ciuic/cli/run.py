@@ -66,8 +66,9 @@ def host_memory_budget(text: str) -> int | None:
                    "restores from a peer's memory (0: off). It counts in their --host-memory.")
 @click.option("--peer-timeout", type=click.FloatRange(min=1), default=10.0, metavar="SECONDS",
               help="A job of several nodes: when another node's ciuic run does not answer for "
-                   "this long (a network fault), stop this node's workers so that torchrun "
-                   "restarts them instead of waiting in their collectives.")
+                   "this long (a network fault, a node powered off), stop this node's workers "
+                   "so that torchrun restarts them instead of waiting in their collectives; "
+                   "with --nproc-per-node, the node is lost (its ranks go to a spare node).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None, metavar="N",
               help="Start N ranks of the command here, in place of torchrun, and recover from "
                    "a rank's fault in the other ranks' processes: a function wrapped in "
@@ -155,9 +156,9 @@ def run(ctx: click.Context, max_restarts: int, hang_timeout: float, startup_time
         if slurm_said:
             log.info("ciuic run: %s", slurm_said)
         spec = node_spec(nnodes, node_rank, master_addr, master_port)
-        log.info("ciuic run: %d ranks here%s, recovered in their processes (%s)",
-                 nproc_per_node, "" if spec is None else
-                 f" (node {node_rank} of {nnodes})" if not spec.spare else
+        log.info("ciuic run: %s here%s, recovered in their processes (%s)",
+                 counted(nproc_per_node, "rank"), "" if spec is None else
+                 f" (node {spec.node_rank} of {nnodes})" if not spec.spare else
                  f" once this spare node takes a lost node's place (of {nnodes})",
                  counted(spares, "warm spare") if spares else "no warm spare")
         if spec is None:
@@ -399,12 +400,16 @@ def torchrun_advice(command: list[str]) -> str | None:
     return None
 
 
-def node_spec(nnodes: int, node_rank: int, master_addr: str | None,
+def node_spec(nnodes: int, node_rank: int | None, master_addr: str | None,
               master_port: int) -> NodeSpec | None:
     """This node among the job's, from ``ciuic run --nproc-per-node``'s options; None: one
-    node (no --nnodes, or 1 without a spare node's rank)."""
-    if nnodes == 1 and node_rank == 0:
+    node and no spare node (none of --nnodes, --node-rank, --master-addr)."""
+    if nnodes == 1 and not node_rank and master_addr is None:
         return None
+    if node_rank is None:
+        raise ConfigurationError(f"--nnodes {nnodes}: give each node its --node-rank (0 on "
+                                 f"the node at --master-addr, which leads; 1 to {nnodes - 1} "
+                                 f"on the others; {nnodes} or more on a spare node)")
     if not master_addr:
         raise ConfigurationError(f"--nnodes {nnodes}: give --master-addr, node 0's address as "
                                  "the other nodes reach it (and the same --master-port on "

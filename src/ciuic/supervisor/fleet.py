@@ -11,9 +11,10 @@ a lost node's place.
 
 Each follower keeps one TCP connection to the leader, the *node link*, on which both ends
 send a byte every :data:`BEAT_S`. A node whose ``ciuic run`` is killed, or whose processes
-all are (the node went down), closes it: the other end reads the end of the stream at once.
-A node cut off from the network (a cable pulled, a switch port down) falls silent: it is lost
-after ``timeout_s`` (``--peer-timeout``). A follower that loses the leader ends its ranks: the
+all are (an OOM killer, a crash of the node's software), closes it: the other end reads the
+end of the stream at once (the kernel's FIN or RST). A node that powers off, or is cut off
+from the network (a cable pulled, a switch port down), falls silent: it is lost after
+``timeout_s`` (``--peer-timeout``). A follower that loses the leader ends its ranks: the
 control store is gone with it, and in-process recovery cannot go on (an outer restart, by
 the scheduler, restores the job from its snapshots).
 """
@@ -131,6 +132,9 @@ class LeaderLink:
         m = Member(node_rank, host, conn)
         with self._lock:
             live = [x for x in self.members if x.node_rank == node_rank and x.lost is None]
+            # its earlier starts in this job (a node's ciuic run started again): its names of
+            # warm spares in the control store differ from theirs
+            again = sum(1 for x in self.members if x.node_rank == node_rank)
             if not live:
                 self.members.append(m)
         if live:
@@ -143,7 +147,7 @@ class LeaderLink:
             return
         try:
             conn.settimeout(BEAT_S)
-            conn.sendall(b'{"ok": true}\n')
+            conn.sendall(json.dumps({"ok": True, "again": again}).encode() + b"\n")
         except OSError as e:  # (gone at once, or the link closing)
             self._lose(m, f"its connection failed ({e})")
             return
@@ -188,13 +192,14 @@ class LeaderLink:
                     out.append(m)
         return out
 
-    def take(self, slot: int, exact: bool) -> Member | None:
+    def take(self, slot: int, exact: bool, spare_from: int) -> Member | None:
         """A live node without a slot, now holding ``slot``: the node of that rank (``exact``:
-        only it, as at the job's start), else a spare node (or a lost node's ``ciuic run``
-        started again); None where there is none."""
+        only it, as at the job's start), else a spare node (node rank ``spare_from`` or more)
+        or the lost node's ``ciuic run`` started again; never another node of ranks that
+        waits for its own place. None where there is none."""
         with self._lock:
             free = [m for m in self.members if m.slot is None and m.lost is None
-                    and (m.node_rank == slot or not exact)]
+                    and (m.node_rank == slot or (not exact and m.node_rank >= spare_from))]
             free.sort(key=lambda m: (m.node_rank != slot, m.node_rank))
             if not free:
                 return None
@@ -223,11 +228,17 @@ class FollowerLink:
         self.timeout_s = timeout_s
         self.conn = socket.create_connection((host, port), timeout=30.0)
         self.conn.sendall(json.dumps({"node_rank": node_rank}).encode() + b"\n")
-        reply = json.loads(_read_line(self.conn))
+        try:
+            reply = json.loads(_read_line(self.conn))
+        except (OSError, ValueError):
+            self.conn.close()
+            raise
         if not isinstance(reply, dict) or not reply.get("ok"):
             error = reply.get("error") if isinstance(reply, dict) else reply
             self.conn.close()
             raise ConnectionError(f"the job's leader refused this node: {error}")
+        #: how many times a node of this rank joined the job before this one
+        self.again = int(reply.get("again", 0))
         self.gone: str | None = None
         self._last = time.monotonic()
         self._closing = threading.Event()

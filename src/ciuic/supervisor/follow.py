@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ciuic.errors import ConfigurationError
 from ciuic.supervisor import beat
 from ciuic.supervisor import inprocess as ip
 from ciuic.supervisor.causes import OomWatch, classify
@@ -49,6 +50,7 @@ class Follower(Launcher):
         self.slot = None  # the leader gives the node its place
         self.up: FollowerLink | None = None
         self._hang_said = -1  # the last generation whose hang this node reported
+        self._ending = False  # the leader said the job's end (finished, or stopped)
 
     def _control_store(self) -> Any:
         from torch._C._distributed_c10d import TCPStore
@@ -56,14 +58,25 @@ class Follower(Launcher):
         assert self.spec is not None
         log.info("ciuic run: node %d joins the job at %s:%d", self.spec.node_rank,
                  self.spec.master_addr, self.spec.master_port)
-        return TCPStore(self.spec.master_addr, self.spec.master_port, is_master=False,
-                        timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        try:
+            return TCPStore(self.spec.master_addr, self.spec.master_port, is_master=False,
+                            timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        except RuntimeError as e:  # (torch's DistNetworkError, DistStoreError)
+            raise ConfigurationError(
+                f"node {self.spec.node_rank} could not reach node 0's control store at "
+                f"{self.spec.master_addr}:{self.spec.master_port} within {JOIN_TIMEOUT_S:g} s "
+                f"({str(e).splitlines()[0]}): is node 0's ciuic run started, and are "
+                "--master-addr and --master-port node 0's?") from None
 
     def _begin(self) -> None:
         assert self.spec is not None
         port = int(self.control.get(LINK).decode())
         self.up = FollowerLink(self.spec.master_addr, port, self.spec.node_rank,
                                self.o.peer_timeout_s)
+        if self.up.again:
+            self.spare_prefix = f"{self.spec.node_rank}r{self.up.again}"
+        # a store request on a silent leader fails past --peer-timeout, not 10 minutes
+        self.control.set_timeout(timedelta(seconds=self.o.peer_timeout_s))
         self.gen = int(self.control.get(ip.GEN).decode())
         self.starts.append(Start(self.gen, time.monotonic()))
 
@@ -86,8 +99,20 @@ class Follower(Launcher):
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 gone = f"the leader's control store does not answer ({first})"
             if gone is not None:
+                if self._ending or self._stop is not None:
+                    return self._own_end()  # the leader ended first: its job is over
                 return self._leader_lost(gone)
             self._wake.wait(POLL_S)
+
+    def _own_end(self) -> int:
+        """The job ended (finished, stopped) and the leader with it: this node's ranks end
+        by themselves (a final or emergency snapshot); their exit code, once they have."""
+        end = time.monotonic() + self.o.grace_s + 5.0
+        mine = [x for r in self._local_ranks() if (x := self._latest(r)) is not None]
+        while time.monotonic() < end and any(w.proc.poll() is None for w in mine):
+            time.sleep(0.05)
+        rcs = [w.proc.returncode for w in mine if w.proc.returncode]
+        return exit_code(rcs[0]) if rcs else 0
 
     def _poll(self, oom: OomWatch) -> int | None:
         """One look at this node's ranks and the job; the exit code once this node is done."""
@@ -110,13 +135,15 @@ class Follower(Launcher):
             if ended:
                 return self._stopped()
             return None
-        if self.slot is not None and mine and ended and self.control.check(
-                [ip.FINISHED]) and all(w.proc.returncode == 0 for w in mine):
+        finished, stopped = self.control.check([ip.FINISHED]), self.control.check([ip.STOP])
+        self._ending = finished or stopped
+        if self.slot is not None and mine and ended and finished and all(
+                w.proc.returncode == 0 for w in mine):
             log.info("ciuic run: node %d: its ranks finished (exit 0)", self.spec.node_rank)
             return 0
-        if mine and ended and self.control.check([ip.STOP]):
+        if mine and ended and stopped:
             return self._told_to_stop(mine)
-        if self.slot is None and self.control.check([ip.STOP]):
+        if self.slot is None and stopped:
             log.info("ciuic run: spare node %d: the job ended (%s) without needing it",
                      self.spec.node_rank, self.control.get(ip.STOP).decode())
             return 0
@@ -153,6 +180,8 @@ class Follower(Launcher):
         assert self.spec is not None
         slot, gen = (int(x) for x in self.control.get(
             PLACE + str(self.spec.node_rank)).decode().split())
+        if self.control.get(ip.SLOT + str(slot)).decode() != str(self.spec.node_rank):
+            return  # (a place an earlier start of this node had, given to another since)
         self.slot = slot
         self._env["GROUP_RANK"] = self._env["ROLE_RANK"] = str(slot)
         if gen > self.gen:
@@ -219,6 +248,10 @@ class Follower(Launcher):
     def _leader_lost(self, why: str) -> int:
         """Without the leader there is no control store: this node's ranks are ended."""
         assert self.spec is not None
+        with contextlib.suppress(Exception):  # the store may answer again (a link cut, back)
+            holder = self._slot_holder()
+            if holder is not None and holder != str(self.spec.node_rank):
+                return self._left_out(holder)
         log.error("ciuic run: node %d: %s. In-process recovery cannot go on without node 0 "
                   "(it holds the job's control store): ending this node's ranks. Start the "
                   "job again (on every node) and it resumes from its last snapshot.",

@@ -42,12 +42,13 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from ciuic.errors import ConfigurationError
 from ciuic.supervisor import beat
 from ciuic.supervisor import inprocess as ip
 from ciuic.supervisor.causes import Cause, OomWatch, classify, forward, signal_name
 from ciuic.supervisor.fleet import LINK, LeaderLink, Member, NodeSpec
 from ciuic.supervisor.holder import Holder
-from ciuic.supervisor.leading import Leading
+from ciuic.supervisor.leading import FOLLOWERS_WAIT_S, Leading
 from ciuic.supervisor.procs import exit_code, exit_text, pdeathsig, tail_text
 from ciuic.supervisor.starts import Options, Start, snapshots_said
 from ciuic.words import counted, listed
@@ -95,6 +96,8 @@ class Launcher(Leading):
         self.slot: int | None = None if spec is not None and spec.spare else (
             spec.node_rank if spec is not None else 0)
         self.link: LeaderLink | None = None
+        #: how this node's warm spares are named (None: by number alone, on one node)
+        self.spare_prefix: str | None = None if spec is None else str(spec.node_rank)
         #: slots whose node was lost and that no node has taken yet (slot -> its generation)
         self._vacant: dict[int, int] = {}
         self.gen = 0
@@ -173,8 +176,14 @@ class Launcher(Leading):
         from torch._C._distributed_c10d import TCPStore
 
         port = self.spec.master_port if self.spec is not None else 0
-        return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                        timeout=timedelta(seconds=30))
+        try:
+            return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+        except RuntimeError as e:  # (torch's DistNetworkError)
+            raise ConfigurationError(
+                f"node 0 cannot host the job's control store on port {port}: "
+                f"{str(e).splitlines()[0]}. Is another job (or a ciuic run left from one) "
+                "using it? Give every node another --master-port.") from None
 
     def _begin(self) -> None:
         """The first generation opened; on several nodes the node link listens first."""
@@ -212,8 +221,9 @@ class Launcher(Leading):
                    CIUIC_RUN_RESTART=str(self.gen))
         spare = None
         if rank is None:
-            spare = str(self._spare_ids) if self.spec is None else (
-                f"{self.spec.node_rank}-{self._spare_ids}")  # one name in the control store
+            # one name in the control store: of this node, and of this start of its ciuic run
+            spare = (str(self._spare_ids) if self.spare_prefix is None
+                     else f"{self.spare_prefix}-{self._spare_ids}")
             self._spare_ids += 1
             env[ip.SPARE_ENV] = spare
             for k in ("RANK", "LOCAL_RANK"):
@@ -398,7 +408,9 @@ class Launcher(Leading):
                lost: list[Member] | None = None) -> Cause:
         if lost:
             m = lost[0]
-            return Cause("node", f"node {m.slot} ({m.host}) lost: {m.lost}")
+            who = (f"node {m.slot}" if m.node_rank == m.slot else
+                   f"node {m.node_rank}, which held node {m.slot}'s ranks,")
+            return Cause("node", f"{who} ({m.host}) lost: {m.lost}")
         if dead:
             w, rc = dead[0]
             c = classify(rc, list(w.tail), oom)
@@ -419,8 +431,7 @@ class Launcher(Leading):
                       | {w.rank for w in finished if w.rank is not None})
         for w, _ in dead:
             w.done = True
-        elsewhere = sum(1 for r in range(self.world) if self.control.check(
-            [f"{ip.DIED}{self.gen}/{r}"]))
+        elsewhere = self._died_elsewhere()
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
         for m in nodes or ():  # before the generation opens: the lost node's ranks may be
             # alive, cut off; seen again, this tells them (and its ciuic run) they are out
@@ -432,8 +443,8 @@ class Launcher(Leading):
             self._vacant[m.slot] = self.gen
             how.append(f"node {m.slot}'s ranks ({self._ranks_text(m.slot)}) go to the next "
                        "node to join (a spare node)")
-            elsewhere += self.nproc
-        stay = self.world - len(lost) - elsewhere
+            elsewhere |= set(range(m.slot * self.nproc, (m.slot + 1) * self.nproc))
+        stay = self.world - len(lost) - len(elsewhere)
         if cause.kind == "hang":
             log.warning("ciuic run: %s %s. Generation %d: every rank leaves generation %d; one "
                         "that has not within %g s is hung, and is killed and replaced",
@@ -506,10 +517,13 @@ class Launcher(Leading):
     def _end_store(self) -> None:
         """The job's end said in the control store (every rank still waiting there ends), and,
         on several nodes, the others' ends waited for (their ranks read it until they exit)."""
+        within = max(FOLLOWERS_WAIT_S, self.o.grace_s + 10.0)
+        if self._stop is not None:  # their emergency snapshots: STOP would cut them short
+            self._wait_followers(within)
         with contextlib.suppress(Exception):
             if self.control is not None and not self.control.check([ip.STOP]):
                 self.control.set(ip.STOP, "ciuic run ended")
-        self._wait_followers()
+        self._wait_followers(within)
 
     def _end_all(self) -> None:
         """Every process still running (spares; ranks after a give-up) is ended."""

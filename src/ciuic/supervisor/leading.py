@@ -25,6 +25,7 @@ class Leading:
     control: Any
     gen: int
     nproc: int
+    nnodes: int
     world: int
     link: LeaderLink | None
     _vacant: dict[int, int]
@@ -43,8 +44,11 @@ class Leading:
             return []
         out = []
         for m in self.link.lost():
+            # its place is not its own any more: its ciuic run, started again, waits for one
+            self.control.delete_key(PLACE + str(m.node_rank))
             if m.slot is None:
-                log.warning("ciuic run: spare %s lost: %s", m, m.lost)
+                log.warning("ciuic run: %s %s lost: %s", "spare" if m.node_rank >= self.nnodes
+                            else "not yet placed", m, m.lost)
             else:
                 out.append(m)
         return out
@@ -60,15 +64,25 @@ class Leading:
         if int(self.control.add(ip.DEATHS + g, 0)) == 0:
             return None
         keys = [f"{ip.DIED}{g}/{r}" for r in range(self.world)]
-        said = []
-        for k in keys:
-            if self.control.check([k]):
-                order, kind, text = self.control.get(k).decode().split(" ", 2)
-                said.append((int(order), kind, text))
+        end = time.monotonic() + 1.0  # the count is added before the text is set
+        while True:
+            said = []
+            for k in keys:
+                if self.control.check([k]):
+                    order, kind, text = self.control.get(k).decode().split(" ", 2)
+                    said.append((int(order), kind, text))
+            if said or time.monotonic() >= end:
+                break
+            time.sleep(0.01)
         if not said:
             return None
         _, kind, text = min(said)
         return Cause(kind, text)
+
+    def _died_elsewhere(self) -> set[int]:
+        """The ranks another node reported dead in this generation."""
+        return {r for r in range(self.world)
+                if self.control.check([f"{ip.DIED}{self.gen}/{r}"])}
 
     def _fill_vacant(self) -> None:
         """Give each slot without a node (at the start; after a node's loss) to a node that
@@ -78,7 +92,7 @@ class Leading:
         if self.link is None:
             return
         for slot, since in sorted(self._vacant.items()):
-            m = self.link.take(slot, exact=since < 0)
+            m = self.link.take(slot, exact=since < 0, spare_from=self.nnodes)
             if m is None:
                 continue
             gen = max(since, self.gen)
@@ -96,7 +110,8 @@ class Leading:
 
     def _wait_followers(self, within_s: float = FOLLOWERS_WAIT_S) -> None:
         """At the job's end: wait until every other node's ciuic run has ended (its ranks
-        have read the end from the control store, which ends with this process)."""
+        have read the end from the control store, which ends with this process; an
+        emergency snapshot's ranks are given ``within_s``)."""
         if self.link is None:
             return
         end = time.monotonic() + within_s

@@ -73,14 +73,14 @@ def _step_hosts(environ: Mapping[str, str]) -> list[str]:
 
 
 def node_args(environ: Mapping[str, str], nnodes: int | None, node_rank: int | None,
-              master_addr: str | None) -> tuple[int, int, str | None, str | None]:
+              master_addr: str | None) -> tuple[int, int | None, str | None, str | None]:
     """``ciuic run --nproc-per-node``'s nodes under a Slurm step, where not given: ``--nnodes``
     the step's nodes, ``--node-rank`` this node's (``SLURM_NODEID``), ``--master-addr`` the
     step's first host. (Started on more nodes than ``--nnodes``, the nodes past it are spare
     nodes.) Returns them and a line saying what was taken from the step (None: nothing);
-    outside a step, what was given (1, 0 and None where nothing)."""
+    outside a step, what was given (``--nnodes`` 1 where not)."""
     if not in_step(environ):
-        return nnodes or 1, node_rank or 0, master_addr, None
+        return nnodes or 1, node_rank, master_addr, None
     _one_task_per_node(environ, "ciuic run starts")
     nodes = _step_hosts(environ)
     took = []
@@ -95,7 +95,7 @@ def node_args(environ: Mapping[str, str], nnodes: int | None, node_rank: int | N
         took.append(f"--master-addr {master_addr}")
     said = f"from the Slurm step {environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}: " \
         f"{' '.join(took)}" if took else None
-    return nnodes or 1, node_rank or 0, master_addr, said
+    return nnodes or 1, node_rank, master_addr, said
 
 
 def torchrun_args(environ: Mapping[str, str], given: Mapping[str, str | None]
