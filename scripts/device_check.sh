@@ -3,7 +3,8 @@
 #   scripts/device_wheels.sh                       # here, first: wheels into .whl/
 #   run: command "bash scripts/device_check.sh", carry [".whl"], timeout_s 480
 # Steps: install the carried wheels, describe the machine, the CUDA tests (tests/test_cuda.py,
-# Megatron's tests/test_cuda_megatron.py) and a few CPU suites on that machine's torch, then the
+# Megatron's tests/test_cuda_megatron.py, in-process recovery's NCCL abort in
+# tests/test_cuda_inprocess.py) and a few CPU suites on that machine's torch, then the
 # GPU benchmark (bench/run.py --state h200: stall into pinned buffers on a side stream, durable,
 # restore into device tensors, beside dcp.async_save and torch.save on the same GPU) within
 # BENCH_DEADLINE_S. One JSON, $OUT/device-check.json (scripts/device_report.py), holds every
@@ -19,8 +20,9 @@ mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
 export PYTHONUNBUFFERED=1
 # the CUDA tests, Megatron's GPU test, then CPU suites whose code paths the GPU run shares
-TESTS=${DEVICE_TESTS:-tests/test_cuda.py tests/test_cuda_megatron.py tests/test_engine.py \
-tests/test_overlap.py tests/test_floatcodec.py tests/test_unchanged.py}
+TESTS=${DEVICE_TESTS:-tests/test_cuda.py tests/test_cuda_megatron.py \
+tests/test_cuda_inprocess.py tests/test_engine.py tests/test_overlap.py tests/test_floatcodec.py \
+tests/test_unchanged.py}
 
 step() {  # step NAME LOGFILE COMMAND...: run it, its output to the terminal and to LOGFILE
     local name=$1 log=$2 start rc

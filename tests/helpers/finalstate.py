@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 def write_final(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
     """``optimizer``: one, or a list (each one's tensors then named by its index)."""
-    tensors = {f"model/{k}": v.detach().clone().contiguous()
+    tensors = {f"model/{k}": v.detach().cpu().clone().contiguous()
                for k, v in model.state_dict().items()}
     several = isinstance(optimizer, (list, tuple))
     for i, one in enumerate(optimizer if several else [optimizer]):
@@ -21,7 +21,8 @@ def write_final(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
         for pid, st in opt["state"].items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    tensors[f"{name}/{pid}/{k}"] = v.detach().clone().contiguous().reshape(-1)
+                    tensors[f"{name}/{pid}/{k}"] = (v.detach().cpu().clone().contiguous()
+                                                    .reshape(-1))
         tensors["lr" if name == "optimizer" else f"lr{i}"] = torch.tensor(
             [g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
     save_file(tensors, str(path))

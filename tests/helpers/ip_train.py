@@ -11,7 +11,8 @@ are reduced), ``allreduce`` (inside DDP's gradient allreduce, or FSDP2's reduce-
 that step takes), ``after`` (before ``step()``) or ``end`` (after training, the
 function's last line: STEP is the last step). ACTION is ``kill`` (SIGKILL), ``raise`` or
 ``hang``, each striking once (a marker file in OUT), or ``bug`` (a TypeError) or ``config`` (a
-ConfigurationError), every time. Each rank
+ConfigurationError), every time. ``--device cuda``: NCCL, one GPU a rank, DDP (its abort's
+path on a GPU, tests/test_cuda_inprocess.py). Each rank
 appends ``{"step", "time", "pid", "gen"}`` to OUT/steps-RANK.jsonl after each step(), and a
 fault's rank writes OUT/fault-STEP-RANK.json with its time just before it strikes. At the end rank 0
 writes every model and optimizer tensor to OUT/final-ciuic.safetensors.
@@ -81,7 +82,11 @@ class Faults:
 
 @ciuic.recoverable
 def train(a: argparse.Namespace) -> None:
-    dist.init_process_group("gloo")
+    cuda = a.device == "cuda"
+    if cuda:  # NCCL: what its abort does to a communicator in flight (one GPU a rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     f = Faults(a.fault, a.out, rank)
@@ -106,7 +111,9 @@ def train(a: argparse.Namespace) -> None:
         fully_shard(model, mesh=mesh)
         model[0].register_full_backward_hook(lambda *_: f.strike("allreduce"))
     else:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(
+            model.cuda() if cuda else model,
+            device_ids=[torch.cuda.current_device()] if cuda else None)
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
             f.strike("allreduce")
@@ -124,6 +131,8 @@ def train(a: argparse.Namespace) -> None:
             f.step = step
             g = torch.Generator().manual_seed(1000 * step + rank)
             x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
+            if cuda:
+                x, y = x.cuda(), y.cuda()
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -155,6 +164,8 @@ def main() -> None:
     p.add_argument("--model", choices=["ddp", "fsdp2"], default="ddp")
     p.add_argument("--fault", action="append", default=[], metavar="STEP:RANK:PHASE:ACTION")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: NCCL, one GPU a rank (DDP only)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     train(a)
