@@ -22,10 +22,11 @@ loss too):
 
 and I chosen by Young and Daly's rule, I = sqrt(2 x stall x M). torchft rolls nothing back:
 its C is its survivors' stall, plus its healing time x the share of the job's replica
-groups that is lost (one group of ``--group-ranks``). In the run a hang stopped torchft for
-good (no quorum formed again): ``torchft-as-run`` counts a hang as a stop until someone
-restarts the job (``--manual-restart-s``), ``torchft`` as what it would cost had the hung
-group been left out at the Manager's timeout. A node's loss is, for torchft, a replica
+groups that is lost (one group of ``--group-ranks``). ``torchft-as-run`` counts a hang as
+the run saw it: healed as measured (moved to the Manager's timeout), or, where the run saw no
+heal (no quorum formed again), a stop until someone restarts the job
+(``--manual-restart-s``); ``torchft`` as what it would cost had the hung group been left out
+at the Manager's timeout. A node's loss is, for torchft, a replica
 group's (its heal as measured, else a kill's).
 
 What is assumed, not measured here, is named by an option and printed with the table.
@@ -94,6 +95,11 @@ def model(report: dict[str, Any], a: argparse.Namespace, gpus: int,
                 # assumed, not seen: a hung group left out of the quorum at the Manager's
                 # timeout and restarted (nothing watches for hangs) like a killed one
                 hang_stall, hang_heal = timeout, timeout + kill
+            elif "hang_recovery_s" in ft:
+                # as the run saw it: the hung group healed (its hang moved to the timeout)
+                hang_heal = recovery(report, "torchft", "hang", timeout)
+                hang_stall = float(ft["hang_stall_s"]["median"]) + timeout - float(
+                    report["hang_timeout_s"])
             else:
                 # as the run saw it: after a hang no quorum formed again (its lighthouse
                 # waited for half of the heartbeating replicas, the hung one among them):
