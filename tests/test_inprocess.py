@@ -155,6 +155,21 @@ def test_a_rank_lost_after_the_others_finished_takes_them_into_the_next_generati
 
 
 @pytest.mark.slow
+def test_a_training_not_in_recoverable_gets_a_full_restart_that_says_so(
+        tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]]) -> None:
+    """A script whose training is not wrapped (a new user's first try): it runs as under
+    torchrun, and a fault restarts every rank, which ciuic run says, with what to change."""
+    run = launch(tmp_path, "--fault", "12:1:forward:kill", "--unwrapped")
+    err = run.stderr
+    assert run.returncode == 0, err[-4000:]
+    assert "Generation 1: a full restart (every rank a new process): a rank's training is not " \
+           "in a function wrapped in ciuic.recoverable" in err, err[-4000:]
+    assert "Detected training interruption at step 11 (rank 1 (pid" in err, err[-4000:]
+    assert "after 1 recovery (1 full restart: the training is not in ciuic.recoverable)" in err
+    assert_same(final(tmp_path / "out"), uninterrupted["ddp"])
+
+
+@pytest.mark.slow
 def test_a_bug_that_fails_every_generation_gives_up_and_every_rank_exits(tmp_path: Path) -> None:
     run = launch(tmp_path, "--fault", "7:2:forward:bug", run_args=("--max-stalls", "2"))
     err = run.stderr

@@ -166,9 +166,11 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: NCCL, one GPU a rank (DDP only)")
+    p.add_argument("--unwrapped", action="store_true",
+                   help="call the training function itself, not through ciuic.recoverable")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    train(a)
+    (train.__wrapped__ if a.unwrapped else train)(a)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -201,6 +201,8 @@ class Follower(Launcher):
         cause = causes.get(gen, "")
         self.gen = gen
         self.starts.append(Start(gen, time.monotonic()))
+        if self.control.check([ip.FULL + str(gen)]):  # a full restart: every rank anew
+            self._end_local_ranks()
         ended = [w for r in self._local_ranks()
                  if (w := self._latest(r)) is not None and w.proc.poll() is not None]
         for w in ended:

@@ -83,6 +83,10 @@ SLOT = "nodes/slot/"
 NO_NODE = "-"  # a slot's node was lost, and no node holds it yet
 #: several nodes: this rank's node's node rank (``--node-rank``), set by ``ciuic run``
 NODE_ENV = "CIUIC_NODE"
+#: + rank: the rank's training runs in :func:`recoverable` (set by the rank); where a rank has
+#: not said so, ``ciuic run`` restarts every rank on a fault (+ generation in ``FULL``)
+WRAPPED = "wrapped/"
+FULL = "full/"
 STOP = "stop"  # ciuic run gave up or was stopped: the reason; every rank re-raises
 #: how long a rank waits for the next generation before it gives up
 REFORM_TIMEOUT_S = 600.0
@@ -164,6 +168,7 @@ class _Control:
         with self._lock:
             self._running.set()
         if self._watch is None:
+            self.store.set(WRAPPED + str(self.rank), str(os.getpid()))
             self._watch = threading.Thread(target=self._watcher, name="ciuic-inprocess",
                                            daemon=True)
             self._watch.start()

@@ -98,6 +98,7 @@ class Launcher(Leading):
         self.link: LeaderLink | None = None
         #: how this node's warm spares are named (None: by number alone, on one node)
         self.spare_prefix: str | None = None if spec is None else str(spec.node_rank)
+        self._full = 0  # the recoveries that were full restarts (an unwrapped training)
         #: slots whose node was lost and that no node has taken yet (slot -> its generation)
         self._vacant: dict[int, int] = {}
         self.gen = 0
@@ -217,8 +218,14 @@ class Launcher(Leading):
         self.starts.append(Start(self.gen, time.monotonic()))
 
     def _spawn(self, rank: int | None) -> Worker:
+        # MASTER_PORT: the generation's rendezvous store, for a script that is not wrapped in
+        # ciuic.recoverable (the wrapper sets it again at each generation)
         env = dict(self._env, TORCHELASTIC_RESTART_COUNT=str(self.gen),
-                   CIUIC_RUN_RESTART=str(self.gen))
+                   CIUIC_RUN_RESTART=str(self.gen),
+                   MASTER_PORT=self.control.get(ip.PORT + str(self.gen)).decode())
+        for key, name in ((ip.CAUSE, "CIUIC_RUN_CAUSE"), (ip.STOPPED, "CIUIC_RUN_STOPPED_AT")):
+            if self.gen and self.control.check([key + str(self.gen)]):  # (as the wrapper does)
+                env[name] = self.control.get(key + str(self.gen)).decode()
         spare = None
         if rank is None:
             # one name in the control store: of this node, and of this start of its ciuic run
@@ -361,8 +368,7 @@ class Launcher(Leading):
         said, failures = snapshots_said(self.starts)
         log.log(logging.WARNING if failures else logging.INFO,
                 "ciuic run: the job finished (exit 0)%s. Its snapshots: %s",
-                f" after {counted(self.gen, 'in-process recovery', 'in-process recoveries')}"
-                if self.gen else "", said)
+                f" after {self._recoveries_text()}" if self.gen else "", said)
         return 0
 
     def _hung(self, beats: list[beat.Beat], ranks: list[Worker]) -> Cause | None:
@@ -433,6 +439,11 @@ class Launcher(Leading):
             w.done = True
         elsewhere = self._died_elsewhere()
         where = f"at step {start.step}" if start.step is not None else "before its first step()"
+        full = not all(self.control.check([ip.WRAPPED + str(r)]) for r in range(self.world))
+        if full:  # a rank's training is not in ciuic.recoverable: no rank can stay
+            self._full += 1
+            self.control.set(ip.FULL + str(self.gen + 1), cause.text)
+            lost = sorted(set(lost) | set(self._end_local_ranks()))
         for m in nodes or ():  # before the generation opens: the lost node's ranks may be
             # alive, cut off; seen again, this tells them (and its ciuic run) they are out
             self.control.set(ip.SLOT + str(m.slot), ip.NO_NODE)
@@ -445,7 +456,14 @@ class Launcher(Leading):
                        "node to join (a spare node)")
             elsewhere |= set(range(m.slot * self.nproc, (m.slot + 1) * self.nproc))
         stay = self.world - len(lost) - len(elsewhere)
-        if cause.kind == "hang":
+        if full:
+            log.warning("ciuic run: %s %s. Generation %d: a full restart (every rank a new "
+                        "process%s): %s not in a function wrapped in ciuic.recoverable, so no "
+                        "rank can stay in its process (docs/recovery.md)%s", cause.text, where,
+                        self.gen, ", every node" if self.link is not None else "",
+                        "a rank's training is" if self.world > 1 else "the training is",
+                        f"; {', '.join(how)}" if how else "")
+        elif cause.kind == "hang":
             log.warning("ciuic run: %s %s. Generation %d: every rank leaves generation %d; one "
                         "that has not within %g s is hung, and is killed and replaced",
                         cause.text, where, self.gen, self.gen - 1, STUCK_S)
@@ -455,6 +473,26 @@ class Launcher(Leading):
                         "stays in its process" if stay == 1 else "stay in their processes",
                         f"; {', '.join(how)}" if how else "")
         self._fill_vacant()
+
+    def _recoveries_text(self) -> str:
+        if not self._full:
+            return counted(self.gen, "in-process recovery", "in-process recoveries")
+        return (f"{counted(self.gen, 'recovery', 'recoveries')} ("
+                f"{counted(self._full, 'full restart')}: the training is not in "
+                "ciuic.recoverable)")
+
+    def _end_local_ranks(self) -> list[int]:
+        """A full restart: this node's ranks still running, SIGKILLed (as torchrun ends a
+        node's workers); their ranks."""
+        ended = []
+        for w in self.workers:
+            if w.rank is not None and not w.done and w.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.kill(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+                w.done = True
+                ended.append(w.rank)
+        return ended
 
     def _local_ranks(self) -> range:
         """This node's ranks (none: a spare node without a place)."""
