@@ -223,6 +223,7 @@ def test_the_goodput_model_carries_each_cost_to_scale(tmp_path: Path) -> None:
     for system in ("ciuic-inprocess", "torchrun-dcp", "torchft"):
         report[system] = {f"{k}_recovery_s": v for k, v in fault.items()}
     report["torchft"].update({"kill_stall_s": {"median": 5.0}, "raise_stall_s": {"median": 5.0}})
+    del report["torchft"]["hang_recovery_s"]  # as in a run where no quorum formed again
     path = tmp_path / "goodput.json"
     path.write_text(json.dumps(report))
     model = _load("goodput_model")
@@ -241,6 +242,13 @@ def test_the_goodput_model_carries_each_cost_to_scale(tmp_path: Path) -> None:
     assert ip["ettr"] == pytest.approx((1 - stall / ip["interval_s"]) * (1 - ip["cost_s"] / m))
     assert out["torchft-as-run"]["ettr"] < out["torchft"]["ettr"] < 1
     assert out["torchrun-dcp"]["ettr"] < ip["ettr"]
+    # a run where torchft healed from its hangs: as-run counts the heal, moved to its timeout
+    report["torchft"].update({"hang_recovery_s": {"median": 45.0},
+                              "hang_stall_s": {"median": 44.0}})
+    path.write_text(json.dumps(report))
+    healed = model.main([str(path), "--gpus", "16384", "--init-s", "0"])["16384/0"]
+    assert healed["torchft-as-run"]["recovery_s"] == pytest.approx((2.0 + 0.5 + 95.0) / 3)
+    assert healed["torchft-as-run"]["ettr"] > out["torchft-as-run"]["ettr"]
 
 
 def test_the_goodput_model_counts_a_nodes_loss_where_the_run_had_one(tmp_path: Path) -> None:
