@@ -32,7 +32,7 @@ from ciuic.supervisor import beat
 from ciuic.supervisor import inprocess as ip
 from ciuic.supervisor.causes import OomWatch, classify
 from ciuic.supervisor.fleet import LINK, PLACE, FollowerLink, NodeSpec
-from ciuic.supervisor.launch import POLL_S, STUCK_S, Launcher, Worker
+from ciuic.supervisor.launch import POLL_S, STUCK_S, Launcher, Worker, first_failure
 from ciuic.supervisor.procs import exit_code, exit_text
 from ciuic.supervisor.starts import Options, Start, snapshots_said
 from ciuic.words import counted
@@ -108,11 +108,10 @@ class Follower(Launcher):
         """The job ended (finished, stopped) and the leader with it: this node's ranks end
         by themselves (a final or emergency snapshot); their exit code, once they have."""
         end = time.monotonic() + self.o.grace_s + 5.0
-        mine = [x for r in self._local_ranks() if (x := self._latest(r)) is not None]
+        mine = self._mine()
         while time.monotonic() < end and any(w.proc.poll() is None for w in mine):
             time.sleep(0.05)
-        rcs = [w.proc.returncode for w in mine if w.proc.returncode]
-        return exit_code(rcs[0]) if rcs else 0
+        return exit_code(first_failure(mine))
 
     def _poll(self, oom: OomWatch) -> int | None:
         """One look at this node's ranks and the job; the exit code once this node is done."""
@@ -129,7 +128,7 @@ class Follower(Launcher):
                 w.done = True
                 self._report_death(w, rc, oom)
         self._spares_alive()
-        mine = [x for r in self._local_ranks() if (x := self._latest(r)) is not None]
+        mine = self._mine()
         ended = all(x.proc.poll() is not None for x in mine)
         if self._stop is not None:
             if ended:
@@ -203,8 +202,7 @@ class Follower(Launcher):
         self.starts.append(Start(gen, time.monotonic()))
         if self.control.check([ip.FULL + str(gen)]):  # a full restart: every rank anew
             self._end_local_ranks()
-        ended = [w for r in self._local_ranks()
-                 if (w := self._latest(r)) is not None and w.proc.poll() is not None]
+        ended = [w for w in self._mine() if w.proc.poll() is not None]
         for w in ended:
             w.done = True
         lost = [w.rank for w in ended if w.rank is not None]
@@ -232,20 +230,17 @@ class Follower(Launcher):
                   "--peer-timeout?) and %s its ranks now: ending this node's ranks",
                   self.spec.node_rank, "another node takes" if holder == ip.NO_NODE
                   else f"node {holder} holds")
-        for w in self._live():
-            with contextlib.suppress(OSError):
-                os.kill(w.proc.pid, signal.SIGKILL)
-        return 1
+        return self._kill_live()
 
     def _told_to_stop(self, mine: list[Worker]) -> int:
         """The leader stopped the job (it gave up, or was stopped) and this node's ranks have
         ended."""
         why = self.control.get(ip.STOP).decode()
-        rcs = [w.proc.returncode for w in mine if w.proc.returncode]
+        rc = first_failure(mine)
         said, _ = snapshots_said(self.starts)
         log.warning("ciuic run: node %d: the job stopped (%s); its ranks exited (%s). Its "
-                    "snapshots: %s", self.slot, why, exit_text(rcs[0] if rcs else 0), said)
-        return exit_code(rcs[0]) if rcs else 0
+                    "snapshots: %s", self.slot, why, exit_text(rc), said)
+        return exit_code(rc)
 
     def _leader_lost(self, why: str) -> int:
         """Without the leader there is no control store: this node's ranks are ended."""
@@ -258,7 +253,12 @@ class Follower(Launcher):
                   "(it holds the job's control store): ending this node's ranks. Start the "
                   "job again (on every node) and it resumes from its last snapshot.",
                   self.spec.node_rank, why)
-        for w in self._live():  # (no emergency snapshot: it could not commit without node 0)
+        return self._kill_live()
+
+    def _kill_live(self) -> int:
+        """Out of the job: every process of this node SIGKILLed (no emergency snapshot: it
+        could not commit without the job's other ranks); exit 1."""
+        for w in self._live():
             with contextlib.suppress(OSError):
                 os.kill(w.proc.pid, signal.SIGKILL)
         return 1

@@ -500,6 +500,10 @@ class Launcher(Leading):
             return range(0)
         return range(self.slot * self.nproc, (self.slot + 1) * self.nproc)
 
+    def _mine(self) -> list[Worker]:
+        """The last process of each of this node's ranks."""
+        return [w for r in self._local_ranks() if (w := self._latest(r)) is not None]
+
     def _latest(self, rank: int) -> Worker | None:
         """The last process started for ``rank``."""
         return next((w for w in reversed(self.workers) if w.rank == rank), None)
@@ -539,15 +543,12 @@ class Launcher(Leading):
         tail = dead[0][0].tail if dead else collections.deque()
         log.error("ciuic run: giving up: %s. The last failure: %s. Its snapshots: %s%s", why,
                   cause, said, tail_text(tail))
-        rcs = [w.proc.returncode for r in self._local_ranks() if (w := self._latest(r))
-               and w.proc.returncode]
-        return exit_code(rcs[0]) if rcs else 1
+        rc = first_failure(self._mine())
+        return exit_code(rc) if rc else 1
 
     def _stopped(self) -> int:
         said, _ = snapshots_said(self.starts)
-        rcs = [w.proc.returncode for r in self._local_ranks() if (w := self._latest(r))
-               and w.proc.returncode]
-        rc = rcs[0] if rcs else 0
+        rc = first_failure(self._mine())
         log.warning("ciuic run: the job exited (%s) after %s: not restarted. Its snapshots: %s",
                     exit_text(rc), signal_name(self._stop or 0), said)
         return exit_code(rc)
@@ -577,6 +578,11 @@ class Launcher(Leading):
             if w.proc.stderr is not None:
                 with contextlib.suppress(OSError):
                     w.proc.stderr.close()
+
+
+def first_failure(workers: list[Worker]) -> int:
+    """The first non-zero exit status of ``workers`` (0: none failed, or none has ended)."""
+    return next((w.proc.returncode for w in workers if w.proc.returncode), 0)
 
 
 def _in_child() -> None:
