@@ -8,8 +8,9 @@ torchrun launches of ``bench/cluster_ranks_worker.py`` (gloo, CPU): one saves th
 each round (ciuic's ``save()``, boto3's upload of each rank's bytes), a second, new processes,
 restores it (ciuic's ``restore()``, boto3's download of each rank's object into its shards),
 every rank in parallel, rounds interleaved. Printed: the slowest rank's wall time (min / median
-/ max over rounds), the ratio of the medians, and what a round asked of the cluster: the S3
-requests of all ranks by operation and the RADOS objects its buckets hold.
+/ max over rounds), the CPU time of all ranks together (user and system), the ratio of the
+medians, and what a round asked of the cluster: the S3 requests of all ranks by operation and
+the RADOS objects its buckets hold.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in ranks:
                 for op, n in r["requests"][system].items():
                     requests[op] = requests.get(op, 0) + n
-            results[f"{phase} {system}"] = {"s": mmm(slowest), "requests": requests}
+            cpu = [sum(r["cpu"][system][i] for r in ranks) for i in range(a.rounds)]
+            results[f"{phase} {system}"] = {"s": mmm(slowest), "cpu_s": mmm(cpu),
+                                            "requests": requests}
     results["rados_objects"] = rados
     results["bytes"] = sum(r["bytes"] for r in saved)
     for phase in ("save", "restore"):
@@ -106,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = results[f"{phase} {system}"]
             s = " / ".join(f"{x:.2f}" for x in r["s"])
             ops = ", ".join(f"{op} {n}" for op, n in sorted(r["requests"].items()))
-            print(f"{phase:8} {system:6} {s} s  (the slowest rank)  requests: {ops}")
+            cpu = " / ".join(f"{x:.2f}" for x in r["cpu_s"])
+            print(f"{phase:8} {system:6} {s} s  (the slowest rank), CPU {cpu} s (all ranks)"
+                  f"  requests: {ops}")
         print(f"{phase:8} ciuic / boto3 (medians): {results[f'{phase} ratio']:.2f}x")
     print(f"RADOS objects a round's buckets hold: ciuic {rados['ciuic']}, boto3 {rados['boto3']}")
     if a.json:

@@ -16,9 +16,9 @@ rank waits at a barrier, then:
   model and optimizer, and boto3's ``download_fileobj`` of the rank's object into memory, then
   copied into the local shards. Both are checked against the saving rank's digest.
 
-Each rank's wall time (the call, barrier to barrier: the slowest rank's is the job's) and the
-S3 requests it made (botocore's operations, counted where they are sent) go to
-``OUT/<phase>-rank<r>.json``.
+Each rank's wall time (the call, barrier to barrier: the slowest rank's is the job's), its CPU
+time (user and system, every thread) and the S3 requests it made (botocore's operations,
+counted where they are sent) go to ``OUT/<phase>-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -99,11 +99,18 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def timed(fn: Any) -> float:
+CPU: dict[str, list[float]] = {"ciuic": [], "boto3": []}
+
+
+def timed(fn: Any, system: str) -> float:
+    """The call's wall time, barrier to barrier; its CPU time (every thread of this process,
+    user and system) goes to ``CPU[system]``."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    c1 = time.process_time()
     dist.barrier()
+    CPU[system].append(c1 - c0)
     return time.perf_counter() - t0
 
 
@@ -139,7 +146,7 @@ def main() -> None:
         m = SnapshotManager("bench", job="cold", store=url, asynchronous=False,
                             handle_signals=False)
         if a.phase == "save":
-            times["ciuic"].append(timed(lambda: m.save(1, model, opt)))
+            times["ciuic"].append(timed(lambda: m.save(1, model, opt), "ciuic"))
         else:
             for t in local_tensors(model, opt):
                 t.zero_()
@@ -147,10 +154,11 @@ def main() -> None:
                 import cProfile
 
                 prof = cProfile.Profile()
-                times["ciuic"].append(timed(lambda: prof.runcall(m.restore, model, opt)))
+                times["ciuic"].append(timed(lambda: prof.runcall(m.restore, model, opt),
+                                             "ciuic"))
                 prof.dump_stats(str(a.out / f"restore-{bucket}.prof"))
             else:
-                times["ciuic"].append(timed(lambda: m.restore(model, opt)))
+                times["ciuic"].append(timed(lambda: m.restore(model, opt), "ciuic"))
             # (the optimizer's state may be new tensors: DCP's set_state_dict)
             assert digest(local_tensors(model, opt)) == expect, \
                 f"rank {rank}: ciuic's restore differs"
@@ -163,7 +171,7 @@ def main() -> None:
                 payload = b"".join(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                                    for t in mine)
                 client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=TransferConfig())
-            times["boto3"].append(timed(up))
+            times["boto3"].append(timed(up, "boto3"))
         else:
             def down() -> None:
                 buf = io.BytesIO()
@@ -177,7 +185,7 @@ def main() -> None:
                     at += n
             for t in mine:
                 t.zero_()
-            times["boto3"].append(timed(down))
+            times["boto3"].append(timed(down, "boto3"))
             assert digest(mine) == expect, f"rank {rank}: boto3's restore differs"
 
     for r, (cb, bb) in enumerate(zip(a.ciuic, a.boto3, strict=True)):
@@ -193,7 +201,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     last = local_tensors(model, opt)
     (a.out / f"{a.phase}-rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world": world, "times": times, "requests": requests,
+        "rank": rank, "world": world, "times": times, "cpu": CPU, "requests": requests,
         "bytes": sum(t.numel() * t.element_size() for t in last), "digest": digest(last)}))
     dist.barrier()
     dist.destroy_process_group()

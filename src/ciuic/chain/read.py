@@ -8,6 +8,7 @@ naming the object; a missing object raises it too (as "missing"). Never unpickle
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,14 +34,45 @@ from ciuic.store import Store
 READ_THREADS = 16
 
 T = TypeVar("T")
+log = logging.getLogger("ciuic")
 
 
-def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True
-              ) -> tuple[mf.Manifest, dict[str, Any]]:
+def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True,
+              manifest: mf.Manifest | None = None) -> tuple[mf.Manifest, dict[str, Any]]:
     """The verified manifest and body trees of a snapshot. ``parts=False``: a split body's
-    index alone (its sharded descriptors ``"split"``, no ``ranks``; see :class:`Parts`)."""
-    m = repo.read_manifest(info.project, info.job, info.id)
-    return m, body_states(repo, m, parts=parts)
+    index alone (its sharded descriptors ``"split"``, no ``ranks``; see :class:`Parts`).
+    ``manifest``: the snapshot's manifest, read and verified already.
+
+    Where the catalog names the body (``info.body``), the manifest and the body are read at
+    once: on an object store each is a round trip (a cold restart of every rank waits on
+    them). The body then counts only if the manifest, verified, names that body, of that size;
+    otherwise it is read again as the manifest says."""
+    if manifest is not None or not info.body:
+        m = manifest or repo.read_manifest(info.project, info.job, info.id)
+        return m, body_states(repo, m, parts=parts)
+    with ThreadPoolExecutor(1, thread_name_prefix="ciuic-read") as pool:
+        early = pool.submit(_body_blob, repo, info.project, info.job, info.body)
+        m = repo.read_manifest(info.project, info.job, info.id)  # its errors first
+        try:
+            found = early.result()
+        except Exception as e:  # read again below, where the nearest intact copy is found
+            log.debug("reading the body of %s with its manifest failed: %s", info.short_id, e)
+            found = None
+    if found is None or m.body != info.body or len(found[0]) != m.body_bytes:
+        return m, body_states(repo, m, parts=parts)
+    key = layout.body_key(m.project, m.job, m.body)
+    try:
+        states = mf.decode_body(found[0], key, m.body, found[1])
+    except IntegrityError as e:  # the nearest copy may be damaged: a mirror has another
+        log.debug("%s: %s; reading it again", key, e)
+        return m, body_states(repo, m, parts=parts)
+    return m, _with_parts(repo, m, states, key, parts)
+
+
+def _body_blob(repo: Repository, project: str, job: str, body: str) -> tuple[bytes, bytes | None]:
+    """A body's bytes as the store holds them, opened (unchecked), and its name key."""
+    key = layout.body_key(project, job, body)
+    return repo.open_meta(key, repo.store.get(key))
 
 
 def body_states(repo: Repository, m: mf.Manifest, *, parts: bool = True) -> dict[str, Any]:
@@ -60,7 +92,11 @@ def body_states(repo: Repository, m: mf.Manifest, *, parts: bool = True) -> dict
                                 f"{m.body_bytes}")
         return mf.decode_body(data, key, m.body, name_key)
 
-    states = repo.read_verified(key, read)
+    return _with_parts(repo, m, repo.read_verified(key, read), key, parts)
+
+
+def _with_parts(repo: Repository, m: mf.Manifest, states: dict[str, Any], key: str,
+                parts: bool) -> dict[str, Any]:
     if parts:
         listed = _listed(states, key)
         if listed is not None:

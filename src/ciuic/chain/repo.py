@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
@@ -42,6 +43,9 @@ from ciuic.words import counted
 
 log = logging.getLogger("ciuic")
 T = TypeVar("T")
+#: Manifests read at once when a job's catalog catches up with its store (each is a round trip
+#: on an object store; a new machine's catalog reads every one of the job's)
+READS = 16
 
 
 def list_manifests(store: Store, project: str | None = None, job: str | None = None
@@ -308,10 +312,16 @@ class Repository:
             return repo.sync_job(project, job, damaged)
         rows = self.catalog.snapshots(project, job, status=None)
         known = {i.id for i in rows}
-        listed = self.manifest_ids(project, job)
-        bodies = {b[2] for b in map(layout.parse_body,
-                                    self.store.list(layout.bodies_prefix(project, job)))
-                  if b is not None}
+        with ThreadPoolExecutor(READS, thread_name_prefix="ciuic-sync") as pool:
+            # the two listings at once: on an object store each is a round trip or more
+            bodies_listed = pool.submit(lambda: list(self.store.list(
+                layout.bodies_prefix(project, job))))
+            listed = self.manifest_ids(project, job)
+            bodies = {b[2] for b in map(layout.parse_body, bodies_listed.result())
+                      if b is not None}
+            new = [sid for sid in listed if sid not in known]
+            read = dict(zip(new, pool.map(lambda sid: self._try_manifest(project, job, sid),
+                                          new), strict=True))
         partial = len(self.store.copies()) > 1  # a mirror lists its fast tier only
         foreign = [row for row in rows if row.id not in listed]
         if foreign and len(foreign) == len(rows):
@@ -324,18 +334,24 @@ class Repository:
                     not (partial and self.store.has(layout.body_key(project, job, row.body)))):
                 self.catalog.set_status(row.id, "pruned")
         found: dict[str, mf.Manifest] = {}
-        for sid in listed:
-            if sid in known:
-                continue
-            try:
-                found[sid] = self.read_manifest(project, job, sid)
-            except UnreadableObject as e:
-                if damaged is not None:
-                    damaged.append(e)
-            except ObjectNotFound:
-                continue  # deleted since the listing
+        for sid, got in read.items():
+            if isinstance(got, mf.Manifest):
+                found[sid] = got
+            elif isinstance(got, UnreadableObject) and damaged is not None:
+                damaged.append(got)
         self._add_rows(found, lambda sid: self.store)
         return len(found)
+
+    def _try_manifest(self, project: str, job: str, sid: str
+                      ) -> mf.Manifest | UnreadableObject | None:
+        """A manifest, read and verified; the error where it cannot be read; None where it was
+        deleted since it was listed."""
+        try:
+            return self.read_manifest(project, job, sid)
+        except UnreadableObject as e:
+            return e
+        except ObjectNotFound:
+            return None
 
     def reindex(self, progress: Callable[[str], None] | None = None) -> dict[str, int]:
         """Rebuild the catalog's snapshot rows from the store alone (and from the store of

@@ -158,14 +158,16 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
     if missing or unexpected or changed:
         raise StateMismatch(mismatch_message("model and optimizer", missing, unexpected,
                                               changed))
+    # this rank's box of each (None: the whole tensor); a DTensor says it at some cost (~1 ms)
+    wanted = {p: _wanted(live[p], p) for p in live}
     split = {p: d for p, d in saved.items() if d.get("split") is True}
     if split:
         if near is None:
             raise StateMismatch("the snapshot's body is in parts, but none was given to read")
-        saved.update(near.shards(split, {p: _box(live[p], p) for p in split}))
+        saved.update(near.shards(split, {p: wanted[p] or ([0] * live[p].dim(),
+                                                          list(live[p].shape)) for p in split}))
     boxes: dict[str, torch.Tensor] = {}
     descs = {p: TensorDescriptor.from_json(saved[p], p) for p in live}
-    wanted = {p: _wanted(live[p], p) for p in live}  # this rank's box of each; None: whole
     runs = pack_runs(repo, resident, (ref for p, box in wanted.items() for ref in box_refs(
         p, descs[p], box and box[0], box and box[1])))
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
@@ -195,11 +197,6 @@ def _wanted(t: torch.Tensor, path: str) -> tuple[list[int], list[int]] | None:
     if shard is None:
         return None
     return list(shard[1]), list(t.to_local().shape)  # type: ignore[attr-defined]
-
-
-def _box(t: torch.Tensor, path: str) -> tuple[list[int], list[int]]:
-    """The box of its global tensor that a live tensor holds (offsets, shape)."""
-    return _wanted(t, path) or ([0] * t.dim(), list(t.shape))
 
 
 class _Near:

@@ -24,6 +24,7 @@ from ciuic.chain.read import Parts, read_body
 from ciuic.chain.repo import list_jobs
 from ciuic.distributed.collective import Collective
 from ciuic.distributed.load import is_distributed, prepare
+from ciuic.distributed.plan import import_ahead
 from ciuic.errors import (
     ConfigurationError,
     CorruptObject,
@@ -113,6 +114,8 @@ class Recovery:
                  host: Resident | None) -> Restored | None:
         project, job = self.session.project, self.session.job
         self.read_into = None
+        if self.coll.enabled:
+            import_ahead()  # while rank 0 lists the snapshots and every rank reads the body
         candidates = self.candidates(snapshot)
         if not candidates:
             self._nothing_to_restore()
