@@ -50,7 +50,8 @@ def launch(phase: str, a: argparse.Namespace, cl: cluster.Cluster, out: Path,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={a.ranks}", str(WORKER), "--phase", phase, "--endpoint",
            cl.endpoint, "--mib", str(a.mib), "--out", str(out),
-           "--ciuic", *buckets["ciuic"], "--boto3", *buckets["boto3"]]
+           "--ciuic", *buckets["ciuic"], "--boto3", *buckets["boto3"],
+           *(["--also", a.also] if a.also else [])]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
                          env={**os.environ, **cl.env, "OMP_NUM_THREADS": "1"})
     if run.returncode != 0:
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--also", default=None, metavar="KNOB=VALUE",
+                   help="restore ciuic a second time each round with this knob (an A/B in one "
+                        "run), e.g. read_ahead_bytes=0")
     a = p.parse_args(argv)
     results: dict[str, Any] = {"ranks": a.ranks, "mib": a.mib, "rounds": a.rounds}
     with tempfile.TemporaryDirectory() as tmp0, \
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rados = {s: rados_objects(cl, buckets[s][0]) for s in buckets}
         started = cl.started_s
     for phase, ranks in (("save", saved), ("restore", restored)):
-        for system in ("ciuic", "boto3"):
+        for system in ranks[0]["times"]:
             slowest = [max(r["times"][system][i] for r in ranks) for i in range(a.rounds)]
             requests: dict[str, int] = {}
             for r in ranks:
@@ -104,8 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{a.ranks} ranks (FSDP2, gloo), {results['bytes'] / 2**20:.0f} MiB of state, "
           f"{a.rounds} rounds; Ceph (3 OSDs, 3 replicas) on this machine, "
           f"{os.cpu_count()} CPUs, load {min(loads):.1f}-{max(loads):.1f}")
-    for phase in ("save", "restore"):
-        for system in ("ciuic", "boto3"):
+    for phase, ranks in (("save", saved), ("restore", restored)):
+        for system in ranks[0]["times"]:
             r = results[f"{phase} {system}"]
             s = " / ".join(f"{x:.2f}" for x in r["s"])
             ops = ", ".join(f"{op} {n}" for op, n in sorted(r["requests"].items()))
@@ -113,6 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{phase:8} {system:6} {s} s  (the slowest rank), CPU {cpu} s (all ranks)"
                   f"  requests: {ops}")
         print(f"{phase:8} ciuic / boto3 (medians): {results[f'{phase} ratio']:.2f}x")
+        for system in [s for s in ranks[0]["times"] if s not in ("ciuic", "boto3")]:
+            ratio = results[f"{phase} {system}"]["s"][1] / results[f"{phase} boto3"]["s"][1]
+            results[f"{phase} ratio {system}"] = ratio
+            print(f"{phase:8} {system} / boto3 (medians): {ratio:.2f}x")
     print(f"RADOS objects a round's buckets hold: ciuic {rados['ciuic']}, boto3 {rados['boto3']}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

@@ -99,7 +99,7 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-CPU: dict[str, list[float]] = {"ciuic": [], "boto3": []}
+CPU: dict[str, list[float]] = {}
 
 
 def timed(fn: Any, system: str) -> float:
@@ -122,6 +122,9 @@ def main() -> None:
     p.add_argument("--boto3", nargs="+", required=True, help="a bucket per round")
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--also", default=None, metavar="KNOB=VALUE",
+                   help="restore: ciuic a second time each round with this knob (an A/B in "
+                        "one run, as the system 'ciuic KNOB=VALUE')")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -129,24 +132,36 @@ def main() -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from ciuic import SnapshotManager
+    from ciuic import SnapshotManager, knobs
 
     count_requests()
     model, opt = build(a.mib, world)
     client = boto3.client("s3", endpoint_url=a.endpoint, region_name="us-east-1")
     key = f"rank{rank}.bin"
-    times: dict[str, list[float]] = {"ciuic": [], "boto3": []}
-    requests: dict[str, dict[str, int]] = {"ciuic": {}, "boto3": {}}
+    systems = ["ciuic", "boto3"]
+    changes: dict[str, object] = {}
+    if a.also and a.phase == "restore":
+        name, _, value = a.also.partition("=")
+        kind = type(getattr(knobs.get(), name))
+        changes = {name: value.lower() in ("1", "true", "on") if kind is bool else kind(value)}
+        systems.append(f"ciuic {a.also}")
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    requests: dict[str, dict[str, int]] = {s: {} for s in systems}
+    CPU.update({s: [] for s in systems})
     expect = None if a.phase == "save" else json.loads(
         (a.out / f"save-rank{rank}.json").read_text())["digest"]
 
-    def ciuic(bucket: str) -> None:
+    def ciuic(bucket: str, system: str = "ciuic") -> None:
+        with knobs.override(**(changes if system != "ciuic" else {})):
+            _ciuic(bucket, system)
+
+    def _ciuic(bucket: str, system: str) -> None:
         url = f"s3://{bucket}/bench?endpoint={a.endpoint}"
         os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp()  # nothing cached from a round before
         m = SnapshotManager("bench", job="cold", store=url, asynchronous=False,
                             handle_signals=False)
         if a.phase == "save":
-            times["ciuic"].append(timed(lambda: m.save(1, model, opt), "ciuic"))
+            times[system].append(timed(lambda: m.save(1, model, opt), system))
         else:
             for t in local_tensors(model, opt):
                 t.zero_()
@@ -154,11 +169,11 @@ def main() -> None:
                 import cProfile
 
                 prof = cProfile.Profile()
-                times["ciuic"].append(timed(lambda: prof.runcall(m.restore, model, opt),
-                                             "ciuic"))
-                prof.dump_stats(str(a.out / f"restore-{bucket}.prof"))
+                times[system].append(timed(lambda: prof.runcall(m.restore, model, opt),
+                                           system))
+                prof.dump_stats(str(a.out / f"restore-{bucket}-{len(times[system])}.prof"))
             else:
-                times["ciuic"].append(timed(lambda: m.restore(model, opt), "ciuic"))
+                times[system].append(timed(lambda: m.restore(model, opt), system))
             # (the optimizer's state may be new tensors: DCP's set_state_dict)
             assert digest(local_tensors(model, opt)) == expect, \
                 f"rank {rank}: ciuic's restore differs"
@@ -189,12 +204,12 @@ def main() -> None:
             assert digest(mine) == expect, f"rank {rank}: boto3's restore differs"
 
     for r, (cb, bb) in enumerate(zip(a.ciuic, a.boto3, strict=True)):
-        for system in (("ciuic", "boto3") if r % 2 == 0 else ("boto3", "ciuic")):
+        for system in systems[r % len(systems):] + systems[:r % len(systems)]:
             before = dict(REQUESTS)
-            if system == "ciuic":
-                ciuic(cb)
-            else:
+            if system == "boto3":
                 plain(bb)
+            else:
+                ciuic(cb, system)
             if r == 0:
                 requests[system] = {k: v - before.get(k, 0) for k, v in REQUESTS.items()
                                     if v - before.get(k, 0)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -413,6 +415,60 @@ def test_runs_merge_neighbouring_pieces_up_to_a_gap_and_a_size(repo: Repository)
             ref(b, 1000, 10), ChunkRef("c" * 64, 10)]  # another pack; a chunk object: none
     runs = PackRuns(repo, refs, gap=10, most=250)
     assert runs.runs == 4  # [0, 200) [205, 255) [400, 450) of a, [1000, 1010) of b
+
+
+def test_runs_are_fetched_ahead_of_their_readers_within_the_bound(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore fetches runs ahead of the pieces being read, several at once, as long as the
+    runs fetched and not yet taken stay within ``read_ahead_bytes`` (0: each run by its first
+    reader); every run is still read once, and every piece checked."""
+    live = small_state()
+    with SnapshotManager("p", job="k", store=store_dir, compression="off") as m:
+        info = m.save(1, state=StateHolder(live))
+    refs = sorted((r for r in refs_of(store_dir, info.id).values() if r.pack is not None),
+                  key=lambda r: r.offset)
+    tensors = {t.numpy().tobytes() for t in live.values()}
+    run_bytes = 10 * refs[0].stored  # about ten runs of ten pieces
+    lock = threading.Lock()
+    flight = {"now": 0, "most": 0}
+    get_into = LocalStore.get_into
+
+    def slow(self: LocalStore, key: str, buffers: list[memoryview], offset: int = 0) -> int:
+        if not key.startswith(layout.PACKS):
+            return get_into(self, key, buffers, offset)
+        with lock:
+            flight["now"] += 1
+            flight["most"] = max(flight["most"], flight["now"])
+        try:
+            time.sleep(0.05)  # a round trip: reads that overlap are seen to
+            return get_into(self, key, buffers, offset)
+        finally:
+            with lock:
+                flight["now"] -= 1
+
+    monkeypatch.setattr(LocalStore, "get_into", slow)
+    repo = Repository.open(store_dir)
+    try:
+        for ahead, most in ((20 * run_bytes, range(3, 9)), (1, range(1, 2)), (0, range(1, 2))):
+            flight["most"] = 0
+            with PackRuns(repo, refs, most=run_bytes, ahead=ahead) as runs:
+                assert runs.runs >= 8
+                for r in refs:  # one reader, in the registered order
+                    got = bytearray(r.nbytes)
+                    runs.read(r, memoryview(got))
+                    assert r.nbytes != 40_000 or bytes(got) in tensors  # (rng: others)
+            assert flight["most"] in most, (ahead, flight["most"])
+            assert runs.requests == runs.runs  # each run read once
+        runs = PackRuns(repo, refs, most=run_bytes, ahead=20 * run_bytes)
+        runs.start()
+        runs.close()  # fetches not started are dropped: their readers fetch them
+        for r in refs:
+            got = bytearray(r.nbytes)
+            runs.read(r, memoryview(got))
+            assert r.nbytes != 40_000 or bytes(got) in tensors
+        assert runs.requests == runs.runs
+    finally:
+        repo.close()
 
 
 def test_a_truncated_pack_serves_the_pieces_it_holds_and_names_the_rest(

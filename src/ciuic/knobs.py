@@ -20,6 +20,9 @@ class Knobs:
     #: each its own object, in the body formats older readers read. Every reader reads packs
     #: whatever it is set to.
     pack_bytes: int = 4 * 1024 * 1024
+    #: A restore fetches the runs of its packed pieces (chain/packreads.py) this many bytes
+    #: ahead of the pieces being read, in parallel; 0: each run when its first piece is read.
+    read_ahead_bytes: int = 32 * 1024 * 1024
     #: Threads that hash and write chunks in the background (BLAKE3 and writes release the GIL).
     write_threads: int = 4
     #: The local store writes large objects whose memory lines up with pages (the chunks of

@@ -12,6 +12,7 @@ saved (docs/architecture.md, "Multi-rank").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from ciuic.chain.repo import Repository
 from ciuic.distributed.plan import both_state_dicts, model_state_dict
 from ciuic.errors import ConfigurationError, CorruptObject, StateMismatch
 from ciuic.format.boxes import overlap
-from ciuic.format.descriptor import TensorDescriptor
+from ciuic.format.descriptor import ChunkRef, TensorDescriptor
 from ciuic.format.parts import BodyPart, shards_by_path, with_shards
 from ciuic.format.tree import (
     decode,
@@ -168,10 +169,14 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
                                                           list(live[p].shape)) for p in split}))
     boxes: dict[str, torch.Tensor] = {}
     descs = {p: TensorDescriptor.from_json(saved[p], p) for p in live}
-    runs = pack_runs(repo, resident, (ref for p, box in wanted.items() for ref in box_refs(
-        p, descs[p], box and box[0], box and box[1])))
+    def refs(path: str) -> list[ChunkRef]:
+        box = wanted[path]
+        return box_refs(path, descs[path], box and box[0], box and box[1])
+
+    runs = pack_runs(repo, resident, (r for p in sorted(live) for r in refs(p)))  # read order
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
-            ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors:
+            ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors, \
+            runs if runs is not None else contextlib.nullcontext():
         def one(path: str) -> torch.Tensor:
             box = wanted[path]
             return read_box(repo, path, descs[path], box and box[0], box and box[1], pool,

@@ -7,6 +7,7 @@ naming the object; a missing object raises it too (as "missing").
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -63,9 +64,13 @@ def load_trees(repo: Repository, wanted: dict[str, Any], buffer_for: BufferFor |
     leaves = [(path, kind, raw) for path, kind, raw in walk_leaves(wanted)]
     for path, _kind, raw in leaves:
         parsed[id(raw)] = TensorDescriptor.from_json(raw, path)
-    runs = pack_runs(repo, resident, (ref for path, kind, raw in leaves for ref in _refs(
+    # in the order they are read below: whole leaves first, then the sharded ones
+    order = sorted(leaves, key=lambda leaf: leaf[1] == "tensor"
+                   and parsed[id(leaf[2])].shards is not None)
+    runs = pack_runs(repo, resident, (ref for path, kind, raw in order for ref in _refs(
         path, kind, parsed[id(raw)], resident)))
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool:
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
+            runs if runs is not None else contextlib.nullcontext():
         try:
             for path, kind, raw in leaves:  # every read in flight at once
                 desc = parsed[id(raw)]
