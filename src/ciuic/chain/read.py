@@ -330,7 +330,7 @@ def check_chunk_blob(repo: Repository, key: str, blob: bytes | memoryview, d: st
     plaintext into ``dest`` (of ``n`` bytes: a sealed one is decrypted straight into it).
     ``n``: the expected length (None: the header's)."""
     if not ck.is_sealed(blob[:ck.HEADER_BYTES]):
-        framed = bytes(blob)  # no copy of bytes; a view: a plain chunk in a sealed store
+        framed = memoryview(blob)  # not copied: a run's bytes, checked where they lie
         n = ck.header_length(framed[:ck.HEADER_BYTES]) if n is None else n
         plain = ck.unframe(key, framed, d, n)
         if dest is not None:

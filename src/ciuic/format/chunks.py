@@ -92,7 +92,8 @@ def is_sealed(header_bytes: bytes | bytearray | memoryview) -> bool:
     return len(header_bytes) >= HEADER_BYTES and header_bytes[6] != CIPHER_NONE
 
 
-def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed: bool) -> int:
+def check_header(key: str, header_bytes: bytes | bytearray | memoryview, size: int, *,
+                 sealed: bool) -> int:
     """Check a frame header; returns the plaintext length it states."""
     if size < HEADER_BYTES:
         raise CorruptObject(key, f"truncated: {size} bytes, shorter than the header")
@@ -110,7 +111,8 @@ def check_header(key: str, header_bytes: bytes | bytearray, size: int, *, sealed
     return int(length)
 
 
-def unframe(key: str, blob: bytes, expected_digest: str, expected_len: int) -> memoryview:
+def unframe(key: str, blob: bytes | memoryview, expected_digest: str,
+            expected_len: int) -> memoryview:
     """Check and decode a stored chunk; returns the plaintext. Raises :class:`CorruptObject`."""
     return _checked(key, blob[:HEADER_BYTES], len(blob), memoryview(blob)[HEADER_BYTES:], None,
                     expected_digest, expected_len)
@@ -135,7 +137,7 @@ def check_read(key: str, header: bytes | bytearray, size: int, payload: memoryvi
         _checked(key, header, size, encoded, payload, expected_digest, expected_len)
 
 
-def _checked(key: str, header: bytes | bytearray, size: int, encoded: Buffer,
+def _checked(key: str, header: bytes | bytearray | memoryview, size: int, encoded: Buffer,
              out: memoryview | None, expected_digest: str, expected_len: int) -> memoryview:
     """Check the header and lengths, decode ``encoded`` (into ``out`` if given), check the
     plaintext against its name; returns the plaintext."""
@@ -152,6 +154,6 @@ def _checked(key: str, header: bytes | bytearray, size: int, encoded: Buffer,
     return plain
 
 
-def header_length(header: bytes | bytearray) -> int:
+def header_length(header: bytes | bytearray | memoryview) -> int:
     """The plaintext length a chunk's header claims (for checking unreferenced chunks)."""
     return int(_HEADER.unpack_from(header)[5]) if len(header) >= HEADER_BYTES else -1

@@ -63,7 +63,7 @@ def read_box(repo: Repository, path: str, desc: TensorDescriptor, box_off: list[
     tensor of that shape, every byte read verified (each chunk from ``resident`` memory where it
     holds it, else from the store; pieces in packs from their runs of ``runs``)."""
     dtype, shape = leaf_layout(path, "tensor", desc)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     box_off = [0] * len(shape) if box_off is None else box_off
     box_shape = shape if box_shape is None else box_shape
     if len(box_off) != len(shape) or len(box_shape) != len(shape):
@@ -107,7 +107,7 @@ def box_refs(path: str, desc: TensorDescriptor, box_off: list[int] | None,
     """The chunks :func:`read_box` reads for this box (what a restore registers with its
     :class:`PackRuns` before reading)."""
     dtype, shape = leaf_layout(path, "tensor", desc)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     box_off = [0] * len(shape) if box_off is None else box_off
     box_shape = shape if box_shape is None else box_shape
     out: list[ChunkRef] = []

@@ -80,7 +80,7 @@ def leaf_layout(path: str, kind: str, desc: TensorDescriptor) -> tuple[Any, list
     try:
         if kind == "tensor":
             dtype: Any = torch_dtype(desc.dtype)
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
         else:
             dtype = np.dtype(desc.dtype)
             if dtype.hasobject or dtype.names is not None:
