@@ -137,3 +137,44 @@ def test_a_catalog_lists_manifests_and_bodies_at_once_and_reads_the_new_ones(
     rows = repo.catalog.snapshots("p", "j", newest_first=True)
     assert [r.id for r in rows] == [infos[2].id, infos[0].id]
     assert [r.body for r in rows] == [infos[2].body, infos[0].body]
+
+
+class CountingStore(MemoryStore):
+    """A memory store that counts the reads of each key."""
+
+    def __init__(self) -> None:
+        super().__init__("counting")
+        self.reads: dict[str, int] = {}
+
+    def get(self, key: str) -> bytes:
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().get(key)
+
+
+def test_objects_another_rank_read_are_used_once_checked_and_the_store_read_if_damaged(
+        tmp_path: Path) -> None:
+    """A multi-rank restore's rank 0 reads the manifest and the body once for every rank
+    (``Repository.preload``): a rank reads neither from the store; bytes damaged on the way
+    are caught by the same check, and the store is read instead; each is used once."""
+    store = CountingStore()
+    info = saved(store)[0]
+    repo = Repository.open(store, f"sqlite:///{tmp_path / 'c.db'}")
+    manifest, body = keys(info)
+    expected = read_body(repo, info)
+    blobs = {manifest: store.get(manifest), body: store.get(body)}
+    store.reads.clear()
+    repo.preload(blobs)
+    assert read_body(repo, info) == expected
+    assert store.reads == {}  # neither came from the store
+    assert read_body(repo, info) == expected  # used once: the store again
+    assert store.reads == {manifest: 1, body: 1}
+    store.reads.clear()
+    damaged = {k: v[:-1] + bytes([v[-1] ^ 1]) for k, v in blobs.items()}
+    repo.preload(damaged)
+    assert read_body(repo, info) == expected
+    assert store.reads == {manifest: 1, body: 1}  # each caught, read from the store
+    store.reads.clear()
+    repo.preload(blobs)
+    repo.preload({})  # dropped: the store is read
+    assert read_body(repo, info) == expected
+    assert store.reads == {manifest: 1, body: 1}

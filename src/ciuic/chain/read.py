@@ -72,7 +72,8 @@ def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True,
 def _body_blob(repo: Repository, project: str, job: str, body: str) -> tuple[bytes, bytes | None]:
     """A body's bytes as the store holds them, opened (unchecked), and its name key."""
     key = layout.body_key(project, job, body)
-    return repo.open_meta(key, repo.store.get(key))
+    blob = repo.preloaded(key)
+    return repo.open_meta(key, blob if blob is not None else repo.store.get(key))
 
 
 def body_states(repo: Repository, m: mf.Manifest, *, parts: bool = True) -> dict[str, Any]:

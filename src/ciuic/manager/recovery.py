@@ -12,10 +12,12 @@ while snapshots exist.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -96,6 +98,7 @@ class Recovery:
         try:
             done = self._restore(model, optimizer, extras, snapshot, lent, host)
         finally:
+            self.repo.preload({})  # what rank 0 read for this rank and it did not need
             if peers is not None:
                 peers.close()
         if p.tier is not None and host is not None and (done is None
@@ -252,12 +255,40 @@ class Recovery:
             log.info("Searching for latest snapshot...")
         if not self.coll.enabled:
             return found
-        shared = self.coll.broadcast({"error": error, "found": [asdict(i) for i in found]})
+        objects = self._for_every_rank(found[:1])
+        self.repo.preload(objects)
+        shared = self.coll.broadcast({
+            "error": error, "found": [asdict(i) for i in found],
+            "objects": {k: base64.b64encode(v).decode("ascii") for k, v in objects.items()}})
         if shared["error"]:
             raise RestoreError(f"rank 0 could not list the snapshots: {shared['error']}")
         if self.coll.coordinator:
             return found
+        self.repo.preload({k: base64.b64decode(v) for k, v in shared["objects"].items()})
         return [SnapshotInfo(**info) for info in shared["found"]]  # what rank 0's catalog says
+
+    def _for_every_rank(self, first: list[SnapshotInfo]) -> dict[str, bytes]:
+        """Rank 0: the newest snapshot's manifest and body as the store holds them, read once
+        for every rank: each rank checks them as it checks a read of its own (their keys name
+        their content), and reads the store for what is missing or fails. Without this, every
+        rank reads the same two objects at once (at 16,384 ranks, 32,768 GETs of two keys).
+        Nothing where they cannot be read: each rank then finds out why itself."""
+        if not self.coll.coordinator or not first:
+            return {}
+        info = first[0]
+        keys = [layout.manifest_key(info.project, info.job, info.id)]
+        if info.body:
+            keys.append(layout.body_key(info.project, info.job, info.body))
+
+        def raw(key: str) -> tuple[str, bytes] | None:
+            try:
+                return key, self.repo.store.get(key)
+            except Exception as e:  # each rank reads it, and reports what it finds
+                log.debug("could not read %s for every rank: %s", key, e)
+                return None
+
+        with ThreadPoolExecutor(len(keys), thread_name_prefix="ciuic-read") as pool:
+            return dict(r for r in pool.map(raw, keys) if r is not None)
 
     def prepare(self, info: SnapshotInfo, model: Any, optimizer: Any, extras: dict[str, Any],
                 buffer_for: BufferFor | None, resident: Resident | None = None) -> Prepared:
