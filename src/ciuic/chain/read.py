@@ -37,18 +37,17 @@ T = TypeVar("T")
 log = logging.getLogger("ciuic")
 
 
-def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True,
-              manifest: mf.Manifest | None = None) -> tuple[mf.Manifest, dict[str, Any]]:
+def read_body(repo: Repository, info: SnapshotInfo, *, parts: bool = True
+              ) -> tuple[mf.Manifest, dict[str, Any]]:
     """The verified manifest and body trees of a snapshot. ``parts=False``: a split body's
     index alone (its sharded descriptors ``"split"``, no ``ranks``; see :class:`Parts`).
-    ``manifest``: the snapshot's manifest, read and verified already.
 
     Where the catalog names the body (``info.body``), the manifest and the body are read at
     once: on an object store each is a round trip (a cold restart of every rank waits on
     them). The body then counts only if the manifest, verified, names that body, of that size;
     otherwise it is read again as the manifest says."""
-    if manifest is not None or not info.body:
-        m = manifest or repo.read_manifest(info.project, info.job, info.id)
+    if not info.body:
+        m = repo.read_manifest(info.project, info.job, info.id)
         return m, body_states(repo, m, parts=parts)
     with ThreadPoolExecutor(1, thread_name_prefix="ciuic-read") as pool:
         early = pool.submit(_body_blob, repo, info.project, info.job, info.body)

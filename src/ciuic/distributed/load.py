@@ -26,7 +26,7 @@ from ciuic.chain.repo import Repository
 from ciuic.distributed.plan import both_state_dicts, model_state_dict
 from ciuic.errors import ConfigurationError, CorruptObject, StateMismatch
 from ciuic.format.boxes import overlap
-from ciuic.format.descriptor import ChunkRef, TensorDescriptor
+from ciuic.format.descriptor import TensorDescriptor
 from ciuic.format.parts import BodyPart, shards_by_path, with_shards
 from ciuic.format.tree import (
     decode,
@@ -159,28 +159,26 @@ def _read_targets(repo: Repository, trees: dict[str, Any], targets: dict[str, An
     if missing or unexpected or changed:
         raise StateMismatch(mismatch_message("model and optimizer", missing, unexpected,
                                               changed))
-    # this rank's box of each (None: the whole tensor); a DTensor says it at some cost (~1 ms)
-    wanted = {p: _wanted(live[p], p) for p in live}
+    # this rank's box of each, (offsets, shape); (None, None): the whole tensor. A DTensor
+    # says it at some cost (~1 ms), so once.
+    wanted: dict[str, tuple[list[int] | None, list[int] | None]] = {
+        p: _wanted(live[p], p) or (None, None) for p in live}
     split = {p: d for p, d in saved.items() if d.get("split") is True}
     if split:
         if near is None:
             raise StateMismatch("the snapshot's body is in parts, but none was given to read")
-        saved.update(near.shards(split, {p: wanted[p] or ([0] * live[p].dim(),
-                                                          list(live[p].shape)) for p in split}))
+        saved.update(near.shards(split, {p: (wanted[p][0] or [0] * live[p].dim(),
+                                             wanted[p][1] or list(live[p].shape))
+                                         for p in split}))
     boxes: dict[str, torch.Tensor] = {}
     descs = {p: TensorDescriptor.from_json(saved[p], p) for p in live}
-    def refs(path: str) -> list[ChunkRef]:
-        box = wanted[path]
-        return box_refs(path, descs[path], box and box[0], box and box[1])
-
-    runs = pack_runs(repo, resident, (r for p in sorted(live) for r in refs(p)))  # read order
+    runs = pack_runs(repo, resident, (r for p in sorted(live)  # in the order read below
+                                      for r in box_refs(p, descs[p], *wanted[p])))
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ciuic-read") as pool, \
             ThreadPoolExecutor(4, thread_name_prefix="ciuic-box") as tensors, \
             runs if runs is not None else contextlib.nullcontext():
         def one(path: str) -> torch.Tensor:
-            box = wanted[path]
-            return read_box(repo, path, descs[path], box and box[0], box and box[1], pool,
-                            resident, runs)
+            return read_box(repo, path, descs[path], *wanted[path], pool, resident, runs)
 
         futures = {p: tensors.submit(one, p) for p in sorted(live)}
         for p, fut in futures.items():
