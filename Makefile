@@ -15,9 +15,10 @@ services:
 	@scripts/services.sh
 
 # MARK picks the tests (pyproject leaves out the slow ones): CI runs every test in one session,
-# `make test MARK='slow or not slow'`, so that a module's services and reference runs start once
+# `make test MARK='not long'`, so that a module's services and reference runs start once.
+# ARGS: more of pytest's options (CI: --slow-budget-min, tests/budget.py)
 test: lint services
-	.venv/bin/python -m pytest -q --durations=15 $(if $(MARK),-m "$(MARK)")
+	.venv/bin/python -m pytest -q --durations=15 $(if $(MARK),-m "$(MARK)") $(ARGS)
 
 test-slow: venv
 	.venv/bin/python -m pytest -q -m slow --durations=15

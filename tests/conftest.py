@@ -13,6 +13,9 @@ import pytest
 from ciuic import faults
 from ciuic.chain.repo import Repository
 
+#: CI's time budget for the slow tests (--slow-budget-min); pytester for its own test
+pytest_plugins = ("tests.budget", "pytester")
+
 HELPERS = Path(__file__).parent / "helpers"
 TRAIN = HELPERS / "train_mlp.py"
 
