@@ -32,6 +32,9 @@ from server_load import digest  # noqa: E402
 CLIENTS = 32
 SECONDS = 30.0
 KILL_AT_S, DOWN_S = 10.0, 4.0
+#: a client with fewer than 2 saves confirmed at the deadline goes on this much longer (on a
+#: slow machine 32 clients of 2 servers on one Ceph cluster share 2 cores)
+GRACE_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +126,8 @@ def test_two_servers_one_killed_mid_upload_lose_nothing(replicas: Replicas) -> N
         model = {f"layer{j}.weight": torch.randn(128, 128, generator=g) for j in range(4)}
         n = 0
         c: CiuicClient | None = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (
+                len(confirmed[i]) < 2 and time.monotonic() < deadline + GRACE_S):
             try:
                 if c is None:
                     c = CiuicClient(api_key=key, endpoint=r.url(i % 2), job=f"load-{i}")
@@ -163,10 +167,11 @@ def test_two_servers_one_killed_mid_upload_lose_nothing(replicas: Replicas) -> N
         t.start()
     for t in threads:
         t.join()
+    took = time.monotonic() - started
     assert "back" in window, "the killed server did not start again"
     assert not mismatches, mismatches
-    total = sum(len(v) for v in confirmed.values())
-    assert total >= 2 * CLIENTS, f"only {total} saves"
+    few = {i: len(v) for i, v in confirmed.items() if len(v) < 2}
+    assert not few, f"clients with fewer than 2 saves confirmed (client: saves): {few}"
 
     # failures: only clients of the killed server, only while it was down (and the request
     # that was in flight when it died)
@@ -200,7 +205,8 @@ def test_two_servers_one_killed_mid_upload_lose_nothing(replicas: Replicas) -> N
             for sid in in_store:
                 got = digest(c.get_snapshot(sid)["data"])
                 assert sid not in confirmed[i] or got == confirmed[i][sid], f"{i}: {sid}"
-    print(f"{total} saves confirmed by {CLIENTS} clients in {SECONDS:g} s; "
+    total = sum(len(v) for v in confirmed.values())
+    print(f"{total} saves confirmed by {CLIENTS} clients in {took:.0f} s; "
           f"{len(failures)} failed calls, all from the killed server's clients")
 
     # `ciuic log` on the shared storage and catalog shows the same chain (the killed server's
