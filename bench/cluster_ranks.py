@@ -1,7 +1,9 @@
 """A cold restart of every rank from the Ceph cluster (issue #45, item 4): ciuic against the same
-bytes as one object per rank with boto3 (what DCP writes: a file per rank), FSDP2.
+bytes as one object per rank with boto3 (what DCP writes: a file per rank), FSDP2; with
+``--dcp``, against DCP's own save and load through its fsspec storage on s3fs too.
 
-    .venv/bin/python bench/cluster_ranks.py [--ranks 4] [--mib 256] [--rounds 3] [--json FILE]
+    .venv/bin/python bench/cluster_ranks.py [--ranks 4] [--mib 256] [--rounds 3] [--dcp]
+        [--json FILE]
 
 Starts the test cluster of tests/cluster.py (3 BlueStore OSDs, 3 replicas, radosgw), then two
 torchrun launches of ``bench/cluster_ranks_worker.py`` (gloo, CPU): one saves the job's state
@@ -32,6 +34,10 @@ sys.path.insert(0, str(ROOT))
 from tests import cluster  # noqa: E402
 
 WORKER = Path(__file__).with_name("cluster_ranks_worker.py")
+#: s3fs for ``--dcp``, in a folder of its own: its aiobotocore pins an older botocore than the
+#: development environment's boto3 (every system of such a run uses that botocore)
+S3FS = ROOT / ".venv" / "dcp-s3fs"
+S3FS_INSTALL = f".venv/bin/python -m pip install --target {S3FS.relative_to(ROOT)} s3fs boto3"
 
 
 def rados_objects(cl: cluster.Cluster, bucket: str) -> int:
@@ -51,9 +57,12 @@ def launch(phase: str, a: argparse.Namespace, cl: cluster.Cluster, out: Path,
            f"--nproc-per-node={a.ranks}", str(WORKER), "--phase", phase, "--endpoint",
            cl.endpoint, "--mib", str(a.mib), "--out", str(out),
            "--ciuic", *buckets["ciuic"], "--boto3", *buckets["boto3"],
+           *(["--dcp", *buckets["dcp"]] if "dcp" in buckets else []),
            *(["--also", a.also] if a.also else [])]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
-                         env={**os.environ, **cl.env, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, **cl.env, "OMP_NUM_THREADS": "1"}
+    if "dcp" in buckets:  # every system then runs on s3fs's botocore, not only DCP
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(S3FS), env.get("PYTHONPATH"))))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
     if run.returncode != 0:
         raise RuntimeError(f"{phase} failed (exit {run.returncode}):\n{run.stderr[-5000:]}")
     return [json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in range(a.ranks)]
@@ -73,13 +82,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--also", default=None, metavar="KNOB=VALUE",
                    help="restore ciuic a second time each round with this knob (an A/B in one "
                         "run), e.g. read_ahead_bytes=0")
+    p.add_argument("--dcp", action="store_true",
+                   help="DCP's own save and load too, through its fsspec storage on s3fs "
+                        f"(installed once with `{S3FS_INSTALL}`)")
     a = p.parse_args(argv)
+    if a.dcp and not (S3FS / "s3fs").is_dir():
+        p.error(f"--dcp needs s3fs in {S3FS}: install it with `{S3FS_INSTALL}`")
     results: dict[str, Any] = {"ranks": a.ranks, "mib": a.mib, "rounds": a.rounds}
     with tempfile.TemporaryDirectory() as tmp0, \
             cluster.running(block_bytes=max(8 << 30, 8 * a.mib * 2**20 * a.rounds)) as cl:
         warm = cl.make_bucket()  # radosgw creates its data pool at the first object written
         cl.client().put_object(Bucket=warm, Key="warm-up", Body=b"x")  # type: ignore[attr-defined]
-        buckets = {s: [cl.make_bucket() for _ in range(a.rounds)] for s in ("ciuic", "boto3")}
+        buckets = {s: [cl.make_bucket() for _ in range(a.rounds)]
+                   for s in ("ciuic", "boto3", *(["dcp"] if a.dcp else []))}
         loads = [os.getloadavg()[0]]
         out = Path(os.environ.get("BENCH_OUT", tmp0))
         saved = launch("save", a, cl, out, buckets)
@@ -103,6 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for phase in ("save", "restore"):
         results[f"{phase} ratio"] = (results[f"{phase} ciuic"]["s"][1]
                                      / results[f"{phase} boto3"]["s"][1])
+        if a.dcp:
+            results[f"{phase} ratio dcp"] = (results[f"{phase} ciuic"]["s"][1]
+                                             / results[f"{phase} dcp"]["s"][1])
     results["machine"] = {"cpus": os.cpu_count(), "machine": platform.machine(),
                           "load_1min": loads, "cluster_start_s": started}
     print(f"{a.ranks} ranks (FSDP2, gloo), {results['bytes'] / 2**20:.0f} MiB of state, "
@@ -117,11 +135,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{phase:8} {system:6} {s} s  (the slowest rank), CPU {cpu} s (all ranks)"
                   f"  requests: {ops}")
         print(f"{phase:8} ciuic / boto3 (medians): {results[f'{phase} ratio']:.2f}x")
-        for system in [s for s in ranks[0]["times"] if s not in ("ciuic", "boto3")]:
+        if a.dcp:
+            print(f"{phase:8} ciuic / DCP (medians): {results[f'{phase} ratio dcp']:.2f}x")
+        for system in [s for s in ranks[0]["times"] if s not in ("ciuic", "boto3", "dcp")]:
             ratio = results[f"{phase} {system}"]["s"][1] / results[f"{phase} boto3"]["s"][1]
             results[f"{phase} ratio {system}"] = ratio
             print(f"{phase:8} {system} / boto3 (medians): {ratio:.2f}x")
-    print(f"RADOS objects a round's buckets hold: ciuic {rados['ciuic']}, boto3 {rados['boto3']}")
+    print("RADOS objects a round's buckets hold: "
+          + ", ".join(f"{s} {n}" for s, n in rados.items()))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return results

@@ -59,6 +59,18 @@ def count_requests() -> None:
         return send(self, operation_model, request_dict)
 
     Endpoint.make_request = counted
+    try:  # s3fs's client (DCP's fsspec storage): aiobotocore's endpoint sends its own way
+        from aiobotocore.endpoint import AioEndpoint
+    except ImportError:
+        return
+    asend = AioEndpoint.make_request
+
+    async def acounted(self: Any, operation_model: Any, request_dict: Any) -> Any:
+        with LOCK:
+            REQUESTS[operation_model.name] = REQUESTS.get(operation_model.name, 0) + 1
+        return await asend(self, operation_model, request_dict)
+
+    AioEndpoint.make_request = acounted
 
 
 def build(mib: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -120,6 +132,9 @@ def main() -> None:
     p.add_argument("--endpoint", required=True)
     p.add_argument("--ciuic", nargs="+", required=True, help="a bucket per round")
     p.add_argument("--boto3", nargs="+", required=True, help="a bucket per round")
+    p.add_argument("--dcp", nargs="+", default=None,
+                   help="a bucket per round: DCP's own save and load through its fsspec "
+                        "storage (s3fs) too")
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--also", default=None, metavar="KNOB=VALUE",
@@ -138,7 +153,7 @@ def main() -> None:
     model, opt = build(a.mib, world)
     client = boto3.client("s3", endpoint_url=a.endpoint, region_name="us-east-1")
     key = f"rank{rank}.bin"
-    systems = ["ciuic", "boto3"]
+    systems = ["ciuic", "boto3"] + (["dcp"] if a.dcp else [])
     changes: dict[str, object] = {}
     if a.also and a.phase == "restore":
         name, _, value = a.also.partition("=")
@@ -203,11 +218,42 @@ def main() -> None:
             times["boto3"].append(timed(down, "boto3"))
             assert digest(mine) == expect, f"rank {rank}: boto3's restore differs"
 
+    def dcp(bucket: str) -> None:
+        """DCP's own save or load, as torchtitan's checkpointer makes them (the state dict of
+        ``get_state_dict``; on load ``set_state_dict`` into the model and optimizer), through
+        DCP's fsspec storage on s3fs."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        url, opts = f"s3://{bucket}/ckpt", {"client_kwargs": {"endpoint_url": a.endpoint}}
+
+        def state() -> dict[str, Any]:
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd}
+
+        if a.phase == "save":
+            times["dcp"].append(timed(lambda: dcp.save(
+                state(), storage_writer=FsspecWriter(url, **opts)), "dcp"))
+            return
+
+        def load() -> None:
+            sd = state()
+            dcp.load(sd, storage_reader=FsspecReader(url, **opts))
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+        for t in local_tensors(model, opt):
+            t.zero_()
+        times["dcp"].append(timed(load, "dcp"))
+        assert digest(local_tensors(model, opt)) == expect, f"rank {rank}: DCP's load differs"
+
     for r, (cb, bb) in enumerate(zip(a.ciuic, a.boto3, strict=True)):
         for system in systems[r % len(systems):] + systems[:r % len(systems)]:
             before = dict(REQUESTS)
             if system == "boto3":
                 plain(bb)
+            elif system == "dcp":
+                dcp(a.dcp[r])
             else:
                 ciuic(cb, system)
             if r == 0:
