@@ -59,6 +59,7 @@ from systems import (
     CiuicCompressed,
     CiuicEncrypted,
     CiuicNoHealth,
+    CiuicNoWatch,
     DCPAsync,
     Safetensors,
     System,
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         cls(name, base, state, live) for cls, name in (
             (TorchSave, "torch.save"), (Safetensors, "safetensors"), (DCP, "dcp.save"),
             (DCPAsync, "dcp.async_save"), (Ciuic, "ciuic"), (CiuicEncrypted, "ciuic+aes"),
-            (CiuicCompressed, "ciuic+compress"), (CiuicNoHealth, "ciuic-nohealth"))]
+            (CiuicCompressed, "ciuic+compress"), (CiuicNoHealth, "ciuic-nohealth"),
+            (CiuicNoWatch, "ciuic-nowatch"))]
     keys = ("stall", "durable", "load", "bytes", "extra_mem")
     results: dict[str, dict[str, list[float]]] = {s.name: {k: [] for k in keys} for s in systems}
     floor: list[float] = []

@@ -23,6 +23,10 @@ class Knobs:
     #: A restore fetches the runs of its packed pieces (chain/packreads.py) this many bytes
     #: ahead of the pieces being read, in parallel; 0: each run when its first piece is read.
     read_ahead_bytes: int = 32 * 1024 * 1024
+    #: A later snapshot asks the kernel which pages of a host tensor that did not change at
+    #: the last snapshots were written since (engine/written.py), instead of comparing all of
+    #: it with its staging buffer; False: always compare.
+    write_watch: bool = True
     #: Threads that hash and write chunks in the background (BLAKE3 and writes release the GIL).
     write_threads: int = 4
     #: The local store writes large objects whose memory lines up with pages (the chunks of

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ciuic import knobs
-from ciuic.engine import unchanged
+from ciuic.engine import unchanged, written
 from ciuic.engine.own_thread import OwnThread
 from ciuic.errors import StagingBudgetExceeded
 from ciuic.faults import failpoint
@@ -217,6 +217,8 @@ class StagingArea:
         self._staged: dict[str, Leaf] = {}
         #: Seconds the last :meth:`reserve` took on its thread (allocating, page-locking).
         self.reserve_s = 0.0
+        #: host tensors whose pages the kernel watches for writes (engine/written.py)
+        self.watched = written.Tracker()
 
     @property
     def allocated_bytes(self) -> int:
@@ -340,6 +342,7 @@ class StagingArea:
         exceed the budget.
         """
         self._prepare(leaves)
+        self.watched.new_snapshot()
         pin = self.pin_device(leaves)
         copied = 0
         for leaf in leaves:
@@ -356,6 +359,7 @@ class StagingArea:
         only once the returned :class:`PendingCopy` has been waited for.
         """
         self._prepare(leaves)
+        self.watched.new_snapshot()
         pin = self.pin_device(leaves)
         later = [leaf for leaf in leaves if guarded(leaf)]
         for leaf in leaves:
@@ -384,7 +388,7 @@ class StagingArea:
             try:
                 failpoint("stage.copy")
                 for value, buf, leaf, known in sources:
-                    leaf.digests = self._copy(value, buf, known)[1]
+                    leaf.digests = self._copy(value, buf, known, leaf.path)[1]
             except BaseException as e:  # re-raised by wait()
                 pending.error = e
 
@@ -418,7 +422,7 @@ class StagingArea:
         # forgotten before the copy starts: a copy interrupted part way (an exception, a
         # second Ctrl-C) leaves bytes that no digest describes
         self._staged.pop(leaf.path, None)
-        leaf.value, leaf.digests = self._copy(leaf.value, buf, known)
+        leaf.value, leaf.digests = self._copy(leaf.value, buf, known, leaf.path)
         self._staged[leaf.path] = leaf
         return buf.numel()
 
@@ -445,7 +449,7 @@ class StagingArea:
             )
 
     def _copy(self, value: torch.Tensor | np.ndarray, buf: torch.Tensor,
-              known: tuple[int, list[str | None]] | None
+              known: tuple[int, list[str | None]] | None, path: str
               ) -> tuple[torch.Tensor | np.ndarray, tuple[int, list[str | None]] | None]:
         """Copy ``value`` into ``buf``; returns the view of ``buf`` shaped like ``value`` and
         the digests of the chunks that were equal already (``known``: those of ``buf``)."""
@@ -454,9 +458,14 @@ class StagingArea:
         if ptr is not None and unchanged.available():  # host memory: compare, then copy
             chunk_bytes, digests = known if known is not None else (knobs.get().chunk_bytes, None)
             large = buf.numel() >= unchanged.LARGE_COPY_BYTES  # else every copy is memmove
+            # the pages written since the buffer was made equal to them (where watched)
+            entry, same = self.watched.before(path, value, ptr, buf.numel(),
+                                              ck.split(buf.numel(), chunk_bytes))
             kept = unchanged.copy_changed(ptr, buf.data_ptr(), buf.numel(), chunk_bytes,
                                           digests, keep=(value, buf),
-                                          copy_large=_range_copier(value, buf) if large else None)
+                                          copy_large=_range_copier(value, buf) if large else None,
+                                          same=same)
+            self.watched.after(path, entry, kept)
             return dst, None if kept is None else (chunk_bytes, kept)
         if isinstance(dst, np.ndarray):
             np.copyto(dst, value)
@@ -485,3 +494,4 @@ class StagingArea:
         self._staged.clear()
         self._buffers.clear()
         self._pinned.clear()
+        self.watched.clear()

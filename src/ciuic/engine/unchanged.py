@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -121,7 +121,8 @@ CopyRange = Callable[[int, int], None]  # (offset, bytes): copy that range, src 
 
 def copy_changed(src: int, dst: int, nbytes: int, chunk_bytes: int,
                  known: Sequence[str | None] | None, keep: object = None,
-                 copy_large: CopyRange | None = None) -> list[str | None] | None:
+                 copy_large: CopyRange | None = None,
+                 same: Collection[int] = ()) -> list[str | None] | None:
     """Make the ``nbytes`` at ``dst`` equal to those at ``src``, chunk by chunk.
 
     ``known[i]`` is the digest of chunk ``i`` of ``dst`` as it is now (None where unknown; no
@@ -137,10 +138,15 @@ def copy_changed(src: int, dst: int, nbytes: int, chunk_bytes: int,
     is done. Every range is done before this returns, even when it raises (an interrupt is
     re-raised after the others have finished), so no thread writes a buffer after its staging
     has returned.
+
+    ``same``: chunks whose bytes at ``src`` are known to equal those at ``dst`` without
+    comparing them (no page of them written since ``dst`` was made equal to ``src``:
+    engine/written.py); those of them with a known digest are neither compared nor copied.
     """
     assert _LIBC is not None
     if nbytes <= chunk_bytes and (known is None or len(known) == 1):  # one chunk: no lists
-        if known is not None and known[0] is not None and _LIBC.memcmp(src, dst, nbytes) == 0:
+        if known is not None and known[0] is not None and (
+                0 in same or _LIBC.memcmp(src, dst, nbytes) == 0):
             return list(known)
         if copy_large is not None and nbytes >= LARGE_COPY_BYTES:
             copy_large(0, nbytes)
@@ -159,6 +165,8 @@ def copy_changed(src: int, dst: int, nbytes: int, chunk_bytes: int,
     large: list[tuple[int, int]] = []  # what copy_large does
     known_differ: set[int] = set()
     for i, (off, n) in enumerate(chunks):
+        if i in same and known is not None and known[i] is not None:
+            continue  # untouched since the bytes at dst were copied from it
         # a chunk that changed usually differs in its first page: found here, it needs no
         # thread (a training step changes every chunk of the tensors it updates)
         compare = (known is not None and known[i] is not None
