@@ -53,9 +53,12 @@ def count_requests() -> None:
 
     send = Endpoint.make_request
 
-    def counted(self: Any, operation_model: Any, request_dict: Any) -> Any:
+    def count(operation_model: Any) -> None:
         with LOCK:
             REQUESTS[operation_model.name] = REQUESTS.get(operation_model.name, 0) + 1
+
+    def counted(self: Any, operation_model: Any, request_dict: Any) -> Any:
+        count(operation_model)
         return send(self, operation_model, request_dict)
 
     Endpoint.make_request = counted
@@ -66,8 +69,7 @@ def count_requests() -> None:
     asend = AioEndpoint.make_request
 
     async def acounted(self: Any, operation_model: Any, request_dict: Any) -> Any:
-        with LOCK:
-            REQUESTS[operation_model.name] = REQUESTS.get(operation_model.name, 0) + 1
+        count(operation_model)
         return await asend(self, operation_model, request_dict)
 
     AioEndpoint.make_request = acounted

@@ -3,11 +3,12 @@ is reported, and snapshots that skip comparing unreported chunks miss no changed
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,19 @@ def _private(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def _watched(nbytes: int = 64 * PAGE) -> tuple[written.Watch, np.ndarray, int]:
+@contextlib.contextmanager
+def _watched(nbytes: int = 64 * PAGE) -> Iterator[tuple[written.Watch, np.ndarray, int]]:
     """A watch over a mapping of its own (from malloc, the pages at either end of an array
-    may hold other objects, whose writes the watch reports too: correct, not what is tested)."""
+    may hold other objects, whose writes the watch reports too: correct, not what is tested),
+    forgotten after."""
     assert WATCH is not None
     a = np.frombuffer(_private(nbytes), dtype=np.float64)
     a[:] = 1.0
     assert WATCH.watch(a.ctypes.data, a.nbytes)
-    return WATCH, a, a.ctypes.data
+    try:
+        yield WATCH, a, a.ctypes.data
+    finally:
+        WATCH.forget(a.ctypes.data, a.nbytes)
 
 
 def _pages_of(ranges: list[tuple[int, int]], addr: int) -> set[int]:
@@ -81,8 +87,7 @@ WAYS = ["numpy view", "torch in place under no_grad", ".data", "another thread",
 @needs_watch
 @pytest.mark.parametrize("how", WAYS)
 def test_every_way_of_writing_a_page_is_reported_once(how: str) -> None:
-    watch, a, addr = _watched()
-    try:
+    with _watched() as (watch, a, addr):
         assert watch.written(addr, a.nbytes) == []
         before = a.copy()
         at = 10 * PAGE // 8 + 3  # in page 10 (or 11: the array need not start on a page)
@@ -92,34 +97,26 @@ def test_every_way_of_writing_a_page_is_reported_once(how: str) -> None:
         assert got is not None and _pages_of(got, addr) == {(addr + 8 * at) // PAGE
                                                               - addr // PAGE}, got
         assert watch.written(addr, a.nbytes) == []  # reported once: protected again
-    finally:
-        watch.forget(addr, a.nbytes)
 
 
 @needs_watch
 def test_a_page_dropped_behind_the_watch_is_reported() -> None:
     """madvise(MADV_DONTNEED): the page reads as zeros from then on, without any write."""
-    watch, a, addr = _watched()
-    try:
+    with _watched() as (watch, a, addr):
         page = (addr // PAGE + 20) * PAGE
         libc = ctypes.CDLL(None, use_errno=True)
         assert libc.madvise(ctypes.c_void_p(page), PAGE, MADV_DONTNEED) == 0
         assert a[(page - addr) // 8] == 0.0
         got = watch.written(addr, a.nbytes)
         assert got is not None and (page - addr, PAGE) in got
-    finally:
-        watch.forget(addr, a.nbytes)
 
 
 @needs_watch
 def test_a_page_has_one_watcher_and_an_unwatched_range_is_unknown() -> None:
-    watch, a, addr = _watched()
-    try:
+    with _watched() as (watch, a, addr):
         assert not watch.watch(addr + 8 * PAGE, PAGE)  # its scans would hide writes
         b = np.frombuffer(_private(PAGE), dtype=np.uint8)
         assert watch.written(b.ctypes.data, b.nbytes) is None  # never watched: unknown
-    finally:
-        watch.forget(addr, a.nbytes)
     assert watch.written(addr, a.nbytes) is None  # forgotten: unknown, not "unwritten"
     assert watch.watch(addr, a.nbytes)  # and free to be watched again
     watch.forget(addr, a.nbytes)

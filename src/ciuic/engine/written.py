@@ -36,7 +36,7 @@ never delivers a fault to anyone, so kernel-mode writes are resolved (and seen) 
 
 Every watched write costs one minor fault per page (2.6 us on the VM) the first time after a
 scan: the staging area watches only tensors a full comparison has just found unchanged, and
-stops watching (and unprotects) one that turns out to be written.
+stops watching (unregisters, which clears the marks) one that turns out to be written.
 """
 
 from __future__ import annotations
@@ -180,27 +180,27 @@ class Watch:
                 log.debug("cannot watch %#x+%d for writes: %s", addr, nbytes,
                           os.strerror(ctypes.get_errno()))
                 return False
-            if not self._protect(start, end, True):
+            wp = (ctypes.c_uint64 * 3)(start, end - start, _WRITEPROTECT_MODE_WP)
+            if self._libc.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, wp) < 0:
+                log.debug("write-protect %#x+%d: %s", start, end - start,
+                          os.strerror(ctypes.get_errno()))
+                self._unregister(start, end)
                 return False
             self._ranges[start] = end
             return True
 
-    def _protect(self, start: int, end: int, on: bool) -> bool:
-        wp = (ctypes.c_uint64 * 3)(start, end - start, _WRITEPROTECT_MODE_WP if on else 0)
-        if self._libc.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, wp) < 0:
-            log.debug("write-protect %#x+%d (%s): %s", start, end - start, on,
-                      os.strerror(ctypes.get_errno()))
-            return False
-        return True
+    def _unregister(self, start: int, end: int) -> None:
+        """Unregister the pages (which clears their marks: 0.3 ms for 16 MiB); memory already
+        unmapped is fine."""
+        rng = (ctypes.c_uint64 * 2)(start, end - start)
+        self._libc.ioctl(self._uffd, _UFFDIO_UNREGISTER, rng)
 
     def forget(self, addr: int, nbytes: int) -> None:
         """Stop watching (writes then cost nothing more); memory already unmapped is fine."""
         start, end = self._pages(addr, nbytes)
         with self._lock:
-            if self._ranges.pop(start, None) is None:
-                return
-            rng = (ctypes.c_uint64 * 2)(start, end - start)  # clears the marks too (0.3 ms)
-            self._libc.ioctl(self._uffd, _UFFDIO_UNREGISTER, rng)
+            if self._ranges.pop(start, None) is not None:
+                self._unregister(start, end)
 
     def written_pages(self, addr: int, nbytes: int, most: int) -> int | None:
         """How many pages of the range were written since the last scan, counted up to
@@ -381,13 +381,13 @@ class Tracker:
     def after(self, path: str, entry: _Entry | None, kept: list[str | None] | None) -> None:
         """After the copy: ``kept`` as :func:`~ciuic.engine.unchanged.copy_changed` returned
         it (the digests of the chunks that were equal)."""
-        if kept is not None and all(d is not None for d in kept):
+        changed = sum(d is None for d in kept) if kept is not None else 0
+        if kept is not None and changed == 0:
             self._steady.add(path)
         else:
             self._steady.discard(path)
         if entry is None:
             return
-        changed = len(kept) - sum(d is not None for d in kept) if kept is not None else 0
         if kept is None or 4 * max(entry.touched, changed) > len(kept):
             self.drop(path)  # written all over (if to equal bytes): a fault a page, for little
         else:
